@@ -1,0 +1,23 @@
+# Two commands on a fresh machine: `make run` (set up, generate with the built-in tiny model) and
+# `make test` (set up with the test extras, lint, run the suite). CI runs `make test` via .ci/run.
+PYTHON ?= python3
+VENV ?= .venv
+PROMPT ?= Natalia sold clips to 48 of her friends in April,
+
+.PHONY: run test bench
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $@
+
+run: $(VENV)/.installed
+	$(VENV)/bin/radixk3 generate "$(PROMPT)" --max-new-tokens 24
+
+test: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m pytest

@@ -1,0 +1,109 @@
+"""`radixk3` command line: plan, make-checkpoint, generate."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import orjson
+
+from radixk3.checkpoint import CheckpointError, load_model, write_random_checkpoint
+from radixk3.config import PRESETS, TRUE_SIZE_PRESETS, ConfigError, preset
+from radixk3.plan import memory_plan
+
+BUILTIN_MODEL = "k3-tiny"
+BUILTIN_SEED = 0
+
+
+def _plan(args: argparse.Namespace) -> None:
+    cfg = preset(args.preset)
+    plan = memory_plan(cfg, args.tp)
+    if args.json:
+        print(orjson.dumps(plan._asdict() | {"preset": args.preset}).decode())
+        return
+    print(f"preset {args.preset}, TP={plan.tp}: {cfg.num_kda_layers} KDA + {cfg.num_mla_layers} MLA layers")
+    print(f"  KDA state per request per rank: {plan.state_bytes_per_request / 1e6:.2f} MB "
+          f"({plan.state_bytes_per_request} bytes; recurrent {plan.recurrent_bytes_per_layer} "
+          f"+ conv {plan.conv_bytes_per_layer} bytes per layer)")
+    print(f"  MLA KV per token per rank:      {plan.kv_bytes_per_token / 1e3:.2f} KB ({plan.kv_bytes_per_token} bytes)")
+    print(f"  one state weighs as much as {plan.tokens_per_state:,.0f} tokens of KV")
+
+
+def _make_checkpoint(args: argparse.Namespace) -> None:
+    if args.preset in TRUE_SIZE_PRESETS:
+        raise ConfigError(f"preset {args.preset!r} is a true-size plan; random checkpoints are for test presets")
+    out = write_random_checkpoint(preset(args.preset), args.out, seed=args.seed, num_shards=args.shards)
+    print(f"wrote {args.preset} (seed {args.seed}) to {out}")
+
+
+def _generate(args: argparse.Namespace) -> None:
+    # Imported here so that `plan` stays instant.
+    from radixk3.generate import stream_greedy
+    from radixk3.model import build_model
+    from radixk3.tokenizer import load_tokenizer
+
+    if args.model is None:
+        model = build_model(preset(BUILTIN_MODEL), seed=BUILTIN_SEED)
+        tok = load_tokenizer()
+    else:
+        model = load_model(args.model)
+        tok_file = Path(args.model) / "tokenizer.model"
+        tok = load_tokenizer(str(tok_file) if tok_file.is_file() else None)
+    ids = tok.encode(args.prompt, add_bos=True)
+    if max(ids) >= model.config.vocab_size:
+        raise ConfigError(f"tokenizer id {max(ids)} exceeds the model's vocab_size {model.config.vocab_size}")
+    stop = frozenset(tok.stop_ids) if not args.ignore_eos else frozenset()
+    out: list[int] = []
+    printed = ""
+    sys.stdout.write(args.prompt)
+    for t in stream_greedy(model, ids, args.max_new_tokens, stop):
+        if t in stop:
+            break
+        out.append(t)
+        text = tok.decode(out)
+        sys.stdout.write(text[len(printed):])
+        sys.stdout.flush()
+        printed = text
+    sys.stdout.write("\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="radixk3", description="Serving runtime for Kimi-K3-class hybrid models")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="per-request KDA state and per-token MLA KV sizes")
+    plan.add_argument("--preset", default="kimi-k3", choices=sorted(PRESETS))
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(fn=_plan)
+
+    mk = sub.add_parser("make-checkpoint", help="write a seeded random checkpoint (config, safetensors, tokenizer)")
+    mk.add_argument("out", type=Path)
+    mk.add_argument("--preset", default=BUILTIN_MODEL, choices=sorted(PRESETS))
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--shards", type=int, default=1, help="safetensors shards (>1 writes an index)")
+    mk.set_defaults(fn=_make_checkpoint)
+
+    gen = sub.add_parser("generate", help="greedy generation through the cache")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(fn=_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.fn(args)
+    except (ConfigError, CheckpointError, FileNotFoundError) as e:
+        print(f"radixk3 {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

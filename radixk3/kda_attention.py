@@ -1,0 +1,94 @@
+"""Kimi Delta Attention layer (Kimi-Linear format): projections, short conv, gated delta rule, gated norm.
+
+State per sequence lives in the cache's slots: the recurrent state [H, K, V] (fp32) and the conv state (the last
+W-1 pre-conv q|k|v inputs). Fresh sequences (prefix 0) start from zeros whatever their slot holds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.conv1d import causal_conv1d, causal_conv1d_update
+from kernels.kda import kda_chunked, kda_decode_step, kda_gate, l2norm
+from radixk3.config import ModelConfig
+from radixk3.forward_batch import ForwardBatch, HybridCache
+from radixk3.layers import gated_rms_norm
+
+
+class ShortConv(nn.Module):
+    """Holds one depthwise conv weight under the checkpoint name `{q,k,v}_conv1d.weight` ([C, 1, W])."""
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, 1, width))
+
+
+class KDAAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, kda_index: int) -> None:
+        super().__init__()
+        hid, h, d, w = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel_size
+        p = h * d
+        self.kda_index = kda_index  # which of the cache's KDA state tensors is ours
+        self.num_heads, self.head_dim = h, d
+        self.eps = cfg.rms_norm_eps
+        self.q_proj = nn.Linear(hid, p, bias=False)
+        self.k_proj = nn.Linear(hid, p, bias=False)
+        self.v_proj = nn.Linear(hid, p, bias=False)
+        self.q_conv1d = ShortConv(p, w)
+        self.k_conv1d = ShortConv(p, w)
+        self.v_conv1d = ShortConv(p, w)
+        self.A_log = nn.Parameter(torch.zeros(1, 1, h, 1))
+        self.dt_bias = nn.Parameter(torch.zeros(p))
+        self.f_a_proj = nn.Linear(hid, d, bias=False)
+        self.f_b_proj = nn.Linear(d, p, bias=False)
+        self.b_proj = nn.Linear(hid, h, bias=False)
+        self.g_a_proj = nn.Linear(hid, d, bias=False)
+        self.g_b_proj = nn.Linear(d, p, bias=False)
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.ones(d))
+        self.o_proj = nn.Linear(p, hid, bias=False)
+
+    def conv_weight(self) -> torch.Tensor:
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        batch: ForwardBatch | None = None,
+        cache: HybridCache | None = None,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        h, d = self.num_heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(t, h, d), self.A_log, self.dt_bias)
+        beta = torch.sigmoid(self.b_proj(x).float())
+
+        if cache is None or batch is None:
+            qkv, _ = causal_conv1d(qkv, self.conv_weight(), cu_seqlens=cu_seqlens)
+            q, k, v = (z.view(t, h, d) for z in qkv.split(h * d, dim=-1))
+            o, _ = kda_chunked(l2norm(q), l2norm(k), v, g, beta, cu_seqlens=cu_seqlens)
+        else:
+            slots = batch.state_slots
+            conv_cache, rec_cache = cache.conv[self.kda_index], cache.recurrent[self.kda_index]
+            if batch.is_decode:
+                conv_state = conv_cache[slots]
+                qkv = causal_conv1d_update(qkv, self.conv_weight(), conv_state)
+                q, k, v = (z.view(t, h, d) for z in qkv.split(h * d, dim=-1))
+                state = rec_cache[slots]
+                o = kda_decode_step(l2norm(q), l2norm(k), v, g, beta, state)
+            else:
+                fresh = (batch.prefix_lens == 0).view(-1, 1, 1)
+                conv_init = conv_cache[slots].masked_fill(fresh, 0)
+                qkv, conv_state = causal_conv1d(qkv, self.conv_weight(), cu_seqlens=cu_seqlens, initial_state=conv_init)
+                q, k, v = (z.view(t, h, d) for z in qkv.split(h * d, dim=-1))
+                rec_init = rec_cache[slots].masked_fill(fresh.unsqueeze(-1), 0)
+                o, state = kda_chunked(l2norm(q), l2norm(k), v, g, beta, initial_state=rec_init, cu_seqlens=cu_seqlens)
+            conv_cache[slots] = conv_state.to(conv_cache.dtype)
+            rec_cache[slots] = state
+
+        gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
+        o = gated_rms_norm(o, gate, self.o_norm.weight, self.eps)
+        return self.o_proj(o.reshape(t, h * d))
+

@@ -1,0 +1,65 @@
+"""MLA layer with NoPE (Kimi-Linear format): per token, only the latent [c_kv | k_pe] is cached.
+
+No rotary embedding anywhere: the `rope` dims exist but are used unrotated, so attention depends on token order
+only through the causal mask, and positions never enter the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.mla import mla_attention
+from radixk3.config import ModelConfig
+from radixk3.forward_batch import ForwardBatch, HybridCache
+from radixk3.layers import RMSNorm
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, mla_index: int) -> None:
+        super().__init__()
+        hid, h = cfg.hidden_size, cfg.num_attention_heads
+        self.mla_index = mla_index
+        self.num_heads = h
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.scale = (self.nope + self.rope) ** -0.5
+        q_dim = h * (self.nope + self.rope)
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(hid, q_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hid, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hid, cfg.kv_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.kv_a_layernorm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(h * self.v_dim, hid, bias=False)
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        batch: ForwardBatch | None = None,
+        cache: HybridCache | None = None,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.query(x).view(t, self.num_heads, self.nope + self.rope)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
+        if cache is None or batch is None:
+            kv, cu_kv, absorbed = latent, cu_seqlens, False
+        else:
+            buf = cache.latent[self.mla_index]
+            buf[batch.kv_slots] = latent.to(buf.dtype)
+            kv, cu_kv, absorbed = buf[batch.kv_indices], batch.kv_indptr, batch.is_decode
+        o = mla_attention(
+            q_nope, q_pe, kv, self.kv_b_proj.weight, cu_q=cu_seqlens, cu_kv=cu_kv, scale=self.scale, absorbed=absorbed
+        )
+        return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))

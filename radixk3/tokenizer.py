@@ -1,0 +1,189 @@
+"""The built-in sentencepiece BPE tokenizer: exact round trips, special markers, streaming decode, chat template.
+
+The model is trained by `radixk3.tokenizer_train` with identity normalisation, no dummy prefix and byte
+fallback, so `decode(encode(s)) == s` for every string: stop strings and few-shot separators depend on it.
+Decoding goes through a per-id byte table rather than sentencepiece, so that full and incremental decoding
+share one definition and a multi-byte character split over byte-fallback ids is never cut in half.
+
+Generation ends on `stop_ids`: the model's eos (`</s>`) and the chat end-of-turn marker `<|im_end|>`.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+
+MODEL_FILENAME = "tokenizer.model"
+BUILTIN_MODEL = Path(__file__).parent / "assets" / MODEL_FILENAME
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+IM_SYSTEM = "<|im_system|>"
+IM_USER = "<|im_user|>"
+IM_ASSISTANT = "<|im_assistant|>"
+IM_MIDDLE = "<|im_middle|>"
+IM_END = "<|im_end|>"
+SEPARATOR = "<|separator|>"
+CHAT_MARKERS = (IM_SYSTEM, IM_USER, IM_ASSISTANT, IM_MIDDLE, IM_END)
+# Order fixes their ids (4..10); "\n" is a symbol so that newlines never merge into other pieces.
+USER_SYMBOLS = ("\n", *CHAT_MARKERS, SEPARATOR)
+
+_ROLE_MARKERS = {"system": IM_SYSTEM, "user": IM_USER, "assistant": IM_ASSISTANT}
+# sentencepiece turns a literal U+2581 into a space on decode, so the tokenizer sends it through bytes.
+_SPACE_MARK = "\u2581"
+
+
+class Tokenizer:
+    """A sentencepiece model with exact round trips; ids are plain ints below `vocab_size`.
+
+    Special ids are the control pieces (pad, unk, bos, eos) and the chat markers; `decode` drops them when
+    `skip_special_tokens`. `<|separator|>` is a text delimiter, not special: stop strings must see it.
+    """
+
+    def __init__(self, model_proto: bytes) -> None:
+        self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        sp = self._sp
+        n = sp.get_piece_size()
+        missing = [m for m in (*CHAT_MARKERS, SEPARATOR) if sp.piece_to_id(m) == sp.unk_id()]
+        if missing:
+            raise ValueError(f"tokenizer model lacks the chat markers {missing}")
+        self._space_bytes = [sp.piece_to_id(f"<0x{b:02X}>") for b in _SPACE_MARK.encode()]
+        if sp.unk_id() in self._space_bytes:
+            raise ValueError("tokenizer model was trained without byte fallback")
+        table: list[bytes] = []
+        special: set[int] = set()
+        for i in range(n):
+            piece = sp.id_to_piece(i)
+            if sp.is_byte(i):
+                table.append(bytes([int(piece[3:5], 16)]))
+            elif sp.is_control(i) or sp.is_unknown(i):
+                table.append(piece.encode())
+                special.add(i)
+            else:
+                table.append(piece.replace(_SPACE_MARK, " ").encode())
+        special.update(sp.piece_to_id(m) for m in CHAT_MARKERS)
+        self._bytes = tuple(table)
+        self.special_ids: frozenset[int] = frozenset(special)
+        self.im_end_id: int = sp.piece_to_id(IM_END)
+        self.separator_id: int = sp.piece_to_id(SEPARATOR)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._bytes)
+
+    @property
+    def bos_id(self) -> int:
+        return self._sp.bos_id()
+
+    @property
+    def eos_id(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def pad_id(self) -> int:
+        return self._sp.pad_id()
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Ids that end generation: eos and the end-of-turn marker."""
+        return (self.eos_id, self.im_end_id)
+
+    def id_to_piece(self, token_id: int) -> str:
+        self._check_id(token_id)
+        return self._sp.id_to_piece(token_id)
+
+    def piece_to_id(self, piece: str) -> int:
+        """The id of `piece`, or unk's id when the vocabulary lacks it."""
+        return self._sp.piece_to_id(piece)
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Token ids of `text`; special markers written in the text encode to their single ids."""
+        ids = [self.bos_id] if add_bos else []
+        parts = text.split(_SPACE_MARK)
+        for k, part in enumerate(parts):
+            if k:
+                ids.extend(self._space_bytes)
+            if part:
+                ids.extend(self._sp.encode(part))
+        return ids
+
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
+        """The bytes one id contributes to decoded text (a byte-fallback id gives one raw byte)."""
+        self._check_id(token_id)
+        if skip_special_tokens and token_id in self.special_ids:
+            return b""
+        return self._bytes[token_id]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; invalid UTF-8 from stray byte ids becomes U+FFFD, as in the incremental decoder."""
+        return b"".join(self.token_bytes(i, skip_special_tokens) for i in ids).decode("utf-8", "replace")
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Kimi-style prompt: `<|im_user|>user<|im_middle|>...<|im_end|>` per message, roles
+        system/user/assistant; an optional "name" replaces the role word, as in Kimi's template."""
+        out: list[str] = []
+        for m in messages:
+            role, content = m.get("role"), m.get("content")
+            if role not in _ROLE_MARKERS:
+                raise ValueError(f"unsupported chat role {role!r}; expected one of {sorted(_ROLE_MARKERS)}")
+            if not isinstance(content, str):
+                raise ValueError(f"chat message content must be a string, got {type(content).__name__}")
+            out.append(f"{_ROLE_MARKERS[role]}{m.get('name') or role}{IM_MIDDLE}{content}{IM_END}")
+        if add_generation_prompt:
+            out.append(f"{IM_ASSISTANT}assistant{IM_MIDDLE}")
+        return "".join(out)
+
+    def _check_id(self, token_id: int) -> None:
+        if not 0 <= token_id < len(self._bytes):
+            raise IndexError(f"token id {token_id} outside the vocabulary [0, {len(self._bytes)})")
+
+
+class IncrementalDecoder:
+    """Streaming detokenizer: `push` returns only newly completed text, holding back the bytes of a
+    character whose remaining byte-fallback ids have not arrived; `flush` ends the stream.
+    The concatenation of every `push` and the final `flush` equals `Tokenizer.decode` of all the ids."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.num_tokens = 0
+
+    def push(self, ids: int | Iterable[int]) -> str:
+        ids = (ids,) if isinstance(ids, int) else ids
+        data = bytearray()
+        for i in ids:
+            data += self._tok.token_bytes(i, self._skip)
+            self.num_tokens += 1
+        return self._utf8.decode(bytes(data))
+
+    def flush(self) -> str:
+        """Text of any held-back bytes (U+FFFD for an unfinished character); the decoder then starts afresh."""
+        return self._utf8.decode(b"", final=True)
+
+    @property
+    def pending(self) -> bytes:
+        """Bytes held back: the start of a multi-byte character."""
+        return self._utf8.getstate()[0]
+
+    def check_integrity(self) -> None:
+        held = self.pending
+        assert len(held) <= 3, f"{len(held)} bytes held back; a UTF-8 character has at most 4"
+        assert codecs.getincrementaldecoder("utf-8")("strict").decode(held) == "", "held bytes are decodable"
+
+
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """The built-in gsm8k tokenizer when `path` is None, else a `tokenizer.model` file or a directory holding one."""
+    file = BUILTIN_MODEL if path is None else Path(path)
+    if file.is_dir():
+        if not (file / MODEL_FILENAME).is_file() and (file / "tiktoken.model").is_file():
+            raise FileNotFoundError(f"{file} holds a tiktoken.model; only sentencepiece {MODEL_FILENAME} is supported")
+        file = file / MODEL_FILENAME
+    if not file.is_file():
+        raise FileNotFoundError(f"no sentencepiece tokenizer model at {file}")
+    return Tokenizer(file.read_bytes())
