@@ -1,0 +1,16 @@
+"""radixk3: a serving runtime for Kimi-K3-class hybrid (KDA + MLA) models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Engine"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that `import radixk3.config` does not pull in the runtime and ZeroMQ.
+    if name == "Engine":
+        from runtime.engine import Engine
+
+        return Engine
+    raise AttributeError(name)

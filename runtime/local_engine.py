@@ -1,0 +1,60 @@
+"""Scheduler and worker in one process, stepping in lock-step: for tests, benchmarks and debugging.
+
+It runs the very same Scheduler and ModelWorker as the multi-process Engine (messages still make the
+orjson round trip when `wire=True`), so what it proves about scheduling and caching holds there too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from radixk3.model import KimiForCausalLM
+from runtime.messages import GenerateReq, TokenOut, decode, encode
+from runtime.model_worker import ModelWorker
+from runtime.processes import model_config, tokenizer_for
+from runtime.scheduler import Scheduler
+from runtime.server_args import ServerArgs
+
+
+class LocalEngine:
+    def __init__(self, args: ServerArgs, model: KimiForCausalLM | None = None, *, wire: bool = True,
+                 check: bool = False, on_step: Callable[[Scheduler], None] | None = None) -> None:
+        self.worker = ModelWorker(args, model)
+        tok = tokenizer_for(args)
+        cfg = model_config(args) if model is None else model.config
+        self.scheduler = Scheduler(args, self.worker.layout, frozenset(tok.stop_ids) | {cfg.eos_token_id},
+                                   tok.decode)
+        self.wire, self.check, self.on_step = wire, check, on_step
+        self._n = 0
+
+    def submit(self, input_ids: list[int], sampling: dict[str, Any], **kw: Any) -> str:
+        rid = f"l{self._n}"
+        self._n += 1
+        self.scheduler.add(GenerateReq(rid, list(input_ids), sampling, **kw))
+        return rid
+
+    def run(self) -> dict[str, list[TokenOut]]:
+        """Step until every submitted request has finished; returns each request's TokenOut chunks."""
+        outs: dict[str, list[TokenOut]] = {}
+        s = self.scheduler
+        while s.has_work:
+            plan = s.schedule()
+            if plan is None:
+                got = s.take_outputs()
+            else:
+                plan = decode(encode(plan)) if self.wire else plan
+                res = self.worker.execute(plan)
+                got = s.process(decode(encode(res)) if self.wire else res)
+            for o in got:
+                outs.setdefault(o.rid, []).append(o)
+            if self.check:
+                s.check_integrity()
+            if self.on_step is not None:
+                self.on_step(s)
+        return outs
+
+    def generate(self, prompts: list[list[int]], sampling: dict[str, Any], **kw: Any) -> list[list[int]]:
+        rids = [self.submit(p, sampling, **kw) for p in prompts]
+        outs = self.run()
+        return [[t for o in outs[r] for t in o.token_ids] for r in rids]

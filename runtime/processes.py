@@ -1,0 +1,121 @@
+"""The scheduler and worker process entry points, and the ZeroMQ plumbing between them.
+
+Sockets are `ipc://` files in a per-instance temp dir:
+  tokenizer --PUSH/PULL--> scheduler (`sched_in`), scheduler --PUSH/PULL--> tokenizer (`sched_out`),
+  scheduler --PUSH/PULL--> worker (`worker_in`), worker --PUSH/PULL--> scheduler (`worker_out`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import traceback
+from pathlib import Path
+
+import zmq
+
+from radixk3.config import ModelConfig, preset
+from radixk3.tokenizer import Tokenizer, load_tokenizer
+from runtime.messages import AbortReq, GenerateReq, Shutdown, StepResult, WorkerReady, decode, encode
+from runtime.model_worker import BUILTIN_PRESET, ModelWorker
+from runtime.pool_layout import PoolLayout
+from runtime.scheduler import Scheduler
+from runtime.server_args import ServerArgs
+
+
+def endpoint(ipc_dir: str, name: str) -> str:
+    return f"ipc://{Path(ipc_dir) / name}"
+
+
+def model_config(args: ServerArgs) -> ModelConfig:
+    return preset(BUILTIN_PRESET) if args.model is None else ModelConfig.from_file(args.model)
+
+
+def tokenizer_for(args: ServerArgs) -> Tokenizer:
+    if args.model is not None and (Path(args.model) / "tokenizer.model").is_file():
+        return load_tokenizer(Path(args.model) / "tokenizer.model")
+    return load_tokenizer()
+
+
+def _socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
+    s = ctx.socket(kind)
+    s.setsockopt(zmq.LINGER, 0)
+    (s.bind if bind else s.connect)(addr)
+    return s
+
+
+def worker_main(args: ServerArgs, ipc_dir: str, rank: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and tells us to stop
+    ctx = zmq.Context()
+    plans = _socket(ctx, zmq.PULL, endpoint(ipc_dir, f"worker_in_{rank}"), bind=True)
+    results = _socket(ctx, zmq.PUSH, endpoint(ipc_dir, "worker_out"), bind=False)
+    try:
+        worker = ModelWorker(args)
+    except Exception as e:  # report why we could not start, then exit
+        results.send_multipart(encode(WorkerReady(rank, error=f"{type(e).__name__}: {e}")))
+        return
+    results.send_multipart(encode(WorkerReady(rank)))
+    while True:
+        msg = decode(plans.recv_multipart())
+        if isinstance(msg, Shutdown):
+            break
+        try:
+            results.send_multipart(encode(worker.execute(msg)))
+        except Exception:
+            results.send_multipart(encode(StepResult(msg.step, [], [], [], [], [], error=traceback.format_exc())))
+    ctx.destroy(linger=0)
+
+
+def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    inbox = _socket(ctx, zmq.PULL, endpoint(ipc_dir, "sched_in"), bind=True)
+    outbox = _socket(ctx, zmq.PUSH, endpoint(ipc_dir, "sched_out"), bind=False)
+    from_workers = _socket(ctx, zmq.PULL, endpoint(ipc_dir, "worker_out"), bind=True)
+    to_workers = [_socket(ctx, zmq.PUSH, endpoint(ipc_dir, f"worker_in_{r}"), bind=False) for r in range(num_workers)]
+    try:
+        cfg = model_config(args)
+        tok = tokenizer_for(args)
+        layout = PoolLayout.from_config(cfg, page_size=args.page_size)
+        stop_ids = frozenset(tok.stop_ids) | {cfg.eos_token_id}
+        sched = Scheduler(args, layout, stop_ids, tok.decode)
+    except Exception as e:
+        outbox.send_multipart(encode(WorkerReady(-1, error=f"scheduler: {type(e).__name__}: {e}")))
+        return
+    for _ in range(num_workers):  # relay every worker's readiness (or its failure) to the tokenizer side
+        ready = decode(from_workers.recv_multipart())
+        outbox.send_multipart(encode(ready))
+        if ready.error is not None:
+            return
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    running = True
+    while running:
+        timeout = 0 if sched.has_work else None
+        while poller.poll(timeout):
+            msg = decode(inbox.recv_multipart())
+            if isinstance(msg, GenerateReq):
+                sched.add(msg)
+            elif isinstance(msg, AbortReq):
+                sched.abort(msg.rid)
+            elif isinstance(msg, Shutdown):
+                running = False
+                break
+            timeout = 0
+        if not running:
+            break
+        plan = sched.schedule()
+        if plan is not None:
+            frames = encode(plan)
+            for s in to_workers:
+                s.send_multipart(frames)
+            results = [decode(from_workers.recv_multipart()) for _ in to_workers]
+            outputs = sched.process(results[0])
+        else:
+            outputs = sched.take_outputs()
+        for out in outputs:
+            outbox.send_multipart(encode(out))
+    for s in to_workers:
+        s.send_multipart(encode(Shutdown()))
+    ctx.destroy(linger=0)
+    os._exit(0)

@@ -1,0 +1,49 @@
+"""All engine settings in one typed dataclass, with a CLI parser generated from its fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class ServerArgs:
+    model: str | None = None  # checkpoint dir; None = the built-in tiny model
+    page_size: int = 1
+    mem_bytes: int = 64 << 20  # the unified pool per rank
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 512  # prefill tokens per step
+    disable_radix_cache: bool = False
+    schedule_policy: str = "lpm"  # longest prefix match, FCFS fallback for long queues; or "fcfs"
+    lpm_max_queue: int = 128  # above this many waiting requests, lpm falls back to fcfs
+    decode_checkpoint_interval: int = 64  # checkpoint the KDA state every N decode tokens
+    max_queued_requests: int = 4096  # beyond this the engine refuses new requests (HTTP 503)
+    device: str = "cpu"
+    seed: int = 0  # weights of the built-in model
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError("--page-size must be >= 1")
+        if self.chunked_prefill_size < self.page_size:
+            raise ValueError("--chunked-prefill-size must be >= --page-size")
+        if self.schedule_policy not in ("lpm", "fcfs"):
+            raise ValueError("--schedule-policy must be 'lpm' or 'fcfs'")
+        if self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be >= 1")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", default=f.default)
+            else:
+                kind: Any = {"int": int, "str": str, "str | None": str}.get(str(f.type), str)
+                parser.add_argument(flag, type=kind, default=f.default)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

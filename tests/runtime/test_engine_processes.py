@@ -1,0 +1,71 @@
+"""The multi-process Engine: startup, exact greedy output, streaming, bad input, and a worker that dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from radixk3.config import preset
+from radixk3.generate import greedy_reference
+from radixk3.model import build_model
+from runtime.engine import Engine, EngineError
+from runtime.sampling_params import InvalidRequest
+
+
+@pytest.fixture(scope="module")
+def engine():  # noqa: ANN201
+    with Engine(mem_bytes=8 << 20) as e:
+        yield e
+
+
+def test_generate_matches_reference_and_reports_cache(engine: Engine) -> None:
+    model = build_model(preset("k3-tiny"), seed=engine.args.seed)
+    shared = list(range(100, 160))
+    prompts = [shared + [7, 8, 9], shared + [11, 12]]
+    params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    first = engine.generate(prompts[0], params)
+    assert first["output_ids"] == greedy_reference(model, prompts[0], 5)
+    second = engine.generate(prompts[1], params)
+    assert second["output_ids"] == greedy_reference(model, prompts[1], 5)
+    # The first request left a checkpoint after its whole prompt+output; the shared 60 tokens branch there.
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert second["meta_info"]["cached_tokens"] == 0  # KV matched, but the branching point had no state yet
+    third = engine.generate(shared + [13], params)
+    assert third["meta_info"]["cached_tokens"] == len(shared)  # the branching-point checkpoint now hits
+    assert third["output_ids"] == greedy_reference(model, shared + [13], 5)
+
+
+def test_stream_and_bad_input(engine: Engine) -> None:
+    chunks = list(engine.stream("Hello", {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}))
+    assert sum(len(c.token_ids) for c in chunks) == 3 and chunks[-1].finished == "length"
+    with pytest.raises(InvalidRequest, match="temperature"):
+        engine.generate("x", {"temperature": -1})
+    (out,) = list(engine.stream([], {"max_new_tokens": 2}))
+    assert out.finished == "error" and "empty" in (out.error or "")
+    huge = engine.generate("x", {"max_new_tokens": 10**7})
+    assert "exceed" in huge["meta_info"]["error"]
+
+
+def test_worker_death_fails_pending_requests_and_shuts_down() -> None:
+    eng = Engine(mem_bytes=8 << 20)
+    try:
+        worker = eng._procs[0]
+        pending = eng._submit(list(range(50)), {"max_new_tokens": 5000, "ignore_eos": True})[1]
+        time.sleep(0.5)
+        os.kill(worker.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while True:
+            item = pending.queue.get(timeout=max(0.1, deadline - time.monotonic()))
+            if isinstance(item, EngineError):
+                break
+        assert "worker" in str(item) and "exited" in str(item)
+        eng._receiver.join(timeout=30)  # it shuts the engine down after failing the requests
+        assert not any(p.is_alive() for p in eng._procs)
+        assert not os.path.exists(eng._ipc_dir)
+        with pytest.raises(EngineError):
+            eng.generate("again", {"max_new_tokens": 1})
+    finally:
+        eng.shutdown()
