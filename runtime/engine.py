@@ -20,7 +20,17 @@ from typing import Any
 import zmq
 
 from radixk3.tokenizer import Tokenizer
-from runtime.messages import AbortReq, GenerateReq, Shutdown, TokenOut, WorkerReady, decode, encode
+from runtime.messages import (
+    AbortReq,
+    GenerateReq,
+    MetricsOut,
+    MetricsReq,
+    Shutdown,
+    TokenOut,
+    WorkerReady,
+    decode,
+    encode,
+)
 from runtime.processes import endpoint, scheduler_main, tokenizer_for, worker_main
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
@@ -59,6 +69,7 @@ class Engine:
         self._ids = itertools.count()
         self._closed = False
         self.dead: EngineError | None = None
+        self._metrics: queue.Queue[dict[str, Any]] = queue.Queue()
         try:
             self._wait_ready(startup_timeout)
         except BaseException:
@@ -94,6 +105,9 @@ class Engine:
         while not self._closed:
             if self._from_sched.poll(100):
                 msg = decode(self._from_sched.recv_multipart())
+                if isinstance(msg, MetricsOut):
+                    self._metrics.put(msg.metrics)
+                    continue
                 with self._lock:
                     pending = self._pending.get(msg.rid)
                     if msg.finished is not None:
@@ -147,6 +161,12 @@ class Engine:
         self._to_sched.send_multipart(encode(GenerateReq(rid, input_ids, sampling, **kw)))
         return rid, pending
 
+    def get_metrics(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The scheduler's counters: running, queued, prefill tokens computed, cached tokens, state checkpoint
+        hits/misses, pool bytes per side, evictions, retractions, checkpoints."""
+        self._to_sched.send_multipart(encode(MetricsReq()))
+        return self._metrics.get(timeout=timeout)
+
     def abort(self, rid: str) -> None:
         self._to_sched.send_multipart(encode(AbortReq(rid)))
 
@@ -176,9 +196,20 @@ class Engine:
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         batch: list[Any] = [prompts] if single else list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(batch)
-        subs = [self._submit(self._ids_of(p), dict(sp), **kw) for p, sp in zip(batch, params, strict=True)]
-        results = [self._collect(rid, pending, sp, timeout) for (rid, pending), sp in zip(subs, params, strict=True)]
-        return results[0] if single else results
+        # `n` samples of a prompt are n requests (the radix cache shares their prompt); seeds stay distinct.
+        expanded = [(p, sp | self._sample_index(sp, i)) for p, sp in zip(batch, params, strict=True)
+                    for i in range(int(sp.get("n", 1)))]
+        subs = [self._submit(self._ids_of(p), sp, **kw) for p, sp in expanded]
+        results = [self._collect(rid, pending, sp, timeout) for (rid, pending), (_, sp) in zip(subs, expanded,
+                                                                                             strict=True)]
+        return results[0] if single and len(results) == 1 else results
+
+    @staticmethod
+    def _sample_index(sp: dict[str, Any], i: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"n": 1}
+        if sp.get("seed") is not None:
+            out["seed"] = sp["seed"] + i
+        return out
 
     def _collect(self, rid: str, pending: _Pending, sampling: dict[str, Any], timeout: float | None
                  ) -> dict[str, Any]:

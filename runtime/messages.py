@@ -92,8 +92,19 @@ class Shutdown:
     pass
 
 
+@dataclass
+class MetricsReq:
+    pass
+
+
+@dataclass
+class MetricsOut:
+    metrics: dict[str, Any]
+
+
 MESSAGES: dict[str, type] = {
-    cls.__name__: cls for cls in (GenerateReq, AbortReq, TokenOut, StepPlan, StepResult, WorkerReady, Shutdown)
+    cls.__name__: cls
+    for cls in (GenerateReq, AbortReq, TokenOut, StepPlan, StepResult, WorkerReady, Shutdown, MetricsReq, MetricsOut)
 }
 
 

@@ -7,6 +7,7 @@ Sockets are `ipc://` files in a per-instance temp dir:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import traceback
@@ -16,7 +17,17 @@ import zmq
 
 from radixk3.config import ModelConfig, preset
 from radixk3.tokenizer import Tokenizer, load_tokenizer
-from runtime.messages import AbortReq, GenerateReq, Shutdown, StepResult, WorkerReady, decode, encode
+from runtime.messages import (
+    AbortReq,
+    GenerateReq,
+    MetricsOut,
+    MetricsReq,
+    Shutdown,
+    StepResult,
+    WorkerReady,
+    decode,
+    encode,
+)
 from runtime.model_worker import BUILTIN_PRESET, ModelWorker
 from runtime.pool_layout import PoolLayout
 from runtime.scheduler import Scheduler
@@ -98,6 +109,8 @@ def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
                 sched.add(msg)
             elif isinstance(msg, AbortReq):
                 sched.abort(msg.rid)
+            elif isinstance(msg, MetricsReq):
+                outbox.send_multipart(encode(MetricsOut(dataclasses.asdict(sched.metrics))))
             elif isinstance(msg, Shutdown):
                 running = False
                 break

@@ -111,18 +111,29 @@ class Scheduler:
                     batch.append((req, n))
                     budget -= n
         self._order_waiting()
+        deferred: list[Req] = []
+        branching: set[tuple[int, ...]] = set()  # branching points this step's prefills will checkpoint
         while self.waiting and budget > 0 and len(self.running) < self.args.max_running_requests:
-            req = self.waiting[0]
+            req = self.waiting.popleft()
+            if self.cache is not None:
+                m = self.cache.match_prefix(self._match_ids(req))
+                if m.branch_len > m.prefix_len and tuple(req.all_ids[: m.branch_len]) in branching:
+                    deferred.append(req)  # next step it hits the checkpoint another request is making now
+                    continue
             if not self._admit(req):
+                self.waiting.appendleft(req)
                 break
             n = self._chunk_len(req, budget)
             if not self._ensure_pages(req, n, retract=False):
                 self._release(req)
+                self.waiting.appendleft(req)
                 break
-            self.waiting.popleft()
+            if req.branch_len > req.num_computed:
+                branching.add(tuple(req.all_ids[: req.branch_len]))
             self.running.append(req)
             batch.append((req, n))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         batch = [(r, n) for r, n in batch if r in self.running]
         if not batch:
             if self.waiting and not self.running:  # nothing will ever free memory for the head request

@@ -69,3 +69,14 @@ def test_worker_death_fails_pending_requests_and_shuts_down() -> None:
             eng.generate("again", {"max_new_tokens": 1})
     finally:
         eng.shutdown()
+
+
+def test_n_samples_and_metrics(engine: Engine) -> None:
+    outs = engine.generate("Weng earns", {"max_new_tokens": 4, "temperature": 1.0, "seed": 3, "n": 3,
+                                          "ignore_eos": True})
+    assert len(outs) == 3 and all(len(o["output_ids"]) == 4 for o in outs)
+    again = engine.generate("Weng earns", {"max_new_tokens": 4, "temperature": 1.0, "seed": 3, "n": 3,
+                                           "ignore_eos": True})
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in again]  # seeded: reproducible
+    m = engine.get_metrics()
+    assert m["steps"] > 0 and m["prefill_tokens_computed"] > 0 and m["running"] == 0

@@ -1,0 +1,88 @@
+"""Scheduler behaviour through LocalEngine: cached-token accounting, logprobs, stops, errors, abort."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixk3.config import preset
+from radixk3.generate import greedy_reference
+from radixk3.model import build_model
+from runtime.local_engine import LocalEngine
+from runtime.server_args import ServerArgs
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model():  # noqa: ANN201
+    return build_model(preset("k3-tiny"), seed=21)
+
+
+def _one(eng: LocalEngine, prompt: list[int], params: dict, **kw):  # noqa: ANN202
+    rid = eng.submit(prompt, params, **kw)
+    return eng.run()[rid]
+
+
+def test_cached_tokens_follow_the_tree(model) -> None:  # noqa: ANN001
+    eng = LocalEngine(ServerArgs(), model, check=True)
+    p1 = list(range(10, 50))
+    out1 = _one(eng, p1, GREEDY)
+    assert out1[-1].cached_tokens == 0
+    toks1 = [t for o in out1 for t in o.token_ids]
+    # Next turn: the finished request donated its state after prompt + all outputs but the last.
+    p2 = p1 + toks1 + [7, 7, 7]
+    out2 = _one(eng, p2, GREEDY)
+    assert out2[-1].cached_tokens == len(p1) + len(toks1) - 1
+    assert [t for o in out2 for t in o.token_ids] == greedy_reference(model, p2, 6)
+    # A prompt branching inside p1: KV matches 30 tokens but no state is there yet -> computed, checkpointed.
+    p3 = p1[:30] + [1, 2, 3]
+    assert _one(eng, p3, GREEDY)[-1].cached_tokens == 0
+    # ...so the next request through that branching point hits it.
+    p4 = p1[:30] + [4, 5]
+    assert _one(eng, p4, GREEDY)[-1].cached_tokens == 30
+    # The radix cache off: nothing is ever cached.
+    off = LocalEngine(ServerArgs(disable_radix_cache=True), model)
+    _one(off, p1, GREEDY)
+    assert _one(off, p2, GREEDY)[-1].cached_tokens == 0
+
+
+def test_logprobs_match_the_full_forward(model) -> None:  # noqa: ANN001
+    eng = LocalEngine(ServerArgs(chunked_prefill_size=16), model, check=True)
+    prompt = list(range(100, 140))
+    _one(eng, prompt, GREEDY)  # cache the prompt, so that logprob_start_len must limit the hit
+    outs = _one(eng, prompt, GREEDY, return_logprob=True, logprob_start_len=5, top_logprobs_num=3)
+    out_ids = [t for o in outs for t in o.token_ids]
+    lp = [x for o in outs for x in o.logprobs]
+    inp = [x for o in outs for x in o.input_logprobs]
+    top = [x for o in outs for x in o.top_logprobs]
+    full = model(torch.tensor(prompt + out_ids)).log_softmax(-1)
+    expect_in = [full[j - 1, prompt[j]].item() for j in range(5, len(prompt))]
+    assert inp == pytest.approx(expect_in, abs=1e-5)
+    expect_out = [full[len(prompt) - 1 + i, t].item() for i, t in enumerate(out_ids)]
+    assert lp == pytest.approx(expect_out, abs=1e-5)
+    assert [ids for ids, _ in (zip(*row, strict=True) for row in top)][0][0] == out_ids[0]  # greedy = top-1
+    assert all(len(row) == 3 for row in top)
+
+
+def test_stops_errors_and_abort(model) -> None:  # noqa: ANN001
+    eng = LocalEngine(ServerArgs(), model, check=True)
+    prompt = list(range(200, 220))
+    ref = greedy_reference(model, prompt, 6)
+    out = _one(eng, prompt, {**GREEDY, "stop_token_ids": [ref[2]]})
+    assert [t for o in out for t in o.token_ids] == ref[:3] and out[-1].finished == "stop"
+    assert out[-1].matched_stop == ref[2]
+    out = _one(eng, prompt, {**GREEDY, "stop_token_ids": [ref[0]], "min_new_tokens": 2})
+    assert len([t for o in out for t in o.token_ids]) >= 2
+    bad = _one(eng, prompt, {"temperature": -1})
+    assert bad[-1].finished == "error" and "temperature" in bad[-1].error
+    unknown = _one(eng, prompt, {"max_tokens_typo": 3})
+    assert unknown[-1].finished == "error" and "max_tokens_typo" in unknown[-1].error
+    rid = eng.submit(prompt, {**GREEDY, "max_new_tokens": 50})
+    plan = eng.scheduler.schedule()  # admitted, and its first step in flight when the abort arrives
+    eng.scheduler.abort(rid)
+    first = eng.scheduler.process(eng.worker.execute(plan))
+    outs = first + eng.run().get(rid, [])
+    assert outs[-1].finished == "abort"
+    eng.scheduler.check_integrity()
+    assert eng.scheduler.pool.states_used == eng.scheduler.cache.stats().cached_states  # nothing leaked
