@@ -91,6 +91,10 @@ class Engine:
                         raise EngineError(f"startup failed: {msg.error}")
                     ready += 1
             if (dead := self._dead_child()) is not None:
+                if self._from_sched.poll(1000):  # a failing child says why before it exits
+                    msg = decode(self._from_sched.recv_multipart())
+                    if isinstance(msg, WorkerReady) and msg.error is not None:
+                        raise EngineError(f"startup failed: {msg.error}")
                 raise EngineError(f"startup failed: {dead}")
             if time.monotonic() > deadline:
                 raise EngineError(f"startup timed out after {timeout:.0f}s")

@@ -50,7 +50,7 @@ def tokenizer_for(args: ServerArgs) -> Tokenizer:
 
 def _socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
     s = ctx.socket(kind)
-    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.LINGER, 2000)  # a failing process's last word (why it failed) must still be delivered
     (s.bind if bind else s.connect)(addr)
     return s
 
@@ -64,6 +64,7 @@ def worker_main(args: ServerArgs, ipc_dir: str, rank: int) -> None:
         worker = ModelWorker(args)
     except Exception as e:  # report why we could not start, then exit
         results.send_multipart(encode(WorkerReady(rank, error=f"{type(e).__name__}: {e}")))
+        ctx.destroy(linger=2000)
         return
     results.send_multipart(encode(WorkerReady(rank)))
     while True:
@@ -92,6 +93,7 @@ def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
         sched = Scheduler(args, layout, stop_ids, tok.decode)
     except Exception as e:
         outbox.send_multipart(encode(WorkerReady(-1, error=f"scheduler: {type(e).__name__}: {e}")))
+        ctx.destroy(linger=2000)
         return
     for _ in range(num_workers):  # relay every worker's readiness (or its failure) to the tokenizer side
         ready = decode(from_workers.recv_multipart())

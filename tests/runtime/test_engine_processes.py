@@ -80,3 +80,50 @@ def test_n_samples_and_metrics(engine: Engine) -> None:
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in again]  # seeded: reproducible
     m = engine.get_metrics()
     assert m["steps"] > 0 and m["prefill_tokens_computed"] > 0 and m["running"] == 0
+
+
+def test_startup_failure_names_the_problem(tmp_path) -> None:  # noqa: ANN001
+    with pytest.raises(EngineError, match="config.json not found"):
+        Engine(model=str(tmp_path / "missing"))
+
+
+CTRL_C_SCRIPT = """
+import os, sys, time
+from runtime.engine import Engine
+if __name__ == "__main__":
+    eng = Engine(mem_bytes=4 << 20)
+    print(" ".join(str(p.pid) for p in eng._procs), eng._ipc_dir, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_ctrl_c_shuts_everything_down(tmp_path) -> None:  # noqa: ANN001
+    import subprocess
+    import sys
+
+    script = tmp_path / "serve.py"
+    script.write_text(CTRL_C_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        line = proc.stdout.readline().split()  # type: ignore[union-attr]
+        pids, ipc_dir = [int(x) for x in line[:-1]], line[-1]
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids), "orphan processes after Ctrl-C"
+        assert not os.path.exists(ipc_dir)
+    finally:
+        proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its dead parent's init) counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
