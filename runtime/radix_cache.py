@@ -186,7 +186,7 @@ class HybridRadixCache:
 
     # --- locking ---------------------------------------------------------------------------------------
     def lock(self, node: Node) -> None:
-        """Protect `node` and its ancestors (KV and state) from eviction."""
+        """Keep `node` and its ancestors in the tree (their KV is in use); their states stay evictable."""
         if node is not self.root and (node.state is None or not node.alive):
             raise ValueError("only a live node holding a state (or the root) can be locked")
         node.own_locks += 1

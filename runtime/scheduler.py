@@ -55,6 +55,7 @@ class Scheduler:
         self._arrivals = 0
         self._step = 0
         self._inflight: list[tuple[Req, int]] = []
+        self._retracted_now: set[int] = set()
         self._outbox: list[TokenOut] = []
 
     # --- requests in -----------------------------------------------------------------------------------
@@ -98,6 +99,7 @@ class Scheduler:
             self._release(req)
             self.running.remove(req)
             self._finish(req, "abort")
+        self._retracted_now: set[int] = set()  # ids of requests retracted by this step: not readmitted in it
         batch: list[tuple[Req, int]] = []
         for req in sorted(self.running, key=lambda r: r.arrival):
             if self._pending(req) == 1:
@@ -105,7 +107,7 @@ class Scheduler:
                     batch.append((req, 1))
         budget = self.args.chunked_prefill_size
         for req in sorted(self.running, key=lambda r: r.arrival):
-            if self._pending(req) > 1 and budget > 0:
+            if req in self.running and self._pending(req) > 1 and budget > 0:
                 n = self._chunk_len(req, budget)
                 if self._ensure_pages(req, n):
                     batch.append((req, n))
@@ -115,6 +117,9 @@ class Scheduler:
         branching: set[tuple[int, ...]] = set()  # branching points this step's prefills will checkpoint
         while self.waiting and budget > 0 and len(self.running) < self.args.max_running_requests:
             req = self.waiting.popleft()
+            if id(req) in self._retracted_now:
+                deferred.append(req)
+                continue
             if self.cache is not None:
                 m = self.cache.match_prefix(self._match_ids(req))
                 if m.branch_len > m.prefix_len and tuple(req.all_ids[: m.branch_len]) in branching:
@@ -134,7 +139,7 @@ class Scheduler:
             batch.append((req, n))
             budget -= n
         self.waiting.extendleft(reversed(deferred))
-        batch = [(r, n) for r, n in batch if r in self.running]
+        batch = [(r, n) for r, n in batch if r in self.running and id(r) not in self._retracted_now]
         if not batch:
             if self.waiting and not self.running:  # nothing will ever free memory for the head request
                 req = self.waiting.popleft()
@@ -252,6 +257,7 @@ class Scheduler:
         req.num_computed = 0
         req.branch_len = 0
         self.waiting.appendleft(req)
+        self._retracted_now.add(id(req))
         self.metrics.retractions += 1
 
     def _release(self, req: Req) -> None:

@@ -58,7 +58,7 @@ CONFIGS = {
     "page16_chunked": dict(page_size=16, chunked_prefill_size=32),
     "chunked_mid_prompt": dict(chunked_prefill_size=23, decode_checkpoint_interval=4),
     "tiny_pool": dict(mem_bytes=300_000, chunked_prefill_size=40, decode_checkpoint_interval=3),
-    "tiny_pool_page16": dict(mem_bytes=400_000, page_size=16, chunked_prefill_size=48),
+    "tiny_pool_page16": dict(mem_bytes=300_000, page_size=16, chunked_prefill_size=48),
 }
 
 

@@ -1,0 +1,190 @@
+"""Byte layout of the unified pool: how big a KDA state block and an MLA KV page are, and where each
+layer's tensor sits inside them.
+
+A state block holds, for every KDA layer of this rank, the recurrent state [H/tp, K, V] (state dtype,
+fp32 by default) and the conv state [3*H*D/tp, conv_kernel-1] (model dtype), each region starting on an
+ALIGN boundary. A KV token row holds, for every MLA layer, kv_dim = kv_lora_rank + qk_rope_head_dim
+values (model dtype), layer after layer, so that one MLA layer's latent KV is a strided
+[num_token_slots, kv_dim] view and physical token slot p*page_size + o is page p, offset o.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from radixk3.config import ModelConfig
+
+# Every typed region of a state block, and the state block itself, start on this many bytes: enough for
+# 16-byte vector loads and 128-byte cache lines on every accelerator we target.
+ALIGN = 256
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class PoolGeometry(NamedTuple):
+    """Where the two ends of one pool of `total_bytes` lie.
+
+    KV page p spans [p*page_bytes, (p+1)*page_bytes); physical state slot s spans
+    [state_base + s*state_block_bytes, ...): slot num_state_slots-1 ends exactly at the top of the buffer,
+    so states grow downwards by taking lower slot numbers.
+    """
+
+    total_bytes: int
+    state_block_bytes: int
+    page_bytes: int
+    num_state_slots: int
+    state_base: int
+    num_pages: int
+    page_size: int
+
+    @property
+    def num_token_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def state_offset(self, slot: int) -> int:
+        return self.state_base + slot * self.state_block_bytes
+
+    def page_offset(self, page: int) -> int:
+        return page * self.page_bytes
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Per-rank sizes of one KDA state block and one MLA KV page (plain numbers; see `from_config`)."""
+
+    num_kda_layers: int
+    kda_heads: int  # KDA heads on this rank (H / tp)
+    head_dim: int  # K = V = head_dim
+    conv_kernel: int
+    num_mla_layers: int
+    kv_dim: int  # kv_lora_rank + qk_rope_head_dim
+    state_dtype: torch.dtype = torch.float32  # recurrent state
+    kv_dtype: torch.dtype = torch.bfloat16  # the model dtype: latent KV and the conv state
+    page_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_kda_layers", "kda_heads", "head_dim", "num_mla_layers", "kv_dim", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PoolLayout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.conv_kernel < 2:
+            raise ValueError(f"PoolLayout.conv_kernel must be >= 2 (it keeps kernel-1 inputs), got {self.conv_kernel}")
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: ModelConfig,
+        tp: int = 1,
+        page_size: int = 1,
+        state_dtype: torch.dtype = torch.float32,
+    ) -> PoolLayout:
+        if cfg.kda_num_heads % tp:
+            raise ValueError(f"kda_num_heads={cfg.kda_num_heads} does not split over tp={tp}")
+        return cls(
+            num_kda_layers=cfg.num_kda_layers,
+            kda_heads=cfg.kda_num_heads // tp,
+            head_dim=cfg.kda_head_dim,
+            conv_kernel=cfg.conv_kernel_size,
+            num_mla_layers=cfg.num_mla_layers,
+            # The latent KV is one 576-wide "head" shared by all query heads: every rank keeps all of it.
+            kv_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+            state_dtype=state_dtype,
+            kv_dtype=cfg.torch_dtype,
+            page_size=page_size,
+        )
+
+    # --- KDA state block -------------------------------------------------------------------------------
+    @property
+    def recurrent_shape(self) -> tuple[int, int, int]:
+        return (self.kda_heads, self.head_dim, self.head_dim)
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        return (3 * self.kda_heads * self.head_dim, self.conv_kernel - 1)
+
+    @property
+    def recurrent_bytes(self) -> int:
+        h, k, v = self.recurrent_shape
+        return h * k * v * dtype_bytes(self.state_dtype)
+
+    @property
+    def conv_bytes(self) -> int:
+        c, w = self.conv_shape
+        return c * w * dtype_bytes(self.kv_dtype)
+
+    @property
+    def _layer_stride(self) -> int:
+        return round_up(self.recurrent_bytes, ALIGN) + round_up(self.conv_bytes, ALIGN)
+
+    def recurrent_offset(self, layer: int) -> int:
+        """Byte offset of KDA layer `layer`'s recurrent state inside a state block."""
+        self._check_layer(layer, self.num_kda_layers)
+        return layer * self._layer_stride
+
+    def conv_offset(self, layer: int) -> int:
+        self._check_layer(layer, self.num_kda_layers)
+        return layer * self._layer_stride + round_up(self.recurrent_bytes, ALIGN)
+
+    @property
+    def state_block_bytes(self) -> int:
+        return self.num_kda_layers * self._layer_stride
+
+    @property
+    def state_payload_bytes(self) -> int:
+        """Bytes of one state without alignment padding."""
+        return self.num_kda_layers * (self.recurrent_bytes + self.conv_bytes)
+
+    # --- MLA KV page -----------------------------------------------------------------------------------
+    @property
+    def kv_token_bytes(self) -> int:
+        """Latent KV bytes of one token over all MLA layers."""
+        return self.num_mla_layers * self.kv_dim * dtype_bytes(self.kv_dtype)
+
+    def kv_offset(self, layer: int) -> int:
+        """Byte offset of MLA layer `layer`'s values inside one token row."""
+        self._check_layer(layer, self.num_mla_layers)
+        return layer * self.kv_dim * dtype_bytes(self.kv_dtype)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.kv_token_bytes
+
+    # --- whole pool ------------------------------------------------------------------------------------
+    def geometry(self, total_bytes: int) -> PoolGeometry:
+        total = total_bytes - total_bytes % ALIGN  # keeps state_base, hence every state view, aligned
+        sb = self.state_block_bytes
+        if total < max(sb, self.page_bytes):
+            raise ValueError(f"a pool of {total_bytes} bytes is smaller than one state block ({sb} B) "
+                             f"or one KV page ({self.page_bytes} B)")
+        slots = total // sb
+        return PoolGeometry(
+            total_bytes=total,
+            state_block_bytes=sb,
+            page_bytes=self.page_bytes,
+            num_state_slots=slots,
+            state_base=total - slots * sb,
+            num_pages=total // self.page_bytes,
+            page_size=self.page_size,
+        )
+
+    def state_equivalent_tokens(self) -> int:
+        """Tokens whose KV weighs as much as one state, per layer: one KDA layer's state over one MLA layer's
+        per-token KV. This is the block size vLLM's hybrid manager must use so that a KDA layer's state
+        fits in one page of the shared page size (about 1,900 tokens for Kimi-Linear-48B)."""
+        per_layer_state = self.recurrent_bytes + self.conv_bytes
+        per_layer_token = self.kv_dim * dtype_bytes(self.kv_dtype)
+        return -(-per_layer_state // per_layer_token)
+
+    @staticmethod
+    def _check_layer(layer: int, n: int) -> None:
+        if not 0 <= layer < n:
+            raise IndexError(f"layer {layer} out of range [0, {n})")
