@@ -1,5 +1,6 @@
 """Checkpoints on disk: a directory with config.json, safetensors weights (one file or sharded with
-`model.safetensors.index.json`) and the tokenizer, under the public Kimi-Linear tensor names.
+`model.safetensors.index.json`) and the tokenizer, under the public Kimi-Linear tensor names or the native K3
+ones (`tensor_names`). The format follows the config's `model_type`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ from safetensors.torch import save_file
 
 from radixk3.config import ModelConfig
 from radixk3.model import KimiForCausalLM, build_model
+from radixk3.tensor_names import checkpoint_name, model_name, quantised_reason
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# Present in some public checkpoints, unused by a NoPE model.
-SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class CheckpointError(ValueError):
@@ -33,7 +33,8 @@ def write_checkpoint(model: KimiForCausalLM, out_dir: str | Path, *, num_shards:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    cfg = model.config
+    tensors = {checkpoint_name(cfg, k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     names = sorted(tensors)
     if num_shards <= 1:
         save_file(tensors, out / SINGLE_FILE, metadata={"format": "pt"})
@@ -76,37 +77,65 @@ def _weight_files(path: Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
+def _first(names: set[str]) -> str:
+    first, more = sorted(names)[0], len(names) - 1
+    return repr(first) + (f" (and {more} more)" if more else "")
+
+
+def _fit_shape(name: str, t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Accept the layouts that occur in the wild for the same values: A_log as [H] or [1, 1, H, 1], short-conv
+    weights as [C, K] or [C, 1, K]."""
+    if tuple(t.shape) != tuple(shape) and t.numel() == shape.numel():
+        if name.endswith("A_log") or (name.endswith("conv1d.weight") and t.shape[0] == shape[0]):
+            return t.reshape(shape)
+    return t
+
+
 def load_model(path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
                ) -> KimiForCausalLM:
-    """Load a Kimi-Linear-format checkpoint directory; every tensor must be present, expected and well shaped."""
+    """Load a checkpoint directory of either format; every tensor must be present, expected and well shaped."""
     path = Path(path)
     cfg = ModelConfig.from_file(path)
     if dtype is not None:
         cfg = cfg.replace(dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype])
     with torch.device("meta"):
         skeleton = KimiForCausalLM(cfg)
-    expected = skeleton.state_dict()
-    files = {k: f for k, f in _weight_files(path).items() if not k.endswith(SKIPPED_SUFFIXES)}
-    for kind, names in (("missing", set(expected) - set(files)), ("unexpected", set(files) - set(expected))):
-        if names:
-            first, more = sorted(names)[0], len(names) - 1
-            raise CheckpointError(f"{kind} tensor {first!r}" + (f" (and {more} more)" if more else ""))
+    expected = set(skeleton.state_dict())
+    files: dict[str, tuple[str, Path]] = {}  # model name -> (checkpoint name, file)
+    for ckpt, f in sorted(_weight_files(path).items()):
+        name = model_name(cfg, ckpt)
+        if name is None:  # skipped (vision tower, rotary buffers, MTP AttnRes), whatever its format
+            continue
+        reason = quantised_reason(ckpt)
+        if reason is not None:
+            raise CheckpointError(f"tensor {ckpt!r} holds {reason}: quantised expert formats are not supported "
+                                  "yet; use a bf16/fp32 checkpoint")
+        if name in files:
+            raise CheckpointError(f"tensor {ckpt!r} and {files[name][0]!r} both fill {name!r}")
+        files[name] = (ckpt, f)
+    missing = expected - set(files)
+    if missing:
+        raise CheckpointError(f"missing tensor {_first({checkpoint_name(cfg, n) for n in missing})}")
+    unexpected = set(files) - expected
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor {_first({files[n][0] for n in unexpected})}")
     model = build_model(cfg)  # allocated, cast to cfg's dtype with fp32 gates; filled below
     state = model.state_dict()
     by_file: dict[Path, list[str]] = {}
-    for name, f in files.items():
+    for name, (_, f) in files.items():
         by_file.setdefault(f, []).append(name)
     for f, names in by_file.items():
         with safe_open(f, framework="pt") as sf:
             for name in names:
-                t = sf.get_tensor(name)
-                if name.endswith("A_log") and t.numel() == cfg.kda_num_heads and t.shape != state[name].shape:
-                    t = t.reshape(state[name].shape)  # [H] and [1, 1, H, 1] both occur in the wild
+                ckpt = files[name][0]
+                t = sf.get_tensor(ckpt)
+                reason = quantised_reason(ckpt, t.dtype)
+                if reason is not None:
+                    raise CheckpointError(f"tensor {ckpt!r} has {reason}: quantised weights are not supported yet")
+                t = _fit_shape(name, t, state[name].shape)
                 if tuple(t.shape) != tuple(state[name].shape):
                     raise CheckpointError(
-                        f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(state[name].shape)}"
+                        f"tensor {ckpt!r} has shape {tuple(t.shape)}, expected {tuple(state[name].shape)}"
                     )
-                if not t.is_floating_point():
-                    raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}; quantised weights are not supported")
                 state[name].copy_(t.to(state[name].dtype))
     return model.to(device).eval()

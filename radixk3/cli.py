@@ -22,12 +22,16 @@ def _plan(args: argparse.Namespace) -> None:
     if args.json:
         print(orjson.dumps(plan._asdict() | {"preset": args.preset}).decode())
         return
-    print(f"preset {args.preset}, TP={plan.tp}: {cfg.num_kda_layers} KDA + {cfg.num_mla_layers} MLA layers")
+    mtp = f" (+ {cfg.num_nextn_predict_layers} MTP)" if cfg.num_nextn_predict_layers else ""
+    print(f"preset {args.preset} ({cfg.model_type}), TP={plan.tp}: {cfg.num_kda_layers} KDA + "
+          f"{cfg.num_mla_layers} MLA layers{mtp}")
     print(f"  KDA state per request per rank: {plan.state_bytes_per_request / 1e6:.2f} MB "
           f"({plan.state_bytes_per_request} bytes; recurrent {plan.recurrent_bytes_per_layer} "
           f"+ conv {plan.conv_bytes_per_layer} bytes per layer)")
     print(f"  MLA KV per token per rank:      {plan.kv_bytes_per_token / 1e3:.2f} KB ({plan.kv_bytes_per_token} bytes)")
     print(f"  one state weighs as much as {plan.tokens_per_state:,.0f} tokens of KV")
+    if plan.mtp_kv_bytes_per_token:
+        print(f"  MTP draft KV per token per rank: {plan.mtp_kv_bytes_per_token} bytes (not in the pool figures)")
 
 
 def _make_checkpoint(args: argparse.Namespace) -> None:

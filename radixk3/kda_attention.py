@@ -1,4 +1,8 @@
-"""Kimi Delta Attention layer (Kimi-Linear format): projections, short conv, gated delta rule, gated norm.
+"""Kimi Delta Attention layer: projections, short conv, gated delta rule, gated norm.
+
+Kimi-Linear: low-rank output gate g_b(g_a(x)), decay g = -exp(A_log) softplus(f + dt_bias). Native K3 switches:
+`kda_full_rank_gate` (one full-rank output gate `g_proj` [H*D, hidden], and K3's o_norm eps 1e-5) and
+`kda_gate_lower_bound` lb (the safe gate g = lb * sigmoid(exp(A_log) (f + dt_bias)), bounded in (lb, 0)).
 
 State per sequence lives in the cache's slots: the recurrent state [H, K, V] (fp32) and the conv state (the last
 W-1 pre-conv q|k|v inputs). Fresh sequences (prefix 0) start from zeros whatever their slot holds.
@@ -31,23 +35,34 @@ class KDAAttention(nn.Module):
         p = h * d
         self.kda_index = kda_index  # which of the cache's KDA state tensors is ours
         self.num_heads, self.head_dim = h, d
-        self.eps = cfg.rms_norm_eps
+        self.eps = cfg.kda_o_norm_eps
+        self.lower_bound = cfg.kda_gate_lower_bound
         self.q_proj = nn.Linear(hid, p, bias=False)
         self.k_proj = nn.Linear(hid, p, bias=False)
         self.v_proj = nn.Linear(hid, p, bias=False)
         self.q_conv1d = ShortConv(p, w)
         self.k_conv1d = ShortConv(p, w)
         self.v_conv1d = ShortConv(p, w)
-        self.A_log = nn.Parameter(torch.zeros(1, 1, h, 1))
+        # Kimi-Linear checkpoints hold A_log as [1, 1, H, 1], K3 ones as [H].
+        self.A_log = nn.Parameter(torch.zeros(h) if cfg.is_k3_format else torch.zeros(1, 1, h, 1))
         self.dt_bias = nn.Parameter(torch.zeros(p))
         self.f_a_proj = nn.Linear(hid, d, bias=False)
         self.f_b_proj = nn.Linear(d, p, bias=False)
         self.b_proj = nn.Linear(hid, h, bias=False)
-        self.g_a_proj = nn.Linear(hid, d, bias=False)
-        self.g_b_proj = nn.Linear(d, p, bias=False)
+        if cfg.kda_full_rank_gate:
+            self.g_proj = nn.Linear(hid, p, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(hid, d, bias=False)
+            self.g_b_proj = nn.Linear(d, p, bias=False)
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(d))
         self.o_proj = nn.Linear(p, hid, bias=False)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """Pre-sigmoid output gate [T, H*D]."""
+        if hasattr(self, "g_proj"):
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
 
     def conv_weight(self) -> torch.Tensor:
         return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
@@ -62,7 +77,7 @@ class KDAAttention(nn.Module):
         t = x.shape[0]
         h, d = self.num_heads, self.head_dim
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(t, h, d), self.A_log, self.dt_bias)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(t, h, d), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
 
         if cache is None or batch is None:
@@ -88,7 +103,7 @@ class KDAAttention(nn.Module):
             conv_cache[slots] = conv_state.to(conv_cache.dtype)
             rec_cache[slots] = state
 
-        gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
+        gate = self.output_gate(x).view(t, h, d)
         o = gated_rms_norm(o, gate, self.o_norm.weight, self.eps)
         return self.o_proj(o.reshape(t, h * d))
 

@@ -1,7 +1,9 @@
-"""MLA layer with NoPE (Kimi-Linear format): per token, only the latent [c_kv | k_pe] is cached.
+"""MLA layer with NoPE: per token, only the latent [c_kv | k_pe] is cached.
 
 No rotary embedding anywhere: the `rope` dims exist but are used unrotated, so attention depends on token order
-only through the causal mask, and positions never enter the cache.
+only through the causal mask, and positions never enter the cache. Queries come from a full-rank `q_proj` or
+the q-LoRA path q_b(RMSNorm(q_a x)). K3's Gated MLA (`mla_use_output_gate`) multiplies the attention output by
+sigmoid(g_proj x) before o_proj (`g_proj` [H*v_head_dim, hidden], a different tensor from KDA's `g_proj`).
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ class MLAAttention(nn.Module):
             self.q_proj = nn.Linear(hid, q_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(hid, cfg.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.mla_q_norm_eps)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hid, cfg.kv_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.kv_a_layernorm_eps)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.mla_kv_norm_eps)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_dim, hid, bias=False)
+        self.g_proj = nn.Linear(hid, h * self.v_dim, bias=False) if cfg.mla_use_output_gate else None
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
@@ -62,4 +65,7 @@ class MLAAttention(nn.Module):
         o = mla_attention(
             q_nope, q_pe, kv, self.kv_b_proj.weight, cu_q=cu_seqlens, cu_kv=cu_kv, scale=self.scale, absorbed=absorbed
         )
-        return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
+        o = o.reshape(t, self.num_heads * self.v_dim)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)

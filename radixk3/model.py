@@ -1,4 +1,5 @@
-"""The Kimi-Linear-format causal LM: pre-norm decoder layers of KDA or MLA attention and a dense MLP or MoE.
+"""The Kimi causal LM (both checkpoint formats): pre-norm decoder layers of KDA or MLA attention and a dense
+MLP or MoE, with the additive residual or K3's Block Attention Residuals, and optional MTP layers.
 
 Two entry points share every op:
 - `forward(input_ids, cu_seqlens)`: the full-sequence, no-cache forward. This is ground truth.
@@ -12,47 +13,36 @@ import math
 import torch
 from torch import nn
 
+from radixk3.attn_res import attn_res_forward
 from radixk3.config import ModelConfig
+from radixk3.decoder_layer import DecoderLayer
 from radixk3.forward_batch import ForwardBatch, HybridCache
-from radixk3.kda_attention import KDAAttention
-from radixk3.layers import MLP, MoE, RMSNorm
-from radixk3.mla_attention import MLAAttention
+from radixk3.layers import RMSNorm
+from radixk3.mtp import MTPLayer, MTPOutput, run_mtp_layer
 
 # Tensors that stay fp32 whatever the model dtype (as the reference implementations keep them).
 FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "gate.weight", "gate.e_score_correction_bias")
+# K3 also keeps the short-conv weights in fp32 (the conv runs in the activation dtype either way).
+K3_FP32_PARAM_SUFFIXES = (*FP32_PARAM_SUFFIXES, "conv1d.weight")
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn: KDAAttention | MLAAttention
-        if cfg.is_kda(layer):
-            self.self_attn = KDAAttention(cfg, cfg.kda_layers.index(layer))
-        else:
-            self.self_attn = MLAAttention(cfg, cfg.mla_layers.index(layer))
-        self.is_moe = cfg.is_moe(layer)
-        # The checkpoint names the FFN `block_sparse_moe` in MoE layers and `mlp` in dense ones.
-        if self.is_moe:
-            self.block_sparse_moe = MoE(cfg)
-        else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-
-    def forward(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor, batch: ForwardBatch | None, cache: HybridCache | None
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cu_seqlens, batch, cache)
-        ffn = self.block_sparse_moe if self.is_moe else self.mlp
-        return x + ffn(self.post_attention_layernorm(x))
+def fp32_suffixes(cfg: ModelConfig) -> tuple[str, ...]:
+    return K3_FP32_PARAM_SUFFIXES if cfg.is_k3_format else FP32_PARAM_SUFFIXES
 
 
 class KimiModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        attn_res = cfg.attn_res_block_size is not None
+        self.attn_res_block_size = cfg.attn_res_block_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, attn_res=attn_res) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if attn_res:
+            self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(cfg.hidden_size, 1, bias=False)
+        # Checkpoint layers num_hidden_layers + i; empty (no tensors) without MTP.
+        self.mtp_layers = nn.ModuleList(MTPLayer(cfg, i) for i in range(cfg.num_nextn_predict_layers))
 
 
 class KimiForCausalLM(nn.Module):
@@ -66,6 +56,24 @@ class KimiForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
+    @torch.inference_mode()
+    def prenorm_hidden(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        batch: ForwardBatch | None = None,
+        cache: HybridCache | None = None,
+    ) -> torch.Tensor:
+        """The final hidden state before `model.norm` (what MTP layers read)."""
+        x = self.model.embed_tokens(input_ids)
+        block = self.model.attn_res_block_size
+        if block is not None:
+            return attn_res_forward(x, list(self.model.layers), block, self.model.output_attn_res_norm,
+                                    self.model.output_attn_res_proj, cu_seqlens, batch, cache)
+        for layer in self.model.layers:
+            x = layer(x, cu_seqlens, batch, cache)
+        return x
+
     def hidden(
         self,
         input_ids: torch.Tensor,
@@ -73,10 +81,7 @@ class KimiForCausalLM(nn.Module):
         batch: ForwardBatch | None = None,
         cache: HybridCache | None = None,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, cu_seqlens, batch, cache)
-        return self.model.norm(x)
+        return self.model.norm(self.prenorm_hidden(input_ids, cu_seqlens, batch, cache))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,12 +101,38 @@ class KimiForCausalLM(nn.Module):
         rows = batch.logits_index if batch.logits_index is not None else batch.last_token_index()
         return self.lm_head(h[rows])
 
+    # --- MTP layers ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward_mtp(
+        self, index: int, next_ids: torch.Tensor, hidden: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> MTPOutput:
+        """No-cache MTP layer `index` over packed pairs (next_ids [T], hidden [T, H]: the token after each
+        position and the pre-norm hidden state there); logits at every position."""
+        if cu_seqlens is None:
+            cu_seqlens = torch.tensor([0, next_ids.numel()], device=next_ids.device)
+        out = run_mtp_layer(self.model.mtp_layers, index, next_ids, hidden, cu_seqlens, None, None)
+        return MTPOutput(out, self.mtp_logits(index, out))
+
+    @torch.inference_mode()
+    def forward_mtp_batch(
+        self, index: int, batch: ForwardBatch, hidden: torch.Tensor, cache: HybridCache
+    ) -> MTPOutput:
+        """One cached MTP step: `batch.input_ids` are the next tokens, `cache` the MTP cache
+        (`allocate_mtp_cache`); logits for `batch.logits_index` (default: each sequence's last token)."""
+        out = run_mtp_layer(self.model.mtp_layers, index, batch.input_ids, hidden, batch.cu_seqlens, batch, cache)
+        rows = batch.logits_index if batch.logits_index is not None else batch.last_token_index()
+        return MTPOutput(out, self.mtp_logits(index, out[rows]))
+
+    def mtp_logits(self, index: int, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.mtp_layers[index].shared_head.norm(out))
+
     def cast_(self, dtype: torch.dtype) -> KimiForCausalLM:
-        """Cast to `dtype`, keeping the gate/decay tensors that the references hold in fp32 in fp32."""
+        """Cast to `dtype`, keeping the tensors that the references hold in fp32 in fp32."""
+        keep = fp32_suffixes(self.config)
         for name, p in self.named_parameters():
-            p.data = p.data.float() if name.endswith(FP32_PARAM_SUFFIXES) else p.data.to(dtype)
+            p.data = p.data.float() if name.endswith(keep) else p.data.to(dtype)
         for name, b in self.named_buffers():
-            b.data = b.data.float() if name.endswith(FP32_PARAM_SUFFIXES) else b.data.to(dtype)
+            b.data = b.data.float() if name.endswith(keep) else b.data.to(dtype)
         return self
 
 
@@ -109,9 +140,14 @@ class KimiForCausalLM(nn.Module):
 def init_random_(model: KimiForCausalLM, seed: int) -> KimiForCausalLM:
     """Seeded random weights with healthy activations: fan-in scaled linears, fla-style decay parameters."""
     gen = torch.Generator().manual_seed(seed)
+    safe_gate = model.config.kda_gate_lower_bound is not None
     for name, p in sorted(model.named_parameters()):
         if name.endswith("A_log"):
             p.copy_(torch.empty(p.shape).uniform_(1, 16, generator=gen).log())
+        elif name.endswith("dt_bias") and safe_gate:
+            # lb * sigmoid(exp(A_log) (f + dt_bias)): a bias in (-3, -1) gives mostly mild decays and some
+            # up to the bound (Mamba's dt_bias, near -5, would leave the safe gate at ~0: no decay at all).
+            p.copy_(torch.empty(p.shape).uniform_(-3, -1, generator=gen))
         elif name.endswith("dt_bias"):
             # Inverse softplus of dt ~ logU(1e-3, 1e-1), as Mamba/fla initialise it.
             dt = torch.exp(torch.empty(p.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
@@ -122,6 +158,10 @@ def init_random_(model: KimiForCausalLM, seed: int) -> KimiForCausalLM:
             p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
         elif name.endswith("embed_tokens.weight"):
             p.copy_(torch.randn(p.shape, generator=gen))
+        elif name.endswith("res_proj.weight"):
+            # AttnRes pseudo-queries train from zero (uniform mixing); small random ones keep the softmax
+            # non-uniform without the peaked mixtures that make a random network amplify rounding.
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
         else:  # linear [out, in]
             p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
     for name, b in sorted(model.named_buffers()):

@@ -1,4 +1,8 @@
-"""Per-rank memory plan: what one request's KDA state and one token's MLA KV weigh."""
+"""Per-rank memory plan: what one request's KDA state and one token's MLA KV weigh.
+
+The figures are the target model's, the ones the unified pool holds. MTP layers (native K3) are MLA layers with
+their own latent KV when they run as a draft; that is reported apart and not added in.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ class MemoryPlan(NamedTuple):
     state_bytes_per_request: int  # all KDA layers on this rank
     kv_bytes_per_token: int  # all MLA layers on this rank (the latent is replicated across TP ranks)
     tokens_per_state: float  # how many tokens of KV one state weighs
+    mtp_kv_bytes_per_token: int = 0  # all MTP layers, when they run as a draft
 
 
 def memory_plan(cfg: ModelConfig, tp: int = 1) -> MemoryPlan:
@@ -26,4 +31,5 @@ def memory_plan(cfg: ModelConfig, tp: int = 1) -> MemoryPlan:
     conv = (cfg.conv_kernel_size - 1) * 3 * heads * d * elt
     state = cfg.num_kda_layers * (recurrent + conv)
     kv = cfg.num_mla_layers * cfg.kv_dim * elt
-    return MemoryPlan(tp, recurrent, conv, state, kv, state / kv if kv else float("inf"))
+    mtp_kv = cfg.num_nextn_predict_layers * cfg.kv_dim * elt
+    return MemoryPlan(tp, recurrent, conv, state, kv, state / kv if kv else float("inf"), mtp_kv)

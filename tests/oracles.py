@@ -6,6 +6,7 @@ by file path, and `fla` is hidden from transformers so that it takes its pure-to
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import sys
 from functools import cache
@@ -16,10 +17,11 @@ from types import ModuleType
 @cache
 def fla_naive_kda() -> ModuleType:
     """fla-core's `ops/kda/naive.py` (naive_recurrent_kda, naive_chunk_kda), loaded without importing fla."""
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("fla-core is not installed (pip install -e '.[test]')")
-    path = Path(next(iter(spec.submodule_search_locations))) / "ops" / "kda" / "naive.py"
+    # Located through the distribution, not `import fla`: transformers_module() hides fla from imports.
+    try:
+        path = Path(str(importlib.metadata.distribution("fla-core").locate_file("fla/ops/kda/naive.py")))
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ImportError("fla-core is not installed (pip install -e '.[test]')") from e
     module_spec = importlib.util.spec_from_file_location("_fla_kda_naive", path)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
