@@ -77,3 +77,19 @@ def test_greedy_outputs_equal_reference(name: str, model, workload) -> None:  # 
         assert m.retractions > 0 and m.evictions > 0
         assert eng.scheduler.pool.usage().compaction_moves > 0
     assert not eng.scheduler.running and not eng.scheduler.waiting
+
+
+@pytest.fixture(scope="module")
+def native():  # noqa: ANN201
+    m = build_model(preset("k3-tiny-native"), seed=12)
+    waves = _waves(m)
+    return m, waves, [[greedy_reference(m, p, MAX_NEW) for p in wave] for wave in waves]
+
+
+@pytest.mark.parametrize("name", ["radix", "page16_chunked", "tiny_pool"])
+def test_native_k3_greedy_outputs_equal_reference(name: str, native) -> None:  # noqa: ANN001
+    """The same runtime drives a native K3 model (AttnRes, gated MLA, safe/full-rank gates, LatentMoE)."""
+    model, waves, refs = native
+    eng = LocalEngine(ServerArgs(**CONFIGS[name]), model, check=True)
+    for wave, ref in zip(waves, refs, strict=True):
+        assert eng.generate(wave, GREEDY) == ref
