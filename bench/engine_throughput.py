@@ -10,16 +10,21 @@ from __future__ import annotations
 import argparse
 import platform
 import random
+import sys
 import time
+from pathlib import Path
 
 import orjson
 import torch
 
-from radixk3.config import preset
-from radixk3.model import build_model
-from runtime.local_engine import LocalEngine
-from runtime.messages import StepPlan, StepResult
-from runtime.server_args import ServerArgs
+# Run as a script, bench/ is sys.path[0] and bench/kernels.py would shadow the kernels package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from radixk3.config import preset  # noqa: E402
+from radixk3.model import build_model  # noqa: E402
+from runtime.local_engine import LocalEngine  # noqa: E402
+from runtime.messages import StepPlan, StepResult  # noqa: E402
+from runtime.server_args import ServerArgs  # noqa: E402
 
 
 def shared_prefix_workload(n: int, shared: int, own: int, vocab: int, seed: int = 0) -> list[list[int]]:

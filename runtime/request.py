@@ -30,6 +30,8 @@ class Req:
     branch_len: int = 0  # a prefill chunk must end here (to checkpoint the branching point)
     cached_tokens: int = 0
     decode_since_checkpoint: int = 0
+    slots: list[int] = field(default_factory=list)  # physical KV slots of the fed tokens (a plan-time cache)
+    slots_epoch: int = -1
     # Output bookkeeping.
     new_token_logprobs: list[float] = field(default_factory=list)
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -275,6 +275,7 @@ class Scheduler:
         if req.node is not None:
             self.cache.unlock(req.node)  # type: ignore[union-attr]
         req.state, req.node, req.pages, req.tree_pages = None, None, [], 0
+        req.slots_epoch = -1
 
     def _checkpoint(self, req: Req) -> None:
         """Copy the live state into a tree node at the current (page-aligned) position."""
@@ -288,6 +289,7 @@ class Scheduler:
         k = req.num_computed // self.ps
         res = self.cache.insert(req.all_ids[: req.num_computed], req.pages[:k], ckpt)
         req.pages[:k] = res.pages
+        req.slots_epoch = -1  # duplicates were swapped for the tree's pages
         req.tree_pages = k
         self.cache.lock(res.node)
         if req.node is not None:
@@ -361,7 +363,16 @@ class Scheduler:
                 k += 1
         return k
 
+    def _token_slots(self, req: Req, end: int, epoch: int) -> list[int]:
+        """Physical KV slots of req's tokens [0, end), extended incrementally: recomputed only when a
+        compaction moved pages (epoch) or the request's page list was rewritten (checkpoint, admission)."""
+        if req.slots_epoch != epoch or len(req.slots) > end:
+            req.slots, req.slots_epoch = [], epoch
+        req.slots.extend(self.pool.token_slots(req.pages, len(req.slots), end))
+        return req.slots
+
     def _plan(self, batch: list[tuple[Req, int]]) -> StepPlan:
+        epoch = self.pool.usage().compaction_moves
         ids: list[int] = []
         cu, prefix, slots, kv_slots, kv_idx, indptr = [0], [], [], [], [], [0]
         sample_rows: list[int] = []
@@ -374,7 +385,7 @@ class Scheduler:
             ids.extend(req.all_ids[a:b])
             prefix.append(a)
             slots.append(self.pool.state_slot(req.state))  # type: ignore[arg-type]
-            all_slots = self.pool.token_slots(req.pages, 0, b)
+            all_slots = self._token_slots(req, b, epoch)
             kv_slots.extend(all_slots[a:b])
             kv_idx.extend(all_slots)
             indptr.append(len(kv_idx))
