@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
+
+
+def free_device_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass
@@ -13,6 +22,7 @@ class ServerArgs:
     model: str | None = None  # checkpoint dir; None = the built-in tiny model
     page_size: int = 1
     mem_bytes: int = 64 << 20  # the unified pool per rank
+    mem_fraction: float | None = None  # if set: this share of the device's free memory instead of mem_bytes
     max_running_requests: int = 64
     chunked_prefill_size: int = 512  # prefill tokens per step
     disable_radix_cache: bool = False
@@ -25,6 +35,10 @@ class ServerArgs:
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
+        if self.mem_fraction is not None:
+            if not 0 < self.mem_fraction < 1:
+                raise ValueError("--mem-fraction must be in (0, 1)")
+            self.mem_bytes = int(free_device_bytes(self.device) * self.mem_fraction)
         if self.page_size < 1:
             raise ValueError("--page-size must be >= 1")
         if self.chunked_prefill_size < self.page_size:
@@ -41,7 +55,7 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", default=f.default)
             else:
-                kind: Any = {"int": int, "str": str, "str | None": str}.get(str(f.type), str)
+                kind: Any = {"int": int, "float | None": float}.get(str(f.type), str)
                 parser.add_argument(flag, type=kind, default=f.default)
 
     @classmethod

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from runtime.server_args import ServerArgs
+
+
+def test_cli_round_trip() -> None:
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    args = ServerArgs.from_cli_args(p.parse_args(
+        ["--page-size", "16", "--chunked-prefill-size", "256", "--disable-radix-cache", "--schedule-policy", "fcfs",
+         "--mem-bytes", "1000000", "--model", "ckpt"]))
+    assert (args.page_size, args.chunked_prefill_size, args.disable_radix_cache) == (16, 256, True)
+    assert (args.schedule_policy, args.mem_bytes, args.model) == ("fcfs", 1_000_000, "ckpt")
+    assert ServerArgs.from_cli_args(p.parse_args([])) == ServerArgs()
+
+
+def test_mem_fraction_and_bad_values() -> None:
+    assert 0 < ServerArgs(mem_fraction=0.01).mem_bytes
+    for bad in (dict(page_size=0), dict(schedule_policy="random"), dict(mem_fraction=1.5),
+                dict(page_size=64, chunked_prefill_size=32), dict(max_running_requests=0)):
+        with pytest.raises(ValueError):
+            ServerArgs(**bad)
