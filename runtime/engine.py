@@ -181,6 +181,9 @@ class Engine:
                timeout: float | None = None, **kw: Any) -> Iterator[TokenOut]:
         """TokenOut chunks of one request as they are produced; the last has `finished` set."""
         rid, pending = self._submit(self._ids_of(prompt), dict(sampling_params or {}), **kw)
+        return self._chunks(rid, pending, timeout)
+
+    def _chunks(self, rid: str, pending: _Pending, timeout: float | None) -> Iterator[TokenOut]:
         while True:
             try:
                 item = pending.queue.get(timeout=timeout)
@@ -219,20 +222,11 @@ class Engine:
                  ) -> dict[str, Any]:
         ids: list[int] = []
         meta: dict[str, Any] = {"output_token_logprobs": [], "input_token_logprobs": [], "output_top_logprobs": []}
-        while True:
-            try:
-                item = pending.queue.get(timeout=timeout)
-            except queue.Empty:
-                self.abort(rid)
-                raise TimeoutError(f"request {rid} produced nothing for {timeout}s") from None
-            if isinstance(item, EngineError):
-                raise item
+        for item in self._chunks(rid, pending, timeout):
             ids.extend(item.token_ids)
             meta["output_token_logprobs"].extend(item.logprobs)
             meta["output_top_logprobs"].extend(item.top_logprobs)
             meta["input_token_logprobs"].extend(item.input_logprobs)
-            if item.finished is not None:
-                break
         return self._result(rid, ids, item, sampling, meta)
 
     def _result(self, rid: str, ids: list[int], last: TokenOut, sampling: dict[str, Any], meta: dict[str, Any]
