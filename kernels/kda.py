@@ -17,9 +17,7 @@ from torch import Tensor
 from kernels.kda_chunk import chunk_scan, plan_chunks
 
 
-def kda_gate(
-    g_raw: Tensor, A_log: Tensor, dt_bias: Tensor | None, lower_bound: float | None = None
-) -> Tensor:
+def kda_gate(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor | None, lower_bound: float | None = None) -> Tensor:
     """Per-channel log-decay [..., H, K] fp32 from the raw gate projection [..., H, K].
 
     No bound: -exp(A_log) * softplus(g_raw + dt_bias) (softplus threshold 20, torch's default).
@@ -41,7 +39,7 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _seq_bounds(cu_seqlens: Tensor | None, total: int) -> list[int]:
+def seq_bounds(cu_seqlens: Tensor | None, total: int) -> list[int]:
     if cu_seqlens is None:
         return [0, total]
     bounds = [int(b) for b in cu_seqlens.tolist()]
@@ -73,7 +71,7 @@ def kda_recurrent(
     t_total, h, kdim = q.shape
     vdim = v.shape[-1]
     scale = kdim**-0.5 if scale is None else scale
-    bounds = _seq_bounds(cu_seqlens, t_total)
+    bounds = seq_bounds(cu_seqlens, t_total)
     n = len(bounds) - 1
     states = _initial(initial_state, n, h, kdim, vdim, q.device)
     qf, kf, vf, gf, bf = (x.float() for x in (q, k, v, g, beta))
@@ -105,7 +103,7 @@ def kda_chunked(
     t_total, h, kdim = q.shape
     vdim = v.shape[-1]
     scale = kdim**-0.5 if scale is None else scale
-    bounds = _seq_bounds(cu_seqlens, t_total)
+    bounds = seq_bounds(cu_seqlens, t_total)
     n = len(bounds) - 1
     states = _initial(initial_state, n, h, kdim, vdim, q.device)
     plan = plan_chunks(bounds, chunk_size, cuts=None, device=q.device)
@@ -122,7 +120,7 @@ def kda_step(state: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Te
     s = state * g.float().exp()[..., None]
     kf = k.float()
     ks = (kf[..., None] * s).sum(-2)
-    return s + (beta.float()[..., None] * kf)[..., None] * (v.float() - ks)[..., None, :]
+    return s.addcmul_((beta.float()[..., None] * kf)[..., None], (v.float() - ks)[..., None, :])
 
 
 def kda_read(state: Tensor, q: Tensor, scale: float) -> Tensor:

@@ -13,9 +13,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kernels.kda_intra import SUB, IntraTerms, intra_terms
+from kernels.kda_intra import SUB, intra_terms
 
-_INTRA_BUDGET = 1 << 22  # elements of the largest intra-chunk temporary per group of chunks
+_INTRA_BUDGET = 1 << 18  # elements of the largest intra-chunk temporary per group of chunks
 
 
 class ChunkPlan(NamedTuple):
@@ -40,8 +40,9 @@ def plan_chunks(
 ) -> ChunkPlan:
     """Plan chunks for sequences [bounds[i], bounds[i+1]); `cuts` = (sequence, offset) checkpoints, offset in
     [0, len]; checkpoint m is the state after the first `offset` tokens of its sequence."""
-    if chunk_size % SUB and chunk_size > SUB or chunk_size < 1:
-        raise ValueError(f"chunk_size {chunk_size} must be <= {SUB} or a multiple of it")
+    blocks = chunk_size // SUB
+    if not (1 <= chunk_size <= SUB or (chunk_size % SUB == 0 and blocks & (blocks - 1) == 0)):
+        raise ValueError(f"chunk_size {chunk_size} must be <= {SUB} or {SUB} times a power of two")
     n = len(bounds) - 1
     per_seq_cuts: list[set[int]] = [set() for _ in range(n)]
     for seq, pos in cuts or []:
@@ -106,11 +107,18 @@ def plan_chunks(
     )
 
 
-def _chunked_inputs(x: Tensor, plan: ChunkPlan) -> Tensor:
-    """Gather tokens [T, H, ...] into chunks [NC, H, C, ...] fp32, with a zero row for padding."""
-    xf = x.float()
-    padded = torch.cat([xf, xf.new_zeros(1, *xf.shape[1:])])
-    return padded[plan.token_index].transpose(1, 2).contiguous()
+def _rank_groups(plan: ChunkPlan, group: int) -> list[tuple[int, int]]:
+    """Consecutive ranks [r0, r1) holding about `group` chunks (at least one rank each)."""
+    out: list[tuple[int, int]] = []
+    ranks = len(plan.rank_offsets) - 1
+    r0 = 0
+    while r0 < ranks:
+        r1 = r0 + 1
+        while r1 < ranks and plan.rank_offsets[r1 + 1] - plan.rank_offsets[r0] <= group:
+            r1 += 1
+        out.append((r0, r1))
+        r0 = r1
+    return out
 
 
 def chunk_scan(
@@ -124,7 +132,10 @@ def chunk_scan(
     scale: float,
 ) -> tuple[Tensor, Tensor]:
     """Run the plan. `states` [N, H, K, V] fp32 holds the initial states and is advanced in place to the
-    final states. Returns (o [T, H, V] fp32, checkpoints [M, H, K, V] fp32 in the plan's checkpoint order)."""
+    final states. Returns (o [T, H, V] fp32, checkpoints [M, H, K, V] fp32 in the plan's checkpoint order).
+
+    Chunks go through in groups of whole ranks: the intra-chunk terms of a group (parallel over its chunks
+    and heads), then the group's ranks one after the other (the sequential part)."""
     t_total, h, kdim = q.shape
     vdim = v.shape[-1]
     c = plan.chunk_size
@@ -132,30 +143,33 @@ def chunk_scan(
     ckpts = states.new_empty(n_ck, h, kdim, vdim)
     if len(plan.initial_ids):
         ckpts[plan.initial_ids] = states[plan.initial_seq]
-    nc = plan.token_index.shape[0]
-    if nc == 0:
-        return q.new_zeros(t_total, h, vdim, dtype=torch.float32), ckpts
-    qc, kc, gc = (_chunked_inputs(x, plan) for x in (q, k, g))
-    vc = _chunked_inputs(v, plan)
-    bc = _chunked_inputs(beta, plan)
-    qc.mul_(scale)
-    group = max(1, _INTRA_BUDGET // (h * c * min(SUB, c) * max(kdim, vdim)))
-    parts = [intra_terms(*(x[s : s + group] for x in (qc, kc, vc, gc, bc))) for s in range(0, nc, group)]
-    terms = IntraTerms(*(torch.cat(xs) if len(parts) > 1 else xs[0] for xs in zip(*parts, strict=True)))
-    out = torch.empty(nc, h, c, vdim, dtype=torch.float32, device=q.device)
-    for r in range(len(plan.rank_offsets) - 1):
-        lo, hi = plan.rank_offsets[r], plan.rank_offsets[r + 1]
-        seqs = plan.chunk_seq[lo:hi]
-        s = states if plan.rank_full[r] else states[seqs]
-        v_new = terms.u[lo:hi] - terms.w[lo:hi] @ s
-        out[lo:hi] = terms.qg[lo:hi] @ s + terms.a_qk[lo:hi] @ v_new
-        s = terms.decay[lo:hi, ..., None] * s + terms.kd[lo:hi].transpose(-1, -2) @ v_new
-        if plan.rank_full[r]:
-            states.copy_(s)
-        else:
-            states[seqs] = s
-        if len(plan.emit_ids[r]):
-            ckpts[plan.emit_ids[r]] = s[plan.emit_local[r]]
-    o = torch.empty(t_total + 1, h, vdim, dtype=torch.float32, device=q.device)
-    o[plan.token_index.reshape(-1)] = out.transpose(1, 2).reshape(nc * c, h, vdim)
+    o = torch.empty(t_total + 1, h, vdim, dtype=torch.float32, device=q.device)  # row T takes the padding
+    inputs = [x.float() for x in (q, k, v, g, beta)]
+    group = max(1, _INTRA_BUDGET // (h * c * max(kdim, vdim)))
+    for r0, r1 in _rank_groups(plan, group):
+        base, end = plan.rank_offsets[r0], plan.rank_offsets[r1]
+        idx = plan.token_index[base:end]
+        pad = idx == t_total
+        rows = idx.masked_fill(pad, 0)
+        # [n, H, C, ...]; padding rows zeroed (k = v = g = beta = 0 leaves the state alone)
+        qc, kc, vc, gc, bc = (
+            x[rows].masked_fill_(pad.view(*pad.shape, *[1] * (x.dim() - 1)), 0.0).transpose(1, 2).contiguous()
+            for x in inputs
+        )
+        terms = intra_terms(qc * scale, kc, vc, gc, bc)
+        out = torch.empty(end - base, h, c, vdim, dtype=torch.float32, device=q.device)
+        for r in range(r0, r1):
+            lo, hi = plan.rank_offsets[r] - base, plan.rank_offsets[r + 1] - base
+            seqs = plan.chunk_seq[lo + base : hi + base]
+            s = states if plan.rank_full[r] else states[seqs]
+            v_new = terms.u[lo:hi] - terms.w[lo:hi] @ s
+            out[lo:hi] = terms.qg[lo:hi] @ s + terms.a_qk[lo:hi] @ v_new
+            s = terms.decay[lo:hi, ..., None] * s + terms.kd[lo:hi].transpose(-1, -2) @ v_new
+            if plan.rank_full[r]:
+                states.copy_(s)
+            else:
+                states[seqs] = s
+            if len(plan.emit_ids[r]):
+                ckpts[plan.emit_ids[r]] = s[plan.emit_local[r]]
+        o[idx.reshape(-1)] = out.transpose(1, 2).reshape(-1, h, vdim)
     return o[:t_total], ckpts

@@ -1,13 +1,18 @@
 """Intra-chunk terms of chunked KDA: pairwise decayed products, the UT transform, the scan's operands.
 
 The decay between tokens j <= i of a chunk is exp(G_i - G_j) per key channel (G = in-chunk cumulative
-log-decay). Two exact ways to form sum_d x_i[d] k_j[d] exp(G_i[d] - G_j[d]):
-- factored: (x_i exp(G_i - r)) . (k_j exp(r - G_j)) with r = G at the chunk's midpoint, one matmul. Used for a
-  (chunk, head) only when every |G_i - r| <= SAFE_EXP, so no factor overflows or underflows;
-- exact: for chunks with fast-decaying channels, 16-token sub-blocks: off-diagonal blocks split at a point r
-  between i and j (both factors <= 1), diagonal blocks materialise the pairwise decays.
-Exponents are always sums of log-decays over the tokens between two points, summed directly (a 0/1 matrix
-product): G_i - G_j as a difference of cumulative sums cancels catastrophically when a channel decays fast.
+log-decay). Split naively as exp(G_i) * exp(-G_j) in fp32 it overflows with per-channel decays and, worse,
+loses the difference of two large exponents to rounding. sum_d x_i[d] k_j[d] exp(G_i - G_j) is formed, per
+(chunk, head), by the cheapest exact way its decays allow:
+- factored: (x_i exp(G_i - r)) . (k_j exp(r - G_j)), r = the midrange of G over the chunk, one matmul. The
+  exponents come from a float64 cumulative sum, so their rounding (1e-16 relative) stays far below fp32's;
+  the matmul runs in fp32 when every channel's range of G is <= RANGE_FP32 (factors within fp32's range),
+  in float64 up to RANGE_FP64;
+- blocked, beyond that: 16-token sub-blocks; an off-diagonal block splits at a point r between i and j, where
+  both factors are <= 1 and exact in fp32 whatever the decay; each diagonal block goes through these same
+  tiers as a chunk of its own, and a block that still decays too fast materialises its pairwise decays.
+Exponents of the blocked path are sums of log-decays over the tokens between two points, summed directly
+(a 0/1 matrix product), never differences of large cumulative sums.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-SUB = 16  # sub-block size of the exact path
-SAFE_EXP = 80.0  # exp(+-80) stays a normal fp32 with room for a K-term sum
+SUB = 16  # sub-block size of the blocked path and of the triangular inverse
+RANGE_FP32 = 160.0  # factors exp(+-80) stay normal fp32 numbers
+RANGE_FP64 = 1400.0  # factors exp(+-700) stay normal float64 numbers
 
 
 class IntraTerms(NamedTuple):
@@ -47,81 +53,133 @@ def _span_sums(g: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
     return (_span_matrix(lo, hi, g.shape[-2]) @ flat).view(-1, *g.shape[:-2], g.shape[-1])
 
 
-def _pairwise_factored(q: Tensor, k: Tensor, e: Tensor) -> tuple[Tensor, Tensor]:
-    """q, k, e [B, C, K] with e = G - r (|e| <= SAFE_EXP): unmasked [B, C, C] products."""
-    up, down = e.exp(), (-e).exp()
+def _factored(q: Tensor, k: Tensor, e: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """q, k [B, C, K], e = G - r float64 (|e| within `dtype`'s exp range): unmasked [B, C, C] fp32.
+    The exponentials are taken in float64 and rounded once, so each factor carries one rounding."""
+    up, down = e.exp().to(dtype), (-e).exp_().to(dtype)
+    q, k = q.to(dtype), k.to(dtype)
     kc = (k * down).transpose(-1, -2)
-    return (q * up) @ kc, (k * up) @ kc
+    return ((q * up) @ kc).float(), ((k * up) @ kc).float()
 
 
-def _pairwise_exact(q: Tensor, k: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-    """q, k, g [B, C, K]: [B, C, C] products, exact for any decay (see the module docstring)."""
+def _materialised(q: Tensor, k: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """One block per row of the batch, q, k, g [B, c, K] (c <= SUB): the pairwise decays of j <= i, exact."""
     bsz, c, kdim = q.shape
-    sub = min(SUB, c)
-    nb = c // sub
-    dev = q.device
-    m = bsz * nb
-    # Diagonal sub-blocks, pairs j <= i only, laid out [pair, block, K].
-    ii, jj = torch.tril_indices(sub, sub, device=dev)
-    qt, kt, gt = (x.reshape(m, sub, kdim).transpose(0, 1).contiguous() for x in (q, k, g))
-    ek = (_span_matrix(jj, ii, sub) @ gt.view(sub, -1)).view(-1, m, kdim).exp_().mul_(kt[jj])
-    a_diag = torch.zeros(2, m, sub * sub, dtype=q.dtype, device=dev)
-    a_diag[0][:, ii * sub + jj] = (qt[ii] * ek).sum(-1).T
-    a_diag[1][:, ii * sub + jj] = ek.mul_(kt[ii]).sum(-1).T
-    a_diag = a_diag.view(2, bsz, nb, sub, sub)
-    a = torch.zeros(2, bsz, nb, sub, c, dtype=q.dtype, device=dev)
+    ii, jj = torch.tril_indices(c, c, device=q.device)
+    qt, kt, gt = (x.transpose(0, 1).contiguous() for x in (q, k, g))  # [c, B, K]
+    ek = (_span_matrix(jj, ii, c) @ gt.view(c, -1)).view(-1, bsz, kdim).exp_().mul_(kt[jj])  # [pairs, B, K]
+    out = torch.zeros(2, bsz, c * c, dtype=q.dtype, device=q.device)
+    out[0][:, ii * c + jj] = (qt[ii] * ek).sum(-1).T
+    out[1][:, ii * c + jj] = ek.mul_(kt[ii]).sum(-1).T
+    return out[0].view(bsz, c, c), out[1].view(bsz, c, c)
+
+
+def _blocked(q: Tensor, k: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """q, k, g [B, C, K], C a multiple of SUB: diagonal sub-blocks through `_pairwise`, off-diagonal blocks
+    split at a point between their rows and columns."""
+    bsz, c, kdim = q.shape
+    nb = c // SUB
+    dq, dk = _pairwise(*(x.reshape(bsz * nb, SUB, kdim) for x in (q, k, g)))
+    a = torch.zeros(2, bsz, nb, SUB, c, dtype=q.dtype, device=q.device)
     for b in range(nb):
-        a[:, :, b, :, b * sub : (b + 1) * sub] = a_diag[:, :, b]
+        cols = slice(b * SUB, (b + 1) * SUB)
+        a[0, :, b, :, cols] = dq.view(bsz, nb, SUB, SUB)[:, b]
+        a[1, :, b, :, cols] = dk.view(bsz, nb, SUB, SUB)[:, b]
     for b in range(1, nb):
-        # Row block b against columns j < b*sub, split at r = the end of block b-1:
-        # exp(G_i - r) (the span r..i) times exp(r - G_j) (the span j..r), both <= 1.
-        r = b * sub - 1
-        rows_i = torch.arange(r + 1, r + 1 + sub, device=dev)
-        cols_j = torch.arange(r + 1, device=dev)
-        rows = _span_sums(g, torch.full_like(rows_i, r), rows_i).movedim(0, -2).exp_()  # [B, sub, K]
+        # rows of block b against columns j < b*SUB, split at r = the end of block b-1:
+        # exp(G_i - r) (the span r..i) times exp(r - G_j) (the span j..r), both <= 1
+        r = b * SUB - 1
+        rows_i = torch.arange(r + 1, r + 1 + SUB, device=q.device)
+        cols_j = torch.arange(r + 1, device=q.device)
+        rows = _span_sums(g, torch.full_like(rows_i, r), rows_i).movedim(0, -2).exp_()  # [B, SUB, K]
         cols = _span_sums(g, cols_j, torch.full_like(cols_j, r)).movedim(0, -2).exp_()  # [B, r+1, K]
         kc = (k[:, : r + 1] * cols).transpose(-1, -2)
-        blk = slice(b * sub, (b + 1) * sub)
+        blk = slice(b * SUB, (b + 1) * SUB)
         a[0, :, b, :, : r + 1] = (q[:, blk] * rows) @ kc
         a[1, :, b, :, : r + 1] = (k[:, blk] * rows) @ kc
     return a[0].view(bsz, c, c), a[1].view(bsz, c, c)
 
 
-def _pairwise(q: Tensor, k: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-    """[G, H, C, K] -> unmasked (A_qk, A_kk) [G, H, C, C], factored where safe and exact elsewhere."""
-    g_, h, c, kdim = q.shape
-    t = torch.arange(c, device=q.device)
-    mid = torch.full_like(t, (c - 1) // 2)
-    e = _span_sums(g, mid, t).movedim(0, -2)  # G_i - G_mid
-    safe = e.abs().amax(dim=(-2, -1)) <= SAFE_EXP  # [G, H]
-    if bool(safe.all()):
-        return _pairwise_factored(q, k, e)
-    a_qk = torch.empty(g_, h, c, c, dtype=q.dtype, device=q.device)
+def _pairwise(q: Tensor, k: Tensor, g: Tensor, cum: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """q, k, g [B, C, K] -> unmasked (A_qk, A_kk) [B, C, C], each row of the batch by its cheapest exact tier.
+    `cum`: g's float64 cumulative sum along C, if the caller has it."""
+    cum = g.double().cumsum(-2) if cum is None else cum
+    hi, lo = cum.amax(-2, keepdim=True), cum.amin(-2, keepdim=True)
+    e = cum - (hi + lo) / 2
+    rng = (hi - lo).amax(-1).squeeze(-1)  # [B]
+    fallback = _blocked if q.shape[1] > SUB else _materialised
+    tiers = (
+        (rng <= RANGE_FP32, lambda *x: _factored(*x, torch.float32), (q, k, e)),
+        ((rng > RANGE_FP32) & (rng <= RANGE_FP64), lambda *x: _factored(*x, torch.float64), (q, k, e)),
+        (rng > RANGE_FP64, fallback, (q, k, g)),
+    )
+    for mask, fn, args in tiers:
+        if bool(mask.all()):
+            return fn(*args)
+    a_qk = q.new_empty(*q.shape[:-1], q.shape[-2])
     a_kk = torch.empty_like(a_qk)
-    for mask, fn, args in ((safe, _pairwise_factored, (q, k, e)), (~safe, _pairwise_exact, (q, k, g))):
+    for mask, fn, args in tiers:
         if bool(mask.any()):
             a_qk[mask], a_kk[mask] = fn(*(x[mask] for x in args))
     return a_qk, a_kk
 
 
-def intra_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> IntraTerms:
-    """q (already scaled), k, g [G, H, C, K], v [G, H, C, V], beta [G, H, C]."""
-    c, kdim = q.shape[-2:]
-    a_qk, a_kk = _pairwise(q, k, g)
-    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+def _unit_lower_inverse(a: Tensor) -> Tensor:
+    """(I + a)^-1 for strictly lower-triangular a [B, C, C]: forward substitution inside 16-row diagonal
+    blocks, then blocks merged pairwise, [[X1, 0], [A21, X2]] -> [[X1, 0], [-X2 A21 X1, X2]] (batched matmuls;
+    a batched triangular solve loops over the batch and is much slower on small chunks)."""
+    bsz, c, _ = a.shape
+    s = min(SUB, c)
+    nb = c // s
+    diag = torch.stack([a[:, b * s : (b + 1) * s, b * s : (b + 1) * s] for b in range(nb)], 1)  # [B, nb, s, s]
+    x = torch.eye(s, dtype=a.dtype, device=a.device).repeat(bsz, nb, 1, 1)
+    for i in range(1, s):
+        x[..., i, :i] = -(diag[..., i : i + 1, :i] @ x[..., :i, :i]).squeeze(-2)
+    inv = a.new_zeros(bsz, c, c)
+    for b in range(nb):
+        inv[:, b * s : (b + 1) * s, b * s : (b + 1) * s] = x[:, b]
+    size = s
+    while size < c:
+        for o in range(0, c, 2 * size):
+            top, bot = slice(o, o + size), slice(o + size, o + 2 * size)
+            inv[:, bot, top] = -(inv[:, bot, bot] @ a[:, bot, top]) @ inv[:, top, top]
+        size *= 2
+    return inv
+
+
+def _solve(a_qk: Tensor, a_kk: Tensor, k: Tensor, v: Tensor, beta: Tensor, eg: Tensor) -> tuple[Tensor, ...]:
+    """Mask the pairwise products, apply the UT transform: (A_qk, W, U)."""
+    c, kdim = k.shape[-2:]
+    lower = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()
     a_qk = a_qk.masked_fill_(~lower, 0.0)
     a_kk = (a_kk * beta[..., None]).masked_fill_(~lower.tril(-1), 0.0)
-    eg = g.cumsum(2).exp_()  # exp(G_i): a running sum of like-signed terms, no cancellation
-    rhs = torch.cat([beta[..., None] * eg * k, beta[..., None] * v], dim=-1)
-    # (I + A_kk) X = rhs: unit lower-triangular, so the zero diagonal of a_kk is never read.
-    x = torch.linalg.solve_triangular(a_kk, rhs, upper=False, unitriangular=True)
-    t = torch.arange(c, device=q.device)
-    to_last = _span_matrix(t, torch.full_like(t, c - 1), c) @ g  # G_last - G_i
-    return IntraTerms(
-        qg=q * eg,
-        a_qk=a_qk,
-        w=x[..., :kdim],
-        u=x[..., kdim:],
-        kd=k * to_last.exp_(),
-        decay=g.sum(2).exp(),
-    )
+    rhs = k.new_empty(*k.shape[:-1], kdim + v.shape[-1])  # [beta eg k | beta v], without torch.cat (slow)
+    b = beta[..., None]
+    torch.mul(b * eg, k, out=rhs[..., :kdim])
+    torch.mul(b, v, out=rhs[..., kdim:])
+    x = (_unit_lower_inverse(a_kk.flatten(0, 1)) @ rhs.flatten(0, 1)).view_as(rhs)
+    return a_qk, x[..., :kdim], x[..., kdim:]
+
+
+def intra_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> IntraTerms:
+    """q (already scaled), k, g [G, H, C, K], v [G, H, C, V], beta [G, H, C]."""
+    c = q.shape[-2]
+    # float64 (differences of it lose nothing to cancellation), as a matmul (torch's cumsum is slow here)
+    cum = torch.ones(c, c, dtype=torch.float64, device=g.device).tril() @ g.double()
+    hi, lo = cum.amax(2, keepdim=True), cum.amin(2, keepdim=True)
+    if bool(((hi - lo) <= RANGE_FP32).all()):
+        # The common case, every (chunk, head) factored in fp32: every exponential comes from the two factors
+        # exp(+-(G - r)) and exp(r), each taken in float64 and rounded once.
+        mid = (hi + lo) / 2
+        e = cum - mid
+        up, down, er = e.exp().float(), (-e).exp_().float(), mid.exp().float()
+        kc = (k * down).transpose(-1, -2)
+        a_qk, w, u = _solve((q * up) @ kc, (k * up) @ kc, k, v, beta, up * er)
+        last = up[:, :, -1:]
+        return IntraTerms(q * up * er, a_qk, w, u, k * (last * down), (last * er).squeeze(2))
+    flat = (x.flatten(0, 1) for x in (q, k, g, cum))
+    a_qk, a_kk = (a.view(*q.shape[:-1], c) for a in _pairwise(*flat))
+    eg = cum.exp().float()
+    a_qk, w, u = _solve(a_qk, a_kk, k, v, beta, eg)
+    last = cum[:, :, -1:]
+    return IntraTerms(q * eg, a_qk, w, u, k * (last - cum).exp_().float(), last.squeeze(2).exp().float())

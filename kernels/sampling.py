@@ -1,5 +1,14 @@
-"""Batched sampling with per-request parameters (torch reference): penalties, temperature, top-k, top-p,
-min-p, per-request seeds, greedy; logprobs of the chosen tokens and top-k logprobs.
+"""Batched sampling with per-request parameters: penalties, temperature, top-k, top-p, min-p, per-request
+seeds, greedy; logprobs of the chosen tokens and top-k logprobs.
+
+Steps per row: penalties on the raw logits (frequency and presence: OpenAI style; repetition: CTRL style,
+over the row's generated tokens); greedy (temperature <= 0 or top_k == 1) takes the argmax; otherwise
+z = logits / temperature and the kept set is z >= the row's cut-off (top-k: the k-th largest z, top-p: the
+smallest z of the shortest prefix by probability whose mass reaches top_p, min-p: p >= min_p * p_max; ties
+at a cut-off are kept), then a Gumbel-max draw: argmax over kept tokens of z + G, G = -log(-log u).
+u comes from a counter-based hash of (seed, step, token id), so a seeded request draws the same tokens
+whatever batch it shares and on either backend; unseeded rows get a seed from torch's global generator.
+Logprobs are of the raw (unpenalised, untempered) distribution.
 """
 
 from __future__ import annotations
@@ -9,6 +18,12 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from kernels.backend import kernel_backend
+
+MASK32 = 0xFFFFFFFF
+HASH_MUL1 = 0x7FEB352D  # both < 2**31: a 32-bit value times either fits an int64 exactly
+HASH_MUL2 = 0x68E31DA4
 
 
 @dataclass(frozen=True)
@@ -33,62 +48,136 @@ class SampleResult(NamedTuple):
     top_logprobs: Tensor  # [N, k] fp32
 
 
+class SamplingTensors(NamedTuple):
+    """The rows' parameters as [N] tensors on the logits' device."""
+
+    temperature: Tensor
+    top_k: Tensor  # int64, <= 0: off
+    top_p: Tensor
+    min_p: Tensor
+    frequency_penalty: Tensor
+    presence_penalty: Tensor
+    repetition_penalty: Tensor
+    greedy: Tensor  # bool
+    seed: Tensor  # int64 in [0, 2**63)
+    step: Tensor  # int64
+
+    @staticmethod
+    def build(rows: list[SamplingRow], device: torch.device) -> SamplingTensors:
+        unseeded = sum(r.seed is None for r in rows)
+        fresh = torch.randint(0, 2**62, (unseeded,)).tolist() if unseeded else []
+        seeds = [r.seed if r.seed is not None else fresh.pop() for r in rows]
+
+        def col(vals: list[float] | list[int] | list[bool], dtype: torch.dtype) -> Tensor:
+            return torch.tensor(vals, dtype=dtype, device=device)
+
+        return SamplingTensors(
+            temperature=col([r.temperature for r in rows], torch.float32),
+            top_k=col([r.top_k for r in rows], torch.int64),
+            top_p=col([r.top_p for r in rows], torch.float32),
+            min_p=col([r.min_p for r in rows], torch.float32),
+            frequency_penalty=col([r.frequency_penalty for r in rows], torch.float32),
+            presence_penalty=col([r.presence_penalty for r in rows], torch.float32),
+            repetition_penalty=col([r.repetition_penalty for r in rows], torch.float32),
+            greedy=col([r.temperature <= 0.0 or r.top_k == 1 for r in rows], torch.bool),
+            seed=col([s % 2**63 for s in seeds], torch.int64),
+            step=col([r.step for r in rows], torch.int64),
+        )
+
+
+def output_counts(history: list[list[int]], vocab: int, device: torch.device) -> Tensor:
+    """[N, V] fp32 occurrence counts of each row's generated tokens."""
+    counts = torch.zeros(len(history), vocab, dtype=torch.float32, device=device)
+    for i, hist in enumerate(history):
+        if hist:
+            ids = torch.tensor(hist, dtype=torch.int64, device=device)
+            counts[i].index_add_(0, ids, torch.ones(len(hist), device=device))
+    return counts
+
+
+def _mix(x: Tensor) -> Tensor:
+    """A 32-bit integer mixer on int64 tensors holding values < 2**32."""
+    x = x ^ (x >> 16)
+    x = (x * HASH_MUL1) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * HASH_MUL2) & MASK32
+    return x ^ (x >> 16)
+
+
+def hash_uniform(seed: Tensor, step: Tensor, vocab: int) -> Tensor:
+    """u in (0, 1) per (row, token), [N, V] fp32, a function of (seed, step, token id) only."""
+    h = _mix((seed & MASK32) ^ _mix((seed >> 32) & MASK32))
+    h = _mix(h ^ (step & MASK32))
+    tok = torch.arange(vocab, dtype=torch.int64, device=seed.device)
+    h = _mix(h[:, None] ^ tok[None, :])
+    return ((h >> 9).float() + 0.5) * 2.0**-23  # exact in fp32
+
+
+def penalized(logits: Tensor, p: SamplingTensors, counts: Tensor | None) -> Tensor:
+    out = logits.float().clone()
+    if counts is None:
+        return out
+    seen = counts > 0
+    out -= p.frequency_penalty[:, None] * counts + p.presence_penalty[:, None] * seen.float()
+    rep = p.repetition_penalty[:, None]
+    return torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
+
+
+def cutoffs(z: Tensor, p: SamplingTensors) -> Tensor:
+    """Per-row z cut-off of top-k and top-p ([N] fp32, -inf where neither applies); rows need sorting only if
+    they use top-k or top-p."""
+    cut = torch.full((z.shape[0],), float("-inf"), device=z.device)
+    need = ((p.top_k > 0) | (p.top_p < 1.0)) & ~p.greedy
+    if not bool(need.any()):
+        return cut
+    rows = need.nonzero().squeeze(1)
+    zs, _ = z[rows].sort(dim=-1, descending=True)
+    vocab = z.shape[1]
+    k = torch.where(p.top_k[rows] > 0, p.top_k[rows].clamp(max=vocab), vocab)
+    probs = zs.softmax(-1)
+    before = probs.cumsum(-1) - probs  # mass strictly before each sorted position
+    in_p = (before < p.top_p[rows, None]).sum(-1).clamp(min=1)  # the first token always stays
+    last = torch.minimum(k, in_p) - 1
+    cut[rows] = zs.gather(1, last[:, None]).squeeze(1)
+    return cut
+
+
+def select_torch(z: Tensor, adjusted: Tensor, p: SamplingTensors, cut: Tensor) -> Tensor:
+    """Greedy rows: argmax of the penalised logits; others: the Gumbel-max draw among kept tokens."""
+    zmax = z.max(-1, keepdim=True).values
+    keep = z >= cut[:, None]
+    keep &= (p.min_p[:, None] <= 0) | (z >= zmax + torch.log(p.min_p[:, None]))
+    gumbel = -torch.log(-torch.log(hash_uniform(p.seed, p.step, z.shape[1])))
+    drawn = torch.where(keep, z + gumbel, float("-inf")).argmax(-1)
+    return torch.where(p.greedy, adjusted.argmax(-1), drawn)
+
+
 def apply_penalties(logits: Tensor, rows: list[SamplingRow], history: list[list[int]]) -> Tensor:
-    """OpenAI-style frequency/presence penalties and CTRL-style repetition penalty over generated tokens."""
-    out = logits.clone()
-    for i, (p, hist) in enumerate(zip(rows, history, strict=True)):
-        if not hist or (p.frequency_penalty == 0 and p.presence_penalty == 0 and p.repetition_penalty == 1):
-            continue
-        ids = torch.tensor(hist, device=logits.device)
-        counts = torch.bincount(ids, minlength=logits.shape[-1]).to(logits.dtype)
-        seen = counts > 0
-        out[i] -= p.frequency_penalty * counts + p.presence_penalty * seen.to(logits.dtype)
-        if p.repetition_penalty != 1:
-            row = out[i]
-            pen = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            out[i] = torch.where(seen, pen, row)
-    return out
-
-
-def _filter(probs: Tensor, p: SamplingRow) -> Tensor:
-    """Zero out what top-k, top-p and min-p exclude (probs of one row, sorted descending order not assumed)."""
-    sorted_p, order = probs.sort(descending=True)
-    keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    if p.top_k > 0:
-        keep[p.top_k :] = False
-    if p.top_p < 1.0:
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        keep &= (sorted_p.cumsum(0) - sorted_p) < p.top_p
-    if p.min_p > 0.0:
-        keep &= sorted_p >= p.min_p * sorted_p[0]
-    keep[0] = True
-    out = torch.zeros_like(probs)
-    out[order[keep]] = sorted_p[keep]
-    return out
+    """Penalised logits [N, V] fp32 (frequency, presence and repetition penalties over generated tokens)."""
+    p = SamplingTensors.build(rows, logits.device)
+    return penalized(logits, p, output_counts(history, logits.shape[-1], logits.device))
 
 
 def sample(
     logits: Tensor, rows: list[SamplingRow], history: list[list[int]] | None = None, top_logprobs_num: int = 0
 ) -> SampleResult:
-    """logits [N, V] -> one token per row. Logprobs are of the unpenalised, untempered distribution."""
-    logits = logits.float()
-    logprobs_all = logits.log_softmax(-1)
-    adjusted = apply_penalties(logits, rows, history) if history is not None else logits
-    tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
-    for i, p in enumerate(rows):
-        if p.temperature <= 0.0 or p.top_k == 1:
-            tokens[i] = adjusted[i].argmax()
-            continue
-        probs = _filter((adjusted[i] / p.temperature).softmax(-1), p)
-        gen = None
-        if p.seed is not None:
-            gen = torch.Generator(device=logits.device).manual_seed((p.seed * 1_000_003 + p.step) % (2**63))
-        tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
+    """logits [N, V] -> one token per row (see the module docstring)."""
+    n, vocab = logits.shape
+    p = SamplingTensors.build(rows, logits.device)
+    wants_pen = any(r.frequency_penalty or r.presence_penalty or r.repetition_penalty != 1.0 for r in rows)
+    counts = output_counts(history, vocab, logits.device) if history is not None and wants_pen else None
+    if kernel_backend(logits.device) == "triton":
+        from kernels.sampling_triton import sample_tokens_triton
+
+        tokens = sample_tokens_triton(logits, p, counts)
+    else:
+        adjusted = penalized(logits, p, counts)
+        z = adjusted / torch.where(p.greedy, 1.0, p.temperature)[:, None]
+        tokens = select_torch(z, adjusted, p, cutoffs(z, p))
+    logprobs_all = logits.float().log_softmax(-1)
     chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
     if top_logprobs_num > 0:
         top = logprobs_all.topk(top_logprobs_num, dim=-1)
-        top_ids, top_lp = top.indices, top.values
-    else:
-        top_ids = torch.empty(len(rows), 0, dtype=torch.int64, device=logits.device)
-        top_lp = torch.empty(len(rows), 0, device=logits.device)
-    return SampleResult(tokens, chosen, top_ids, top_lp)
+        return SampleResult(tokens, chosen, top.indices, top.values)
+    empty = torch.empty(n, 0, device=logits.device)
+    return SampleResult(tokens, chosen, empty.long(), empty)

@@ -1,0 +1,165 @@
+"""KDA over pool-resident states: varlen prefill with checkpoints, in-place decode, and replay.
+
+State pool per KDA layer: [num_slots, H, K, V] fp32; a sequence names its slot. Each op dispatches once
+(`backend.kernel_backend`) to its torch reference here or to the Triton kernel in `kda_triton`.
+
+Replay (ReplaySSM): advance a slot's state over saved per-token inputs, the first n of them; it runs the
+same per-token code as decode, so on one backend replay and decode agree bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from kernels.backend import kernel_backend
+from kernels.kda import kda_gate, kda_read, kda_step, l2norm, seq_bounds
+from kernels.kda_chunk import chunk_scan, plan_chunks
+from kernels.state_checkpoints import StateCheckpoints, check_num_tokens, check_slots
+
+
+class KDAGate(NamedTuple):
+    """Gate parameters for computing the decay inside decode/replay from the raw gate projection."""
+
+    A_log: Tensor  # H elements
+    dt_bias: Tensor | None  # [H*K]
+    lower_bound: float | None = None
+
+
+class StepInputs(NamedTuple):
+    """What decode/replay consume per token, after the optional in-kernel preprocessing."""
+
+    k: Tensor
+    v: Tensor
+    g: Tensor
+    beta: Tensor
+
+
+def _initial_states(pool: Tensor, slots: Tensor, has_initial_state: Tensor | None) -> Tensor:
+    s = pool[slots].float()
+    if has_initial_state is None:
+        return s
+    # where, not a product: a fresh slot may hold anything, NaN included
+    return torch.where(has_initial_state.view(-1, 1, 1, 1).bool(), s, torch.zeros((), device=s.device))
+
+
+def kda_prefill(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    *,
+    state_slots: Tensor,
+    cu_seqlens: Tensor | None = None,
+    has_initial_state: Tensor | None = None,
+    checkpoints: StateCheckpoints | None = None,
+    scale: float | None = None,
+    commit: bool = True,
+    chunk_size: int = 64,
+) -> Tensor:
+    """Chunked KDA over packed sequences (inputs as `kda.kda_chunked`) with states in `state_pool`.
+
+    Sequence i starts from state_pool[state_slots[i]] (zeros where has_initial_state[i] is False; None = all
+    True) and, if `commit`, ends there. Checkpoints are written to their slots. Returns o [T, H, V]."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    n = 1 if cu_seqlens is None else len(cu_seqlens) - 1
+    if len(state_slots) != n:
+        raise ValueError(f"{len(state_slots)} state slots for {n} sequences")
+    check_slots(state_slots, checkpoints, state_pool.shape[0])
+    if kernel_backend(q.device) == "triton":
+        from kernels.kda_triton import kda_prefill_triton
+
+        return kda_prefill_triton(
+            q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_initial_state, checkpoints, scale, commit
+        )
+    bounds = seq_bounds(cu_seqlens, q.shape[0])
+    states = _initial_states(state_pool, state_slots, has_initial_state)
+    plan = plan_chunks(bounds, chunk_size, checkpoints.pairs() if checkpoints is not None else None, q.device)
+    o, ck_states = chunk_scan(q, k, v, g, beta, states, plan, scale)
+    if checkpoints is not None and len(checkpoints.slot):
+        state_pool[checkpoints.slot] = ck_states.to(state_pool.dtype)
+    if commit:
+        state_pool[state_slots] = states.to(state_pool.dtype)
+    return o.to(v.dtype)
+
+
+def preprocess_step(
+    k: Tensor, v: Tensor, g: Tensor, beta: Tensor, gate: KDAGate | None, beta_logits: bool, qk_l2norm: bool
+) -> StepInputs:
+    """The optional in-kernel preprocessing of one token per sequence, [N, H, ...]."""
+    if gate is not None:
+        g = kda_gate(g, gate.A_log, gate.dt_bias, gate.lower_bound)
+    if beta_logits:
+        beta = torch.sigmoid(beta.float())
+    return StepInputs(l2norm(k) if qk_l2norm else k, v, g, beta)
+
+
+def kda_decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_slots: Tensor,
+    *,
+    scale: float | None = None,
+    gate: KDAGate | None = None,
+    beta_logits: bool = False,
+    qk_l2norm: bool = False,
+) -> Tensor:
+    """One token per sequence (q, k, g [N, H, K], v [N, H, V], beta [N, H]), state updated in its slot.
+
+    With `gate`, g is the raw gate projection and the decay is computed here; with `beta_logits`, beta is
+    sigmoided here; with `qk_l2norm`, q and k are L2-normalised here. Returns o [N, H, V] in v's dtype."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    check_slots(state_slots, None, state_pool.shape[0])
+    if kernel_backend(q.device) == "triton":
+        from kernels.kda_triton import kda_recurrent_pool_triton
+
+        o = kda_recurrent_pool_triton(
+            q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], state_pool, state_slots,
+            torch.ones_like(state_slots), scale, gate, beta_logits, qk_l2norm,
+        )  # fmt: skip
+        return o[:, 0].to(v.dtype)
+    step = preprocess_step(k, v, g, beta, gate, beta_logits, qk_l2norm)
+    s = kda_step(state_pool[state_slots].float(), *step)
+    state_pool[state_slots] = s.to(state_pool.dtype)
+    return kda_read(s, l2norm(q) if qk_l2norm else q, scale).to(v.dtype)
+
+
+def kda_replay(
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_slots: Tensor,
+    num_tokens: Tensor,
+    *,
+    gate: KDAGate | None = None,
+    beta_logits: bool = False,
+    qk_l2norm: bool = False,
+) -> None:
+    """Advance each slot's state over the first num_tokens[i] of its saved tokens, in place.
+
+    k, g [N, L, H, K], v [N, L, H, V], beta [N, L, H]: the same per-token inputs decode takes (raw where the
+    flags say so); num_tokens [N] int64 in [0, L]. Equals decode over those tokens bit for bit."""
+    check_slots(state_slots, None, state_pool.shape[0])
+    check_num_tokens(num_tokens, k.shape[1])
+    if kernel_backend(k.device) == "triton":
+        from kernels.kda_triton import kda_recurrent_pool_triton
+
+        kda_recurrent_pool_triton(
+            None, k, v, g, beta, state_pool, state_slots, num_tokens, 1.0, gate, beta_logits, qk_l2norm
+        )
+        return
+    s = state_pool[state_slots].float()
+    for t in range(max(num_tokens.tolist(), default=0)):
+        step = preprocess_step(k[:, t], v[:, t], g[:, t], beta[:, t], gate, beta_logits, qk_l2norm)
+        s = torch.where((num_tokens > t).view(-1, 1, 1, 1), kda_step(s, *step), s)
+    state_pool[state_slots] = s.to(state_pool.dtype)

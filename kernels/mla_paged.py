@@ -1,0 +1,99 @@
+"""MLA over a paged latent KV buffer: the store of new latent rows, prefill and decode attention.
+
+Per MLA layer the buffer is [num_kv_slots, R + Dr] (c_kv already RMS-normalised | k_pe, unrotated: NoPE).
+A page table maps sequence positions to slots: slot(i, p) = block_table[i, p // page_size] * page_size
++ p % page_size (page_size 1: one slot per token). Sequence i holds kv_lens[i] cached tokens (its prefix and
+this step's new tokens, stored first); its queries are its last q_len tokens, causal in that alignment.
+Torch: gather then `mla.mla_attention` (prefill expanded, decode absorbed). Triton: one absorbed-form kernel
+(MQA over the latent) for both, in `mla_triton`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from kernels.backend import kernel_backend
+from kernels.mla import mla_attention
+
+
+class PagedKV(NamedTuple):
+    block_table: Tensor  # [N, max_pages] int64 page ids
+    kv_lens: Tensor  # [N] int64 cached tokens per sequence, this step's included
+    page_size: int
+
+
+def paged_slots(block_table: Tensor, seq: Tensor, pos: Tensor, page_size: int) -> Tensor:
+    """KV slot of each (sequence, position) pair, [M] int64."""
+    return block_table[seq, pos // page_size] * page_size + pos % page_size
+
+
+def sequence_slots(kv: PagedKV) -> Tensor:
+    """The slots of every cached token, sequence after sequence: [sum(kv_lens)] int64."""
+    lens = kv.kv_lens.to(torch.int64)
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    pos = torch.arange(int(lens.sum()), device=lens.device) - starts[seq]
+    return paged_slots(kv.block_table, seq, pos, kv.page_size)
+
+
+def mla_store(latent_buffer: Tensor, slots: Tensor, latent: Tensor) -> None:
+    """latent_buffer[slots[t]] = latent[t], in place (latent [T, R+Dr], cast to the buffer's dtype)."""
+    if len(set(slots.tolist())) != len(slots):
+        raise ValueError("mla_store: slots repeat")
+    if kernel_backend(latent.device) == "triton":
+        from kernels.mla_triton import mla_store_triton
+
+        mla_store_triton(latent_buffer, slots, latent)
+        return
+    latent_buffer[slots] = latent.to(latent_buffer.dtype)
+
+
+def _check(kv: PagedKV, q_lens: Tensor) -> None:
+    if len(kv.kv_lens) != len(q_lens) or bool((q_lens > kv.kv_lens).any()):
+        raise ValueError(f"q_lens {q_lens.tolist()} must fit in kv_lens {kv.kv_lens.tolist()}")
+    need = (kv.kv_lens + kv.page_size - 1) // kv.page_size
+    if bool((need > kv.block_table.shape[1]).any()):
+        raise ValueError("block_table has fewer pages than kv_lens needs")
+
+
+def mla_paged_prefill(
+    q_nope: Tensor,
+    q_pe: Tensor,
+    latent_buffer: Tensor,
+    kv_b_weight: Tensor,
+    kv: PagedKV,
+    *,
+    cu_q: Tensor,
+    scale: float,
+) -> Tensor:
+    """New tokens' attention over cached prefix + new tokens. q_nope [T, H, Dn], q_pe [T, H, Dr], cu_q [N+1]
+    -> o [T, H, Dv]. The new tokens' latent must already be stored (`mla_store`)."""
+    q_lens = cu_q[1:] - cu_q[:-1]
+    _check(kv, q_lens)
+    if kernel_backend(q_nope.device) == "triton":
+        from kernels.mla_triton import mla_paged_triton
+
+        return mla_paged_triton(q_nope, q_pe, latent_buffer, kv_b_weight, kv, q_lens, scale)
+    cu_kv = torch.cat([kv.kv_lens.new_zeros(1), torch.cumsum(kv.kv_lens, 0)])
+    lat = latent_buffer[sequence_slots(kv)].to(q_nope.dtype)
+    return mla_attention(q_nope, q_pe, lat, kv_b_weight, cu_q=cu_q, cu_kv=cu_kv, scale=scale, absorbed=False)
+
+
+def mla_paged_decode(
+    q_nope: Tensor, q_pe: Tensor, latent_buffer: Tensor, kv_b_weight: Tensor, kv: PagedKV, *, scale: float
+) -> Tensor:
+    """One query token per sequence (the last of its kv_lens), absorbed form: [N, H, Dn|Dr] -> [N, H, Dv]."""
+    n = q_nope.shape[0]
+    q_lens = torch.ones(n, dtype=torch.int64, device=q_nope.device)
+    _check(kv, q_lens)
+    if kernel_backend(q_nope.device) == "triton":
+        from kernels.mla_triton import mla_paged_triton
+
+        return mla_paged_triton(q_nope, q_pe, latent_buffer, kv_b_weight, kv, q_lens, scale)
+    cu_q = torch.arange(n + 1, device=q_nope.device)
+    cu_kv = torch.cat([kv.kv_lens.new_zeros(1), torch.cumsum(kv.kv_lens, 0)])
+    lat = latent_buffer[sequence_slots(kv)].to(q_nope.dtype)
+    return mla_attention(q_nope, q_pe, lat, kv_b_weight, cu_q=cu_q, cu_kv=cu_kv, scale=scale, absorbed=True)

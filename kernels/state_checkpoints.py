@@ -1,0 +1,40 @@
+"""Where a prefill should emit states besides each sequence's final one (the radix tree's checkpoints)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import Tensor
+
+
+class StateCheckpoints(NamedTuple):
+    """Checkpoint m = the state of sequence `seq[m]` after its first `offset[m]` tokens of this call
+    (0 = the initial state, len = the final one), written to pool slot `slot[m]`. All [M] int64."""
+
+    seq: Tensor
+    offset: Tensor
+    slot: Tensor
+
+    def pairs(self) -> list[tuple[int, int]]:
+        return list(zip(self.seq.tolist(), self.offset.tolist(), strict=True))
+
+
+def check_slots(state_slots: Tensor, checkpoints: StateCheckpoints | None, num_slots: int) -> None:
+    """Cheap argument checks shared by the pool ops: slots in range, live slots distinct, checkpoint slots
+    distinct and apart from the live ones (a kernel may read a live slot while it writes the checkpoints)."""
+    live = state_slots.tolist()
+    ck = checkpoints.slot.tolist() if checkpoints is not None else []
+    if checkpoints is not None and not len(checkpoints.seq) == len(checkpoints.offset) == len(ck):
+        raise ValueError("checkpoint seq/offset/slot lengths differ")
+    for s in (*live, *ck):
+        if not 0 <= s < num_slots:
+            raise ValueError(f"slot {s} outside the pool of {num_slots}")
+    if len(set(live)) != len(live) or len(set(ck)) != len(ck) or set(live) & set(ck):
+        raise ValueError(f"slots must be distinct: live {live}, checkpoints {ck}")
+
+
+def check_num_tokens(num_tokens: Tensor, limit: int) -> None:
+    """Replay counts: each in [0, limit], the number of saved tokens per sequence."""
+    counts = num_tokens.tolist()
+    if any(not 0 <= c <= limit for c in counts):
+        raise ValueError(f"num_tokens {counts} outside [0, {limit}]")

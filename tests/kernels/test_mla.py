@@ -1,0 +1,53 @@
+"""MLA over a latent cache: expanded == absorbed == dense attention built independently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.mla import mla_attention
+
+H, DN, DR, DV, R = 3, 8, 4, 6, 10
+
+
+def dense(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, w: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One sequence whose queries are the last tokens: full per-head K/V, then SDPA with a bottom-right mask."""
+    c, k_pe = latent[:, :R], latent[:, R:]
+    kv = (c @ w.t()).view(-1, H, DN + DV)
+    k = torch.cat([kv[..., :DN], k_pe[:, None].expand(-1, H, -1)], -1)
+    v = kv[..., DN:]
+    q = torch.cat([q_nope, q_pe], -1)
+    nq, nk = q.shape[0], k.shape[0]
+    mask = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    )
+    return o.transpose(0, 1)
+
+
+@pytest.mark.parametrize("q_lens,kv_lens", [([5, 1, 7], [5, 9, 7]), ([1, 1, 1], [1, 30, 12]), ([4], [4])])
+def test_expanded_absorbed_dense_agree(q_lens: list[int], kv_lens: list[int]) -> None:
+    gen = torch.Generator().manual_seed(sum(kv_lens))
+    t, lkv = sum(q_lens), sum(kv_lens)
+    q_nope = torch.randn(t, H, DN, generator=gen)
+    q_pe = torch.randn(t, H, DR, generator=gen)
+    latent = torch.randn(lkv, R + DR, generator=gen)
+    w = torch.randn(H * (DN + DV), R, generator=gen) / R**0.5
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    cu_kv = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()])
+    scale = (DN + DR) ** -0.5
+    kw = dict(cu_q=cu_q, cu_kv=cu_kv, scale=scale)
+    exp = mla_attention(q_nope, q_pe, latent, w, absorbed=False, **kw)
+    absd = mla_attention(q_nope, q_pe, latent, w, absorbed=True, **kw)
+    torch.testing.assert_close(exp, absd, rtol=0, atol=1e-5)
+    ref = torch.cat(
+        [
+            dense(q_nope[cu_q[i] : cu_q[i + 1]], q_pe[cu_q[i] : cu_q[i + 1]], latent[cu_kv[i] : cu_kv[i + 1]], w, scale)
+            for i in range(len(q_lens))
+        ]
+    )
+    torch.testing.assert_close(exp, ref, rtol=0, atol=1e-5)
+    assert exp.shape == (t, H, DV)

@@ -1,0 +1,109 @@
+"""MoE routing against a per-token reading of the definition; grouped experts on both backends against a
+token-by-token loop; routing against transformers' Kimi-Linear MoE gate."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.backend import ENV_VAR
+from kernels.moe import MoERoute, moe_experts, moe_route
+
+E, D, INTER = 8, 24, 20
+
+
+def route_by_definition(logits: torch.Tensor, bias: torch.Tensor, k: int, groups: int, topk_group: int,
+                        scale: float) -> tuple[list[set[int]], torch.Tensor]:  # fmt: skip
+    """One token at a time, with Python sorting: chosen sets and the weights by expert id [T, E]."""
+    s = torch.sigmoid(logits)
+    chosen: list[set[int]] = []
+    dense = torch.zeros_like(s)
+    per = E // groups
+    for t in range(s.shape[0]):
+        b = (s[t] + bias).tolist()
+        gscore = [sum(sorted(b[g * per : (g + 1) * per], reverse=True)[:2]) for g in range(groups)]
+        allowed = sorted(range(groups), key=lambda g: -gscore[g])[:topk_group]
+        cand = [e for e in range(E) if e // per in allowed]
+        pick = set(sorted(cand, key=lambda e: -b[e])[:k])
+        total = sum(float(s[t, e]) for e in pick)
+        for e in pick:
+            dense[t, e] = s[t, e] / (total + 1e-20) * scale
+        chosen.append(pick)
+    return chosen, dense
+
+
+@pytest.mark.parametrize("groups,topk_group", [(1, 1), (4, 2)])
+def test_route_matches_definition(groups: int, topk_group: int) -> None:
+    gen = torch.Generator().manual_seed(groups)
+    logits, bias = torch.randn(30, E, generator=gen), torch.randn(E, generator=gen)
+    r = moe_route(logits, top_k=3, correction_bias=bias, num_expert_group=groups, topk_group=topk_group,
+                  routed_scaling_factor=2.446)  # fmt: skip
+    chosen, dense = route_by_definition(logits, bias, 3, groups, topk_group, 2.446)
+    assert [set(x) for x in r.experts.tolist()] == chosen
+    got = torch.zeros(30, E).scatter_(1, r.experts, r.weights)
+    torch.testing.assert_close(got, dense, rtol=0, atol=1e-6)
+
+
+def kimi_linear_modeling() -> ModuleType:
+    from oracles import transformers_module
+
+    transformers_module()
+    return importlib.import_module("transformers.models.kimi_linear.modeling_kimi_linear")
+
+
+def test_route_and_experts_match_transformers() -> None:
+    """transformers' KimiLinearTopkRouter and KimiLinearExperts as external oracles."""
+    mod = kimi_linear_modeling()
+    cfg = SimpleNamespace(num_experts_per_tok=2, num_local_experts=E, hidden_size=D, routed_scaling_factor=2.446,
+                          n_group=1, topk_group=1, norm_topk_prob=True, moe_intermediate_size=INTER,
+                          hidden_act="silu", _experts_implementation="eager")  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    router = mod.KimiLinearTopkRouter(cfg)
+    experts = mod.KimiLinearExperts(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(E, D, generator=gen))
+        router.e_score_correction_bias.copy_(torch.randn(E, generator=gen))
+        w1, w3 = torch.randn(E, INTER, D, generator=gen) / 5, torch.randn(E, INTER, D, generator=gen) / 5
+        w2 = torch.randn(E, D, INTER, generator=gen) / 5
+        experts.gate_up_proj.copy_(torch.cat([w1, w3], dim=1))
+        experts.down_proj.copy_(w2)
+        x = torch.randn(9, D, generator=gen)
+        _, w_tf, ids_tf = router(x)
+        out_tf = experts(x, ids_tf, w_tf)
+    r = moe_route(x @ router.weight.t(), top_k=2, correction_bias=router.e_score_correction_bias.detach(),
+                  routed_scaling_factor=2.446)  # fmt: skip
+    dense_tf = torch.zeros(9, E).scatter_(1, ids_tf, w_tf.float())
+    torch.testing.assert_close(torch.zeros(9, E).scatter_(1, r.experts, r.weights), dense_tf, rtol=0, atol=1e-6)
+    torch.testing.assert_close(moe_experts(x, r, w1, w3, w2), out_tf, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_experts_equal_token_loop(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    monkeypatch.setenv(ENV_VAR, backend)
+    gen = torch.Generator().manual_seed(3)
+    t, k = 21, 3
+    x = torch.randn(t, D, generator=gen)
+    w1, w3 = torch.randn(E, INTER, D, generator=gen) / 5, torch.randn(E, INTER, D, generator=gen) / 5
+    w2 = torch.randn(E, D, INTER, generator=gen) / 5
+    logits = torch.randn(t, E, generator=gen)
+    logits[:, 5] -= 100  # expert 5 gets no tokens
+    r = moe_route(logits, top_k=k, routed_scaling_factor=1.5)
+    out = moe_experts(x, r, w1, w3, w2)
+    ref = torch.zeros(t, D)
+    for i in range(t):
+        for j in range(k):
+            e = int(r.experts[i, j])
+            ref[i] += r.weights[i, j] * (w2[e] @ (F.silu(w1[e] @ x[i]) * (w3[e] @ x[i])))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5 if backend == "torch" else 1e-4)
+
+
+def test_no_tokens() -> None:
+    r = MoERoute(torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.int64))
+    out = moe_experts(
+        torch.zeros(0, D), r, torch.zeros(E, INTER, D), torch.zeros(E, INTER, D), torch.zeros(E, D, INTER)
+    )
+    assert out.shape == (0, D)
