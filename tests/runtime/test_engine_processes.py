@@ -127,3 +127,27 @@ def _alive(pid: int) -> bool:
     # A zombie (exited, not yet reaped by its dead parent's init) counts as gone.
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split()[2] != "Z"
+
+
+def test_async_stream(engine: Engine) -> None:
+    import asyncio
+
+    async def collect() -> list[int]:
+        out: list[int] = []
+        async for chunk in engine.async_stream("Hello", {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}):
+            out.extend(chunk.token_ids)
+        return out
+
+    sync = engine.generate("Hello", {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})["output_ids"]
+    assert asyncio.run(collect()) == sync
+
+
+def test_stop_string_trims_text(engine: Engine) -> None:
+    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    full = engine.generate("Natalia sold", params)
+    text = full["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), "need a visible stop string"
+    cut = engine.generate("Natalia sold", params | {"stop": [stop]})
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert cut["text"] == text[: text.index(stop)]
