@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.moe import moe_route
 from radixk3.config import ModelConfig
 
 
@@ -101,19 +102,12 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek-V3 noaux_tc routing: (weights [T, k] fp32, expert ids [T, k])."""
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
-        choice = scores + self.e_score_correction_bias.float()  # the bias only steers selection
-        if self.num_groups > 1:
-            grouped = choice.view(x.shape[0], self.num_groups, -1)
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
-            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
-        ids = choice.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if self.renormalize:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, ids
+        route = moe_route(
+            F.linear(x.float(), self.weight.float()), top_k=self.top_k,
+            correction_bias=self.e_score_correction_bias, num_expert_group=self.num_groups,
+            topk_group=self.topk_group, renormalize=self.renormalize, routed_scaling_factor=self.scaling,
+        )
+        return route.weights, route.experts
 
 
 class MoE(nn.Module):
