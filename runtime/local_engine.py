@@ -24,7 +24,7 @@ class LocalEngine:
         tok = tokenizer_for(args)
         cfg = model_config(args) if model is None else model.config
         self.scheduler = Scheduler(args, self.worker.layout, frozenset(tok.stop_ids) | {cfg.eos_token_id},
-                                   tok.decode)
+                                   tok.decode, cfg.vocab_size)
         self.wire, self.check, self.on_step = wire, check, on_step
         self._n = 0
 

@@ -66,6 +66,7 @@ class StepPlan:
     logits_index: np.ndarray  # rows whose logits are needed (sampling rows first, then input-logprob rows)
     sample_params: list[dict[str, Any]]  # one per sampled row: SamplingRow fields
     histories: list[list[int]]  # generated tokens per sampled row (for penalties)
+    banned: list[list[int]]  # per sampled row: token ids that may not be sampled (stops below min_new_tokens)
     top_logprobs_num: int = 0
     input_logprob_rows: list[tuple[int, int]] = field(default_factory=list)  # (logits row, token id)
 

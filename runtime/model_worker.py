@@ -57,6 +57,9 @@ class ModelWorker:
         )
         logits = self.model.forward_batch(batch, self.cache).float()
         n = len(plan.sample_params)
+        for row, ban in enumerate(plan.banned):
+            if ban:
+                logits[row, ban] = float("-inf")
         rows = [SamplingRow(**p) for p in plan.sample_params]
         res = sample(logits[:n], rows, plan.histories, plan.top_logprobs_num)
         input_lp: list[float] = []

@@ -90,7 +90,7 @@ def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
         tok = tokenizer_for(args)
         layout = PoolLayout.from_config(cfg, page_size=args.page_size)
         stop_ids = frozenset(tok.stop_ids) | {cfg.eos_token_id}
-        sched = Scheduler(args, layout, stop_ids, tok.decode)
+        sched = Scheduler(args, layout, stop_ids, tok.decode, cfg.vocab_size)
     except Exception as e:
         outbox.send_multipart(encode(WorkerReady(-1, error=f"scheduler: {type(e).__name__}: {e}")))
         ctx.destroy(linger=2000)

@@ -44,6 +44,17 @@ class SamplingParams:
         return p
 
     def validate(self) -> None:
+        for name, kind in (("max_new_tokens", int), ("top_k", int), ("min_new_tokens", int), ("n", int),
+                           ("temperature", float), ("top_p", float), ("min_p", float), ("frequency_penalty", float),
+                           ("presence_penalty", float), ("repetition_penalty", float), ("ignore_eos", bool),
+                           ("skip_special_tokens", bool), ("seed", int | None), ("stop", list),
+                           ("stop_token_ids", list)):
+            value = getattr(self, name)
+            ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+            if kind is float:
+                ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if not ok:
+                raise InvalidRequest(f"{name} must be of type {getattr(kind, '__name__', kind)}, got {value!r}")
         checks = [
             (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0, "max_new_tokens must be an int >= 0"),
             (self.temperature >= 0, "temperature must be >= 0"),

@@ -42,8 +42,9 @@ class SchedulerMetrics:
 
 class Scheduler:
     def __init__(self, args: ServerArgs, layout: PoolLayout, stop_ids: frozenset[int],
-                 detokenize: Callable[[list[int]], str]) -> None:
+                 detokenize: Callable[[list[int]], str], vocab_size: int) -> None:
         self.args = args
+        self.vocab_size = vocab_size
         self.pool = UnifiedPool(layout, args.mem_bytes)
         self.cache = None if args.disable_radix_cache else HybridRadixCache(self.pool)
         self.ps = layout.page_size
@@ -64,9 +65,18 @@ class Scheduler:
             params = SamplingParams.from_dict(msg.sampling)
             if not msg.input_ids:
                 raise InvalidRequest("the prompt is empty")
+            bad = [t for t in msg.input_ids if isinstance(t, bool) or not isinstance(t, int)
+                   or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequest(f"input_ids hold {bad[:3]}: token ids must be ints in [0, {self.vocab_size})")
+            if not isinstance(msg.top_logprobs_num, int) or not 0 <= msg.top_logprobs_num <= self.vocab_size:
+                raise InvalidRequest(f"top_logprobs_num must be an int in [0, {self.vocab_size}]")
+            if not isinstance(msg.logprob_start_len, int):
+                raise InvalidRequest("logprob_start_len must be an int")
             need = len(msg.input_ids) + params.max_new_tokens
-            if -(-need // self.ps) > self.pool.geometry.num_pages or self.pool.geometry.num_state_slots < 1:
-                raise InvalidRequest(f"prompt + max_new_tokens = {need} tokens exceed the pool's KV capacity")
+            # The request alone, with its state block, must fit the pool (with one spare checkpoint block).
+            if not self.pool.fits_packed(-(-need // self.ps), 2):
+                raise InvalidRequest(f"prompt + max_new_tokens = {need} tokens exceed the pool's capacity")
             if len(self.waiting) >= self.args.max_queued_requests:
                 raise InvalidRequest("the queue is full, try again later")
         except (InvalidRequest, TypeError) as e:
@@ -141,9 +151,12 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         batch = [(r, n) for r, n in batch if r in self.running and id(r) not in self._retracted_now]
         if not batch:
-            if self.waiting and not self.running:  # nothing will ever free memory for the head request
-                req = self.waiting.popleft()
-                self._finish(req, "error", error="the request does not fit in the memory pool")
+            # Nothing can run and nothing will free memory: fail one request rather than spin.
+            if self.running:
+                req = max(self.running, key=lambda r: r.arrival)
+                self._done(req, "error", error="the request does not fit in the memory pool")
+            elif self.waiting:
+                self._finish(self.waiting.popleft(), "error", error="the request does not fit in the memory pool")
             return None
         self._step += 1
         self._inflight = batch
@@ -152,7 +165,7 @@ class Scheduler:
     def process(self, result: StepResult) -> list[TokenOut]:
         if result.error is not None:
             for req, _ in self._inflight:
-                self._release(req)
+                self._release(req, donate=False)  # the forward may have advanced its state: never cache it
                 self.running.remove(req)
                 self._finish(req, "error", error=result.error)
             self._inflight = []
@@ -227,13 +240,15 @@ class Scheduler:
         req.tree_pages = len(match.pages)
         req.num_computed = match.prefix_len
         req.branch_len = match.branch_len
-        req.cached_tokens = max(req.cached_tokens, match.prefix_len)
-        self.metrics.cached_tokens += match.prefix_len
-        self.metrics.prompt_tokens += len(req.prompt_ids)
-        if match.state is not None:
-            self.metrics.state_hits += 1
-        else:
-            self.metrics.state_misses += 1
+        if not req.admitted:  # count each request once, not again after a retraction
+            req.admitted = True
+            req.cached_tokens = match.prefix_len
+            self.metrics.cached_tokens += match.prefix_len
+            self.metrics.prompt_tokens += len(req.prompt_ids)
+            if match.state is not None:
+                self.metrics.state_hits += 1
+            else:
+                self.metrics.state_misses += 1
         return True
 
     def _ensure_pages(self, req: Req, n: int, retract: bool = True) -> bool:
@@ -260,12 +275,12 @@ class Scheduler:
         self._retracted_now.add(id(req))
         self.metrics.retractions += 1
 
-    def _release(self, req: Req) -> None:
+    def _release(self, req: Req, donate: bool = True) -> None:
         """Return the request's pool memory: donate its state and KV to the tree where possible."""
         if req.state is None:
             return
         own_from = req.tree_pages
-        if self.cache is not None and req.num_computed > 0 and req.num_computed % self.ps == 0:
+        if donate and self.cache is not None and req.num_computed > 0 and req.num_computed % self.ps == 0:
             k = req.num_computed // self.ps
             self.cache.insert(req.all_ids[: req.num_computed], req.pages[:k], req.state)  # donation
             own_from = k
@@ -307,10 +322,10 @@ class Scheduler:
         req.output_ids.append(tok)
         if req.return_logprob:
             req.new_token_logprobs.append(result.logprobs[i])
-            req.new_top_logprobs.append(list(zip(result.top_ids[i], result.top_logprobs[i], strict=True)))
+            top = list(zip(result.top_ids[i], result.top_logprobs[i], strict=True))
+            req.new_top_logprobs.append(top[: req.top_logprobs_num])
         n_out = len(req.output_ids)
-        stop_tokens = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.stop_ids))
-        if n_out >= p.min_new_tokens and tok in stop_tokens:
+        if tok in self._stop_tokens(req):  # masked while below min_new_tokens (see _plan)
             req.matched_stop = tok
             self._done(req, "stop")
         elif n_out >= p.min_new_tokens and p.stop and (s := self._stop_string(req)) is not None:
@@ -325,17 +340,19 @@ class Scheduler:
                 self._checkpoint(req)
             self._emit(req)
 
-    def _stop_string(self, req: Req) -> str | None:
-        text = self.detokenize(req.output_ids)
-        for s in req.params.stop:
-            if s in text:
-                return s
-        return None
+    def _stop_tokens(self, req: Req) -> set[int]:
+        return set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else set(self.stop_ids))
 
-    def _done(self, req: Req, reason: str) -> None:
+    def _stop_string(self, req: Req) -> str | None:
+        """The stop string that occurs first in the output, if any."""
+        text = self.detokenize(req.output_ids)
+        hits = [(text.find(s), s) for s in req.params.stop if s in text]
+        return min(hits)[1] if hits else None
+
+    def _done(self, req: Req, reason: str, error: str | None = None) -> None:
         self._release(req)
         self.running.remove(req)
-        self._finish(req, reason)
+        self._finish(req, reason, error)
 
     def _finish(self, req: Req, reason: str, error: str | None = None) -> None:
         req.finished = reason
@@ -354,12 +371,19 @@ class Scheduler:
         req.sent_tokens = len(req.output_ids)
         self._outbox.append(out)
 
+    @staticmethod
+    def _wants_input_logprob(req: Req, pos: int) -> bool:
+        """Whether prompt token `pos`'s logprob is still to be collected (not already, before a retraction)."""
+        return max(req.logprob_start_len, req.input_logprob_next) <= pos < len(req.prompt_ids)
+
     def _collect_input_logprobs(self, req: Req, start: int, n: int, result: StepResult, k: int) -> int:
-        if start == 0 and req.logprob_start_len == 0:
+        if start == 0 and self._wants_input_logprob(req, 0):
             req.input_logprobs.append(None)  # the first token has no context
+            req.input_logprob_next = 1
         for j in range(start, start + n):
-            if req.logprob_start_len <= j + 1 < len(req.prompt_ids):
+            if self._wants_input_logprob(req, j + 1):
                 req.input_logprobs.append(result.input_logprobs[k])
+                req.input_logprob_next = j + 2
                 k += 1
         return k
 
@@ -378,6 +402,7 @@ class Scheduler:
         sample_rows: list[int] = []
         params: list[dict] = []
         histories: list[list[int]] = []
+        banned: list[list[int]] = []
         lp_rows: list[tuple[int, int]] = []  # (packed row, next token)
         top_n = 0
         for req, n in batch:
@@ -393,12 +418,14 @@ class Scheduler:
             cu.append(base + n)
             if req.wants_input_logprobs:
                 for j in range(a, b):
-                    if req.logprob_start_len <= j + 1 < len(req.prompt_ids):
+                    if self._wants_input_logprob(req, j + 1):
                         lp_rows.append((base + j - a, req.prompt_ids[j + 1]))
             if b == len(req.all_ids):
                 sample_rows.append(base + n - 1)
                 params.append(req.params.row(len(req.output_ids)).__dict__)
                 histories.append(req.output_ids)
+                banned.append(sorted(self._stop_tokens(req)) if len(req.output_ids) < req.params.min_new_tokens
+                              else [])
                 top_n = max(top_n, req.top_logprobs_num if req.return_logprob else 0)
         logits_index = sample_rows + [r for r, _ in lp_rows]
         copies = [tuple(c) for c in self.pool.drain_copies()]
@@ -406,7 +433,7 @@ class Scheduler:
             step=self._step, copies=copies, input_ids=np.array(ids), cu_seqlens=np.array(cu),
             prefix_lens=np.array(prefix), state_slots=np.array(slots), kv_slots=np.array(kv_slots),
             kv_indices=np.array(kv_idx), kv_indptr=np.array(indptr), logits_index=np.array(logits_index),
-            sample_params=params, histories=histories, top_logprobs_num=top_n,
+            sample_params=params, histories=histories, banned=banned, top_logprobs_num=top_n,
             input_logprob_rows=[(len(sample_rows) + i, tok) for i, (_, tok) in enumerate(lp_rows)],
         )
 

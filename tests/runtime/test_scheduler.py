@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -86,3 +88,62 @@ def test_stops_errors_and_abort(model) -> None:  # noqa: ANN001
     assert outs[-1].finished == "abort"
     eng.scheduler.check_integrity()
     assert eng.scheduler.pool.states_used == eng.scheduler.cache.stats().cached_states  # nothing leaked
+
+
+def test_oversized_request_is_refused_not_spun_on(model) -> None:  # noqa: ANN001
+    eng = LocalEngine(ServerArgs(mem_bytes=300_000), model, check=True)
+    out = _one(eng, list(range(880)), {**GREEDY, "max_new_tokens": 56})
+    assert out[-1].finished == "error" and "capacity" in out[-1].error
+
+
+def test_bad_inputs_fail_alone(model) -> None:  # noqa: ANN001
+    eng = LocalEngine(ServerArgs(), model, check=True)
+    good = eng.submit(list(range(20)), GREEDY)
+    bad_ids = eng.submit([1, 10**6], GREEDY)
+    bad_seed = eng.submit([1, 2], {**GREEDY, "seed": "abc"})
+    bad_top = eng.submit([1, 2], GREEDY, return_logprob=True, top_logprobs_num=10**6)
+    outs = eng.run()
+    assert [t for o in outs[good] for t in o.token_ids] == greedy_reference(model, list(range(20)), 6)
+    for rid, word in ((bad_ids, "token ids"), (bad_seed, "seed"), (bad_top, "top_logprobs_num")):
+        assert outs[rid][-1].finished == "error" and word in outs[rid][-1].error
+
+
+def test_a_failed_step_caches_nothing(model) -> None:  # noqa: ANN001
+    """If the worker fails after its forward moved the states, those states must not enter the tree."""
+    eng = LocalEngine(ServerArgs(), model, check=True)
+    real = eng.worker.execute
+    calls = {"n": 0}
+
+    def flaky(plan):  # noqa: ANN001, ANN202
+        res = real(plan)  # the forward ran and advanced the live states in place
+        calls["n"] += 1
+        return dataclasses.replace(res, error="boom")
+
+    eng.worker.execute = flaky  # type: ignore[method-assign]
+    prompt = list(range(300, 340))
+    out = _one(eng, prompt, GREEDY)
+    assert out[-1].finished == "error" and calls["n"] == 1
+    eng.worker.execute = real  # type: ignore[method-assign]
+    again = _one(eng, prompt + [5], GREEDY)
+    assert again[-1].cached_tokens == 0
+    assert [t for o in again for t in o.token_ids] == greedy_reference(model, prompt + [5], 6)
+
+
+def test_logprob_bookkeeping_under_retraction_and_min_new_tokens(model) -> None:  # noqa: ANN001
+    eng = LocalEngine(ServerArgs(mem_bytes=120_000, chunked_prefill_size=16), model, check=True)
+    prompts = [list(range(40 * i, 40 * i + 40)) for i in range(1, 4)]
+    rids = [eng.submit(p, {**GREEDY, "max_new_tokens": 60}, return_logprob=True, logprob_start_len=0,
+                       top_logprobs_num=i) for i, p in enumerate(prompts)]
+    outs = eng.run()
+    assert eng.scheduler.metrics.retractions > 0
+    for i, rid in enumerate(rids):
+        inp = [x for o in outs[rid] for x in o.input_logprobs]
+        assert len(inp) == 40 and inp[0] is None and None not in inp[1:]
+        assert all(len(row) == i for o in outs[rid] for row in o.top_logprobs)
+    # min_new_tokens masks the stop tokens until it is reached.
+    prompt = list(range(500, 520))
+    first = greedy_reference(model, prompt, 1)[0]
+    out = _one(LocalEngine(ServerArgs(), model), prompt,
+               {**GREEDY, "stop_token_ids": [first], "min_new_tokens": 3})
+    toks = [t for o in out for t in o.token_ids]
+    assert len(toks) >= 3 and first not in toks[:3]
