@@ -66,6 +66,7 @@ class Engine:
         self._to_sched.connect(endpoint(self._ipc_dir, "sched_in"))
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
         self._ids = itertools.count()
         self._closed = False
         self.dead: EngineError | None = None
@@ -130,13 +131,14 @@ class Engine:
             p.queue.put(err)
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._to_sched.send_multipart(encode(Shutdown()), flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        with self._send_lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._to_sched.send_multipart(encode(Shutdown()), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
         grace = 1.0 if self.dead is not None else 5.0  # a dead sibling means nobody will answer
         for p in self._procs:
             p.join(timeout=grace)
@@ -155,24 +157,30 @@ class Engine:
 
     # --- requests --------------------------------------------------------------------------------------
     def _submit(self, input_ids: list[int], sampling: dict[str, Any], **kw: Any) -> tuple[str, _Pending]:
-        if self.dead is not None or self._closed:
-            raise self.dead or EngineError("the engine is shut down")
         SamplingParams.from_dict(sampling)  # refuse bad parameters here, with a clear message
         rid = f"r{next(self._ids)}"
         pending = _Pending()
-        with self._lock:
+        with self._lock:  # registered before shutdown's _fail_all, or refused: never left waiting
+            if self.dead is not None or self._closed:
+                raise self.dead or EngineError("the engine is shut down")
             self._pending[rid] = pending
-        self._to_sched.send_multipart(encode(GenerateReq(rid, input_ids, sampling, **kw)))
+        self._send(GenerateReq(rid, input_ids, sampling, **kw))
         return rid, pending
+
+    def _send(self, msg: Any) -> None:
+        # ZeroMQ sockets are not thread-safe; callers may be on several threads.
+        with self._send_lock:
+            if not self._closed:
+                self._to_sched.send_multipart(encode(msg))
 
     def get_metrics(self, timeout: float = 10.0) -> dict[str, Any]:
         """The scheduler's counters: running, queued, prefill tokens computed, cached tokens, state checkpoint
         hits/misses, pool bytes per side, evictions, retractions, checkpoints."""
-        self._to_sched.send_multipart(encode(MetricsReq()))
+        self._send(MetricsReq())
         return self._metrics.get(timeout=timeout)
 
     def abort(self, rid: str) -> None:
-        self._to_sched.send_multipart(encode(AbortReq(rid)))
+        self._send(AbortReq(rid))
 
     def _ids_of(self, prompt: str | list[int]) -> list[int]:
         return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_bos=True)

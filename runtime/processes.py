@@ -7,8 +7,10 @@ Sockets are `ipc://` files in a per-instance temp dir:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
+import shutil
 import signal
 import traceback
 from pathlib import Path
@@ -55,8 +57,17 @@ def _socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
     return s
 
 
+def _die_with_parent() -> None:
+    """Children get SIGTERM when the tokenizer process dies, however it dies (Linux prctl PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def worker_main(args: ServerArgs, ipc_dir: str, rank: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and tells us to stop
+    _die_with_parent()
     ctx = zmq.Context()
     plans = _socket(ctx, zmq.PULL, endpoint(ipc_dir, f"worker_in_{rank}"), bind=True)
     results = _socket(ctx, zmq.PUSH, endpoint(ipc_dir, "worker_out"), bind=False)
@@ -80,6 +91,9 @@ def worker_main(args: ServerArgs, ipc_dir: str, rank: int) -> None:
 
 def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Terminated (the parent died or gave up waiting): remove the sockets' dir, which nobody else will.
+    signal.signal(signal.SIGTERM, lambda *_: (shutil.rmtree(ipc_dir, ignore_errors=True), os._exit(1)))
+    _die_with_parent()
     ctx = zmq.Context()
     inbox = _socket(ctx, zmq.PULL, endpoint(ipc_dir, "sched_in"), bind=True)
     outbox = _socket(ctx, zmq.PUSH, endpoint(ipc_dir, "sched_out"), bind=False)
@@ -132,5 +146,5 @@ def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
             outbox.send_multipart(encode(out))
     for s in to_workers:
         s.send_multipart(encode(Shutdown()))
-    ctx.destroy(linger=0)
+    ctx.destroy(linger=2000)  # let the workers' Shutdown go out
     os._exit(0)

@@ -97,7 +97,8 @@ if __name__ == "__main__":
 """
 
 
-def test_ctrl_c_shuts_everything_down(tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_ctrl_c_or_kill_leaves_no_orphans(tmp_path, sig: int) -> None:  # noqa: ANN001
     import subprocess
     import sys
 
@@ -108,12 +109,12 @@ def test_ctrl_c_shuts_everything_down(tmp_path) -> None:  # noqa: ANN001
     try:
         line = proc.stdout.readline().split()  # type: ignore[union-attr]
         pids, ipc_dir = [int(x) for x in line[:-1]], line[-1]
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and any(_alive(p) for p in pids):
             time.sleep(0.2)
-        assert not any(_alive(p) for p in pids), "orphan processes after Ctrl-C"
+        assert not any(_alive(p) for p in pids), "orphan processes"
         assert not os.path.exists(ipc_dir)
     finally:
         proc.kill()
