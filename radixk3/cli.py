@@ -58,18 +58,14 @@ def _generate(args: argparse.Namespace) -> None:
     if max(ids) >= model.config.vocab_size:
         raise ConfigError(f"tokenizer id {max(ids)} exceeds the model's vocab_size {model.config.vocab_size}")
     stop = frozenset(tok.stop_ids) if not args.ignore_eos else frozenset()
-    out: list[int] = []
-    printed = ""
+    detok = tok.incremental_decoder()  # prints only whole characters, never half of a multi-byte one
     sys.stdout.write(args.prompt)
     for t in stream_greedy(model, ids, args.max_new_tokens, stop):
         if t in stop:
             break
-        out.append(t)
-        text = tok.decode(out)
-        sys.stdout.write(text[len(printed):])
+        sys.stdout.write(detok.push(t))
         sys.stdout.flush()
-        printed = text
-    sys.stdout.write("\n")
+    sys.stdout.write(detok.flush() + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
