@@ -9,11 +9,8 @@ from pathlib import Path
 import orjson
 
 from radixk3.checkpoint import CheckpointError, load_model, write_random_checkpoint
-from radixk3.config import PRESETS, TRUE_SIZE_PRESETS, ConfigError, preset
+from radixk3.config import BUILTIN_PRESET, BUILTIN_SEED, PRESETS, TRUE_SIZE_PRESETS, ConfigError, preset
 from radixk3.plan import memory_plan
-
-BUILTIN_MODEL = "k3-tiny"
-BUILTIN_SEED = 0
 
 
 def _plan(args: argparse.Namespace) -> None:
@@ -48,7 +45,7 @@ def _generate(args: argparse.Namespace) -> None:
     from radixk3.tokenizer import load_tokenizer
 
     if args.model is None:
-        model = build_model(preset(BUILTIN_MODEL), seed=BUILTIN_SEED)
+        model = build_model(preset(BUILTIN_PRESET), seed=BUILTIN_SEED)
         tok = load_tokenizer()
     else:
         model = load_model(args.model)
@@ -80,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     mk = sub.add_parser("make-checkpoint", help="write a seeded random checkpoint (config, safetensors, tokenizer)")
     mk.add_argument("out", type=Path)
-    mk.add_argument("--preset", default=BUILTIN_MODEL, choices=sorted(PRESETS))
+    mk.add_argument("--preset", default=BUILTIN_PRESET, choices=sorted(PRESETS))
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--shards", type=int, default=1, help="safetensors shards (>1 writes an index)")
     mk.set_defaults(fn=_make_checkpoint)

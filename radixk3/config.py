@@ -313,6 +313,9 @@ PRESETS = {
     "kimi-linear-48b": _kimi_linear_48b,
     "kimi-k3": _kimi_k3,
 }
+# The built-in model: what `radixk3 generate` and an Engine without a checkpoint run (random weights).
+BUILTIN_PRESET = "k3-tiny"
+BUILTIN_SEED = 0
 # True-size presets exist for memory plans only; never allocate their weights here.
 TRUE_SIZE_PRESETS = frozenset({"kimi-linear-48b", "kimi-k3"})
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels.sampling import SamplingRow, sample
-from radixk3.config import preset
+from radixk3.config import BUILTIN_PRESET, ModelConfig, preset
 from radixk3.forward_batch import ForwardBatch, HybridCache
 from radixk3.model import KimiForCausalLM, build_model
 from runtime.messages import StepPlan, StepResult
@@ -13,8 +13,6 @@ from runtime.pool import CopyCommand
 from runtime.pool_buffer import PoolBuffer
 from runtime.pool_layout import PoolLayout
 from runtime.server_args import ServerArgs
-
-BUILTIN_PRESET = "k3-tiny"
 
 
 def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
@@ -25,15 +23,16 @@ def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
     return load_model(args.model, device=args.device)
 
 
-def pool_layout(model: KimiForCausalLM, args: ServerArgs) -> PoolLayout:
-    return PoolLayout.from_config(model.config, page_size=args.page_size)
+def pool_layout(cfg: ModelConfig, args: ServerArgs) -> PoolLayout:
+    """The pool layout; the scheduler (metadata) and the worker (bytes) must both derive it from here."""
+    return PoolLayout.from_config(cfg, page_size=args.page_size)
 
 
 class ModelWorker:
     def __init__(self, args: ServerArgs, model: KimiForCausalLM | None = None) -> None:
         self.args = args
         self.model = model if model is not None else load_worker_model(args)
-        self.layout = pool_layout(self.model, args)
+        self.layout = pool_layout(self.model.config, args)
         self.buffer = PoolBuffer(self.layout, args.mem_bytes, device=args.device)
         cfg = self.model.config
         self.cache = HybridCache(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import zmq
 
-from radixk3.config import ModelConfig, preset
+from radixk3.config import BUILTIN_PRESET, ModelConfig, preset
 from radixk3.tokenizer import Tokenizer, load_tokenizer
 from runtime.messages import (
     AbortReq,
@@ -30,8 +30,7 @@ from runtime.messages import (
     decode,
     encode,
 )
-from runtime.model_worker import BUILTIN_PRESET, ModelWorker
-from runtime.pool_layout import PoolLayout
+from runtime.model_worker import ModelWorker, pool_layout
 from runtime.scheduler import Scheduler
 from runtime.server_args import ServerArgs
 
@@ -102,7 +101,7 @@ def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
     try:
         cfg = model_config(args)
         tok = tokenizer_for(args)
-        layout = PoolLayout.from_config(cfg, page_size=args.page_size)
+        layout = pool_layout(cfg, args)
         stop_ids = frozenset(tok.stop_ids) | {cfg.eos_token_id}
         sched = Scheduler(args, layout, stop_ids, tok.decode, cfg.vocab_size)
     except Exception as e:

@@ -48,14 +48,5 @@ class Req:
         return self.prompt_ids + self.output_ids
 
     @property
-    def fed_target(self) -> int:
-        """Tokens that must be in the cache before the next sample: all but the newest output token."""
-        return len(self.prompt_ids) + max(0, len(self.output_ids) - 1)
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
-
-    @property
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and 0 <= self.logprob_start_len < len(self.prompt_ids)

@@ -16,7 +16,7 @@ import numpy as np
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
 from runtime.pool import PoolExhausted, UnifiedPool
 from runtime.pool_layout import PoolLayout
-from runtime.radix_cache import HybridRadixCache
+from runtime.radix_cache import HybridRadixCache, MatchResult
 from runtime.request import Req
 from runtime.sampling_params import InvalidRequest, SamplingParams
 from runtime.server_args import ServerArgs
@@ -130,12 +130,12 @@ class Scheduler:
             if id(req) in self._retracted_now:
                 deferred.append(req)
                 continue
-            if self.cache is not None:
-                m = self.cache.match_prefix(self._match_ids(req))
-                if m.branch_len > m.prefix_len and tuple(req.all_ids[: m.branch_len]) in branching:
-                    deferred.append(req)  # next step it hits the checkpoint another request is making now
-                    continue
-            if not self._admit(req):
+            match = self.cache.match_prefix(self._match_ids(req)) if self.cache is not None else None
+            if match is not None and match.branch_len > match.prefix_len and \
+                    tuple(req.all_ids[: match.branch_len]) in branching:
+                deferred.append(req)  # next step it hits the checkpoint another request is making now
+                continue
+            if not self._admit(req, match):
                 self.waiting.appendleft(req)
                 break
             n = self._chunk_len(req, budget)
@@ -220,13 +220,13 @@ class Scheduler:
             ids = ids[: max(req.logprob_start_len - 1, 0) + 1]
         return ids
 
-    def _admit(self, req: Req) -> bool:
-        """Give `req` its live state block (with the matched checkpoint copied in) and its matched pages."""
+    def _admit(self, req: Req, match: MatchResult | None) -> bool:
+        """Give `req` its live state block (with the matched checkpoint copied in) and its matched pages.
+        `match` is this step's fresh `match_prefix` of the request (None without a radix cache)."""
         try:
-            if self.cache is None:
+            if self.cache is None or match is None:
                 req.state = self.pool.alloc_state()
                 return True
-            match = self.cache.match_prefix(self._match_ids(req))
             self.cache.lock(match.node)
             try:
                 req.state = self.cache.alloc_live_state(match)

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from radixk3.config import BUILTIN_SEED
+
 
 def free_device_bytes(device: str) -> int:
     if device.startswith("cuda"):
@@ -31,7 +33,7 @@ class ServerArgs:
     decode_checkpoint_interval: int = 64  # checkpoint the KDA state every N decode tokens
     max_queued_requests: int = 4096  # beyond this the engine refuses new requests (HTTP 503)
     device: str = "cpu"
-    seed: int = 0  # weights of the built-in model
+    seed: int = BUILTIN_SEED  # weights of the built-in model
     log_level: str = "warning"
 
     def __post_init__(self) -> None:

@@ -13,12 +13,6 @@ from kernels.state_checkpoints import StateCheckpoints
 C, W, NUM_SLOTS = 10, 4, 12
 
 
-@pytest.fixture(params=["torch", "triton"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv(ENV_VAR, request.param)
-    return request.param
-
-
 def data(lens: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(sum(lens), C, generator=gen)

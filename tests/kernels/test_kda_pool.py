@@ -16,12 +16,6 @@ H, K, V = 2, 16, 12
 NUM_SLOTS = 9
 
 
-@pytest.fixture(params=["torch", "triton"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv(ENV_VAR, request.param)
-    return request.param
-
-
 def tol(backend: str) -> float:
     return 1e-5 if backend == "torch" else 1e-4
 

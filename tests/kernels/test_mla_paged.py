@@ -13,12 +13,6 @@ from kernels.mla_paged import PagedKV, mla_paged_decode, mla_paged_prefill, mla_
 SCALE = (DN + DR) ** -0.5
 
 
-@pytest.fixture(params=["torch", "triton"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv(ENV_VAR, request.param)
-    return request.param
-
-
 def tol(backend: str) -> float:
     return 1e-5 if backend == "torch" else 1e-4
 

@@ -14,12 +14,6 @@ from kernels.sampling import SamplingRow, apply_penalties, sample
 V = 6
 
 
-@pytest.fixture(params=["torch", "triton"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv(ENV_VAR, request.param)
-    return request.param
-
-
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.9])
 
 
