@@ -48,25 +48,47 @@ class TokenOut:
 
 @dataclass
 class StepPlan:
-    """What a worker runs in one step: byte copies in the pool, then one forward, then sampling."""
+    """What a worker runs in one step; its size is O(new tokens + requests), never O(context).
+
+    The worker applies, in order: the byte `copies` (compaction moves, copy on hit); the `page_moves`
+    (physical KV pages that compaction moved, src -> dst, in order: the worker renames them in its page
+    table); the page-table writes `table[table_rows[i], table_cols[i]] = table_pages[i]` (physical page
+    ids; the KV slot of position p of a row is table[row, p // page_size] * page_size + p % page_size);
+    the `reset_rows` (a row (re)assigned to a request: its penalty history becomes the given output ids).
+    Then one forward in `mode` over the sequences, then sampling.
+
+    Sequence i is page-table row `rows[i]`, has `prefix_lens[i]` tokens in the cache (its KDA state in
+    physical slot `state_slots[i]` is read iff the prefix is non-empty) and adds the new tokens
+    `input_ids[cu_seqlens[i]:cu_seqlens[i+1]]`; an input id of -1 stands for the token last sampled for
+    that row (the overlap scheduler plans a decode before it knows that token). Checkpoint m writes the
+    KDA state of sequence `ckpt_seq[m]` after `ckpt_offset[m]` of its new tokens into physical slot
+    `ckpt_slot[m]`. The first len(sample_params) entries of `logits_index` are the sampled rows, in
+    sequence order; the rest are input-logprob rows.
+    """
 
     ARRAYS: ClassVar[tuple[str, ...]] = (
-        "input_ids", "cu_seqlens", "prefix_lens", "state_slots", "kv_slots", "kv_indices", "kv_indptr",
-        "logits_index",
+        "table_rows", "table_cols", "table_pages", "rows", "prefix_lens", "cu_seqlens", "state_slots",
+        "input_ids", "ckpt_seq", "ckpt_offset", "ckpt_slot", "logits_index",
     )
     step: int
+    mode: str  # "extend" | "decode" | "verify" | "idle" (radixk3.forward_batch.ForwardMode values)
     copies: list[tuple[int, int, int]]
-    input_ids: np.ndarray
-    cu_seqlens: np.ndarray
+    page_moves: list[tuple[int, int]]
+    table_rows: np.ndarray
+    table_cols: np.ndarray
+    table_pages: np.ndarray
+    rows: np.ndarray
     prefix_lens: np.ndarray
+    cu_seqlens: np.ndarray
     state_slots: np.ndarray
-    kv_slots: np.ndarray
-    kv_indices: np.ndarray
-    kv_indptr: np.ndarray
-    logits_index: np.ndarray  # rows whose logits are needed (sampling rows first, then input-logprob rows)
+    input_ids: np.ndarray
+    ckpt_seq: np.ndarray
+    ckpt_offset: np.ndarray
+    ckpt_slot: np.ndarray
+    logits_index: np.ndarray
     sample_params: list[dict[str, Any]]  # one per sampled row: SamplingRow fields
-    histories: list[list[int]]  # generated tokens per sampled row (for penalties)
     banned: list[list[int]]  # per sampled row: token ids that may not be sampled (stops below min_new_tokens)
+    reset_rows: list[tuple[int, list[int]]] = field(default_factory=list)
     top_logprobs_num: int = 0
     input_logprob_rows: list[tuple[int, int]] = field(default_factory=list)  # (logits row, token id)
 

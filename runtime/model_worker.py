@@ -11,7 +11,7 @@ from radixk3.model import KimiForCausalLM, build_model
 from runtime.messages import StepPlan, StepResult
 from runtime.pool import CopyCommand
 from runtime.pool_buffer import PoolBuffer
-from runtime.pool_layout import PoolLayout
+from runtime.pool_layout import pool_layout
 from runtime.server_args import ServerArgs
 
 
@@ -21,11 +21,6 @@ def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
     from radixk3.checkpoint import load_model
 
     return load_model(args.model, device=args.device)
-
-
-def pool_layout(cfg: ModelConfig, args: ServerArgs) -> PoolLayout:
-    """The pool layout; the scheduler (metadata) and the worker (bytes) must both derive it from here."""
-    return PoolLayout.from_config(cfg, page_size=args.page_size)
 
 
 class ModelWorker:

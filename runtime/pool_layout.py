@@ -10,6 +10,7 @@ values (model dtype), layer after layer, so that one MLA layer's latent KV is a 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -17,6 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     from radixk3.config import ModelConfig
+    from runtime.server_args import ServerArgs
 
 # Every typed region of a state block, and the state block itself, start on this many bytes: enough for
 # 16-byte vector loads and 128-byte cache lines on every accelerator we target.
@@ -188,3 +190,14 @@ class PoolLayout:
     def _check_layer(layer: int, n: int) -> None:
         if not 0 <= layer < n:
             raise IndexError(f"layer {layer} out of range [0, {n})")
+
+
+def serving_dtype(cfg: ModelConfig, args: ServerArgs) -> torch.dtype:
+    """The dtype the engine serves in: `args.dtype`, or the checkpoint's for "auto"."""
+    return cfg.torch_dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+
+
+def pool_layout(cfg: ModelConfig, args: ServerArgs) -> PoolLayout:
+    """The pool layout; the scheduler (metadata) and the worker (bytes) must both derive it from here."""
+    layout = PoolLayout.from_config(cfg, page_size=args.page_size)
+    return dataclasses.replace(layout, kv_dtype=serving_dtype(cfg, args))

@@ -30,7 +30,8 @@ from runtime.messages import (
     decode,
     encode,
 )
-from runtime.model_worker import ModelWorker, pool_layout
+from runtime.model_worker import ModelWorker
+from runtime.pool_layout import pool_layout
 from runtime.scheduler import Scheduler
 from runtime.server_args import ServerArgs
 

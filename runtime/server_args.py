@@ -33,6 +33,7 @@ class ServerArgs:
     decode_checkpoint_interval: int = 64  # checkpoint the KDA state every N decode tokens
     max_queued_requests: int = 4096  # beyond this the engine refuses new requests (HTTP 503)
     device: str = "cpu"
+    dtype: str = "auto"  # serving dtype of weights, activations and the pool: auto (the checkpoint's), bfloat16, float32
     seed: int = BUILTIN_SEED  # weights of the built-in model
     log_level: str = "warning"
 
@@ -47,6 +48,8 @@ class ServerArgs:
             raise ValueError("--chunked-prefill-size must be >= --page-size")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError("--schedule-policy must be 'lpm' or 'fcfs'")
+        if self.dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError("--dtype must be 'auto', 'bfloat16' or 'float32'")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
 
