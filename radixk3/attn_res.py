@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from radixk3.decoder_layer import DecoderLayer
-from radixk3.forward_batch import ForwardBatch, HybridCache
+from radixk3.forward_batch import ForwardBatch
 from radixk3.layers import RMSNorm
 
 
@@ -84,7 +84,6 @@ def attn_res_forward(
     out_proj: nn.Linear,
     cu_seqlens: torch.Tensor,
     batch: ForwardBatch | None,
-    cache: HybridCache | None,
 ) -> torch.Tensor:
     """The decoder stack with Block Attention Residuals; returns the pre-norm hidden state h (activation dtype)."""
     bank = BlockBank(embedding, block_size)
@@ -93,7 +92,7 @@ def attn_res_forward(
     for i, layer in enumerate(layers):
         mix = mix_sources(bank.attention_sources(i, mlp_out), layer.self_attention_res_norm,
                           layer.self_attention_res_proj)
-        attn_out = layer.attention(layer.input_layernorm(mix, dtype), cu_seqlens, batch, cache)
+        attn_out = layer.attention(layer.input_layernorm(mix, dtype), cu_seqlens, batch)
         mix = mix_sources(bank.mlp_sources(attn_out), layer.mlp_res_norm, layer.mlp_res_proj)
         mlp_out = layer.feed_forward(layer.post_attention_layernorm(mix, dtype))
     if mlp_out is None:

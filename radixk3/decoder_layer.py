@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from radixk3.config import ModelConfig
-from radixk3.forward_batch import ForwardBatch, HybridCache
+from radixk3.forward_batch import ForwardBatch
 from radixk3.kda_attention import KDAAttention
 from radixk3.layers import GLU, MLP, MoE, RMSNorm
 from radixk3.mla_attention import MLAAttention
@@ -44,15 +44,15 @@ class DecoderLayer(nn.Module):
             self.mlp_res_proj = nn.Linear(hid, 1, bias=False)
 
     def attention(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor, batch: ForwardBatch | None, cache: HybridCache | None
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, batch: ForwardBatch | None
     ) -> torch.Tensor:
-        return self.self_attn(x, cu_seqlens, batch, cache)
+        return self.self_attn(x, cu_seqlens, batch)
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor, batch: ForwardBatch | None, cache: HybridCache | None
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, batch: ForwardBatch | None
     ) -> torch.Tensor:
-        x = x + self.attention(self.input_layernorm(x), cu_seqlens, batch, cache)
+        x = x + self.attention(self.input_layernorm(x), cu_seqlens, batch)
         return x + self.feed_forward(self.post_attention_layernorm(x))

@@ -4,8 +4,9 @@ Kimi-Linear: low-rank output gate g_b(g_a(x)), decay g = -exp(A_log) softplus(f 
 `kda_full_rank_gate` (one full-rank output gate `g_proj` [H*D, hidden], and K3's o_norm eps 1e-5) and
 `kda_gate_lower_bound` lb (the safe gate g = lb * sigmoid(exp(A_log) (f + dt_bias)), bounded in (lb, 0)).
 
-State per sequence lives in the cache's slots: the recurrent state [H, K, V] (fp32) and the conv state (the last
-W-1 pre-conv q|k|v inputs). Fresh sequences (prefix 0) start from zeros whatever their slot holds.
+State per sequence lives in the cache's slots, reached through the batch's attention backend: the recurrent
+state [H, K, V] (fp32) and the conv state (the last W-1 pre-conv q|k|v inputs). Fresh sequences (prefix 0)
+start from zeros whatever their slot holds.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.conv1d import causal_conv1d, causal_conv1d_update
-from kernels.kda import kda_chunked, kda_decode_step, kda_gate, l2norm
+from kernels.conv1d import causal_conv1d
+from kernels.kda import kda_chunked, kda_gate, l2norm
 from radixk3.config import ModelConfig
-from radixk3.forward_batch import ForwardBatch, HybridCache
-from radixk3.layers import gated_rms_norm
+from radixk3.forward_batch import ForwardBatch
+from radixk3.layers import FusedLinear, FusedWeight, gated_rms_norm
 
 
 class ShortConv(nn.Module):
@@ -37,12 +38,10 @@ class KDAAttention(nn.Module):
         self.num_heads, self.head_dim = h, d
         self.eps = cfg.kda_o_norm_eps
         self.lower_bound = cfg.kda_gate_lower_bound
-        self.q_proj = nn.Linear(hid, p, bias=False)
-        self.k_proj = nn.Linear(hid, p, bias=False)
-        self.v_proj = nn.Linear(hid, p, bias=False)
-        self.q_conv1d = ShortConv(p, w)
-        self.k_conv1d = ShortConv(p, w)
-        self.v_conv1d = ShortConv(p, w)
+        # q|k|v in one GEMM and their short convs as one [3P, 1, W] weight; the checkpoint keeps
+        # `{q,k,v}_proj.weight` and `{q,k,v}_conv1d.weight` (see `tensor_names.public_layout`).
+        self.qkv_proj = FusedLinear(hid, [("q_proj", p), ("k_proj", p), ("v_proj", p)])
+        self.qkv_conv1d = FusedWeight([("q_conv1d", p), ("k_conv1d", p), ("v_conv1d", p)], (1, w))
         # Kimi-Linear checkpoints hold A_log as [1, 1, H, 1], K3 ones as [H].
         self.A_log = nn.Parameter(torch.zeros(h) if cfg.is_k3_format else torch.zeros(1, 1, h, 1))
         self.dt_bias = nn.Parameter(torch.zeros(p))
@@ -65,43 +64,33 @@ class KDAAttention(nn.Module):
         return self.g_b_proj(self.g_a_proj(x))
 
     def conv_weight(self) -> torch.Tensor:
-        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+        """The depthwise weight [3P, W] of the pre-conv q|k|v (a view: no per-call copy)."""
+        return self.qkv_conv1d.weight.squeeze(1)
 
     def forward(
         self,
         x: torch.Tensor,
         cu_seqlens: torch.Tensor,
         batch: ForwardBatch | None = None,
-        cache: HybridCache | None = None,
     ) -> torch.Tensor:
+        """No batch: the no-cache forward over whole sequences (ground truth). With a batch: one cached step,
+        the cache reached only through `batch.attn_backend`."""
         t = x.shape[0]
         h, d = self.num_heads, self.head_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv = self.qkv_proj(x)
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(t, h, d), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
 
-        if cache is None or batch is None:
+        if batch is None:
             qkv, _ = causal_conv1d(qkv, self.conv_weight(), cu_seqlens=cu_seqlens)
             q, k, v = (z.view(t, h, d) for z in qkv.split(h * d, dim=-1))
             o, _ = kda_chunked(l2norm(q), l2norm(k), v, g, beta, cu_seqlens=cu_seqlens)
         else:
-            slots = batch.state_slots
-            conv_cache, rec_cache = cache.conv[self.kda_index], cache.recurrent[self.kda_index]
-            if batch.is_decode:
-                conv_state = conv_cache[slots]
-                qkv = causal_conv1d_update(qkv, self.conv_weight(), conv_state)
-                q, k, v = (z.view(t, h, d) for z in qkv.split(h * d, dim=-1))
-                state = rec_cache[slots]
-                o = kda_decode_step(l2norm(q), l2norm(k), v, g, beta, state)
-            else:
-                fresh = (batch.prefix_lens == 0).view(-1, 1, 1)
-                conv_init = conv_cache[slots].masked_fill(fresh, 0)
-                qkv, conv_state = causal_conv1d(qkv, self.conv_weight(), cu_seqlens=cu_seqlens, initial_state=conv_init)
-                q, k, v = (z.view(t, h, d) for z in qkv.split(h * d, dim=-1))
-                rec_init = rec_cache[slots].masked_fill(fresh.unsqueeze(-1), 0)
-                o, state = kda_chunked(l2norm(q), l2norm(k), v, g, beta, initial_state=rec_init, cu_seqlens=cu_seqlens)
-            conv_cache[slots] = conv_state.to(conv_cache.dtype)
-            rec_cache[slots] = state
+            backend = batch.attn_backend
+            assert backend is not None, "a cached step needs the batch's attention backend"
+            qkv = backend.short_conv(self.kda_index, qkv, self.conv_weight())
+            q, k, v = (z.view(t, h, d) for z in qkv.split(h * d, dim=-1))
+            o = backend.kda(self.kda_index, l2norm(q), l2norm(k), v, g, beta)
 
         gate = self.output_gate(x).view(t, h, d)
         o = gated_rms_norm(o, gate, self.o_norm.weight, self.eps)

@@ -13,7 +13,7 @@ from torch import nn
 
 from kernels.mla import mla_attention
 from radixk3.config import ModelConfig
-from radixk3.forward_batch import ForwardBatch, HybridCache
+from radixk3.forward_batch import ForwardBatch
 from radixk3.layers import RMSNorm
 
 
@@ -49,22 +49,18 @@ class MLAAttention(nn.Module):
         x: torch.Tensor,
         cu_seqlens: torch.Tensor,
         batch: ForwardBatch | None = None,
-        cache: HybridCache | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
         q = self.query(x).view(t, self.num_heads, self.nope + self.rope)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
-        if cache is None or batch is None:
-            kv, cu_kv, absorbed = latent, cu_seqlens, False
+        if batch is None:
+            o = mla_attention(q_nope, q_pe, latent, self.kv_b_proj.weight, cu_q=cu_seqlens, cu_kv=cu_seqlens,
+                              scale=self.scale, absorbed=False)
         else:
-            buf = cache.latent[self.mla_index]
-            buf[batch.kv_slots] = latent.to(buf.dtype)
-            kv, cu_kv, absorbed = buf[batch.kv_indices], batch.kv_indptr, batch.is_decode
-        o = mla_attention(
-            q_nope, q_pe, kv, self.kv_b_proj.weight, cu_q=cu_seqlens, cu_kv=cu_kv, scale=self.scale, absorbed=absorbed
-        )
+            assert batch.attn_backend is not None, "a cached step needs the batch's attention backend"
+            o = batch.attn_backend.mla(self.mla_index, q_nope, q_pe, latent, self.kv_b_proj.weight, self.scale)
         o = o.reshape(t, self.num_heads * self.v_dim)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x))

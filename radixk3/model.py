@@ -3,22 +3,26 @@ MLP or MoE, with the additive residual or K3's Block Attention Residuals, and op
 
 Two entry points share every op:
 - `forward(input_ids, cu_seqlens)`: the full-sequence, no-cache forward. This is ground truth.
-- `forward_batch(batch, cache)`: one cached step (prefill chunks and decodes) reading and writing `HybridCache`.
+- `forward_batch(batch, cache)`: one cached step (a `ForwardMode`: extend, decode, verify or idle); the layers
+  reach the cache only through the attention backend it attaches to the batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import nn
 
+from radixk3.attention_backend import AttentionBackend
 from radixk3.attn_res import attn_res_forward
 from radixk3.config import ModelConfig
 from radixk3.decoder_layer import DecoderLayer
-from radixk3.forward_batch import ForwardBatch, HybridCache
+from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.layers import RMSNorm
 from radixk3.mtp import MTPLayer, MTPOutput, run_mtp_layer
+from radixk3.tensor_names import public_tensors
 
 # Tensors that stay fp32 whatever the model dtype (as the reference implementations keep them).
 FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "gate.weight", "gate.e_score_correction_bias")
@@ -62,16 +66,15 @@ class KimiForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         batch: ForwardBatch | None = None,
-        cache: HybridCache | None = None,
     ) -> torch.Tensor:
         """The final hidden state before `model.norm` (what MTP layers read)."""
         x = self.model.embed_tokens(input_ids)
         block = self.model.attn_res_block_size
         if block is not None:
             return attn_res_forward(x, list(self.model.layers), block, self.model.output_attn_res_norm,
-                                    self.model.output_attn_res_proj, cu_seqlens, batch, cache)
+                                    self.model.output_attn_res_proj, cu_seqlens, batch)
         for layer in self.model.layers:
-            x = layer(x, cu_seqlens, batch, cache)
+            x = layer(x, cu_seqlens, batch)
         return x
 
     def hidden(
@@ -79,9 +82,8 @@ class KimiForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         batch: ForwardBatch | None = None,
-        cache: HybridCache | None = None,
     ) -> torch.Tensor:
-        return self.model.norm(self.prenorm_hidden(input_ids, cu_seqlens, batch, cache))
+        return self.model.norm(self.prenorm_hidden(input_ids, cu_seqlens, batch))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,7 +99,10 @@ class KimiForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward_batch(self, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
         """One cached step; returns logits [M, V] for `batch.logits_index` (default: each sequence's last token)."""
-        h = self.hidden(batch.input_ids, batch.cu_seqlens, batch, cache)
+        if batch.mode is ForwardMode.IDLE:
+            return self.lm_head.weight.new_empty(0, self.config.vocab_size)
+        batch = dataclasses.replace(batch, attn_backend=AttentionBackend(batch, cache))
+        h = self.hidden(batch.input_ids, batch.cu_seqlens, batch)
         rows = batch.logits_index if batch.logits_index is not None else batch.last_token_index()
         return self.lm_head(h[rows])
 
@@ -110,7 +115,7 @@ class KimiForCausalLM(nn.Module):
         position and the pre-norm hidden state there); logits at every position."""
         if cu_seqlens is None:
             cu_seqlens = torch.tensor([0, next_ids.numel()], device=next_ids.device)
-        out = run_mtp_layer(self.model.mtp_layers, index, next_ids, hidden, cu_seqlens, None, None)
+        out = run_mtp_layer(self.model.mtp_layers, index, next_ids, hidden, cu_seqlens, None)
         return MTPOutput(out, self.mtp_logits(index, out))
 
     @torch.inference_mode()
@@ -119,7 +124,8 @@ class KimiForCausalLM(nn.Module):
     ) -> MTPOutput:
         """One cached MTP step: `batch.input_ids` are the next tokens, `cache` the MTP cache
         (`allocate_mtp_cache`); logits for `batch.logits_index` (default: each sequence's last token)."""
-        out = run_mtp_layer(self.model.mtp_layers, index, batch.input_ids, hidden, batch.cu_seqlens, batch, cache)
+        batch = dataclasses.replace(batch, attn_backend=AttentionBackend(batch, cache))
+        out = run_mtp_layer(self.model.mtp_layers, index, batch.input_ids, hidden, batch.cu_seqlens, batch)
         rows = batch.logits_index if batch.logits_index is not None else batch.last_token_index()
         return MTPOutput(out, self.mtp_logits(index, out[rows]))
 
@@ -138,10 +144,12 @@ class KimiForCausalLM(nn.Module):
 
 @torch.no_grad()
 def init_random_(model: KimiForCausalLM, seed: int) -> KimiForCausalLM:
-    """Seeded random weights with healthy activations: fan-in scaled linears, fla-style decay parameters."""
+    """Seeded random weights with healthy activations: fan-in scaled linears, fla-style decay parameters.
+    Drawn per public (checkpoint) tensor in name order, into views of the fused parameters: the values for a
+    seed do not depend on how the model fuses its projections or stacks its experts."""
     gen = torch.Generator().manual_seed(seed)
     safe_gate = model.config.kda_gate_lower_bound is not None
-    for name, p in sorted(model.named_parameters()):
+    for name, p in sorted(public_tensors(model, params_only=True).items()):
         if name.endswith("A_log"):
             p.copy_(torch.empty(p.shape).uniform_(1, 16, generator=gen).log())
         elif name.endswith("dt_bias") and safe_gate:

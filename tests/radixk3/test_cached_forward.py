@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from radixk3.config import preset
-from radixk3.forward_batch import ForwardBatch, HybridCache
+from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.generate import greedy_cached, greedy_reference
 from radixk3.model import build_model
 
@@ -29,7 +29,7 @@ def test_prefill_then_decode_matches_full_forward() -> None:
     got = [model.forward_batch(batch, cache)]
     for t in range(n, len(ids)):
         step = ForwardBatch.build([[ids[t]]], [t], [2], [slots[: t + 1]])
-        assert step.is_decode
+        assert step.mode is ForwardMode.DECODE
         got.append(model.forward_batch(step, cache))
     assert (torch.cat(got) - full).abs().max().item() < TOL
 

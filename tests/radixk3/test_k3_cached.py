@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from radixk3.config import preset
-from radixk3.forward_batch import ForwardBatch, HybridCache
+from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.generate import greedy_cached, greedy_reference
 from radixk3.model import KimiForCausalLM, build_model
 from radixk3.mtp import allocate_mtp_cache, token_positions
@@ -48,7 +48,7 @@ def test_prefill_then_decode_matches_full_forward() -> None:
     got = [model.forward_batch(ForwardBatch.build([ids[:n]], [0], [2], [slots[:n]], all_logits=True), cache)]
     for t in range(n, len(ids)):
         step = ForwardBatch.build([[ids[t]]], [t], [2], [slots[: t + 1]])
-        assert step.is_decode
+        assert step.mode is ForwardMode.DECODE
         got.append(model.forward_batch(step, cache))
     assert (torch.cat(got) - full).abs().max().item() < TOL
 

@@ -1,0 +1,97 @@
+"""The attention backend: the only code that touches the cache tensors during a cached step.
+
+Model layers hand it their projected inputs; it runs the pool-resident kernels of `kernels/` (torch on CPU,
+Triton on CUDA, dispatched inside each op) in place on the cache's per-layer views, addressing KV through the
+batch's page table and KDA state through its state slots:
+- short conv: prefill over packed chunks from each slot's conv state (decode: the one-token update);
+- KDA: chunked prefill from each slot's state, with states emitted at the batch's checkpoints (decode: the
+  fused recurrent step, in place);
+- MLA: store the new tokens' latent at their slots, then attend over the paged latent (decode: the
+  weight-absorbed form).
+One backend is built per step (`for_batch`), so what every layer shares is computed once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+from kernels.conv1d_pool import conv1d_decode, conv1d_prefill
+from kernels.kda_pool import kda_decode, kda_prefill
+from kernels.mla_paged import PagedKV, mla_paged_decode, mla_paged_prefill, mla_store
+from kernels.state_checkpoints import StateCheckpoints
+from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
+
+
+class AttentionBackend:
+    def __init__(self, batch: ForwardBatch, cache: HybridCache) -> None:
+        self.batch = batch
+        self.cache = cache
+        self.decode = batch.mode is ForwardMode.DECODE
+        self.has_state = batch.prefix_lens > 0
+        self.paged = PagedKV(batch.block_table, batch.seq_lens, batch.page_size)
+        ck = batch.checkpoints
+        self.checkpoints = ck if ck is not None and len(ck.slot) else None
+        if self.decode and self.checkpoints is not None:
+            # A decode step has one token: a checkpoint is the state before it (offset 0) or after it (1).
+            offs = self.checkpoints.offset
+            if bool(((offs != 0) & (offs != 1)).any()):
+                raise ValueError("a decode step's checkpoints must be at offset 0 or 1")
+            self._ck_before = self._pairs(self.checkpoints, 0)
+            self._ck_after = self._pairs(self.checkpoints, 1)
+
+    def _pairs(self, ck: StateCheckpoints, offset: int) -> tuple[Tensor, Tensor] | None:
+        keep = ck.offset == offset
+        if not bool(keep.any()):
+            return None
+        return self.batch.state_slots[ck.seq[keep]], ck.slot[keep]
+
+    @staticmethod
+    def _copy(pool: Tensor, pairs: tuple[Tensor, Tensor] | None) -> None:
+        if pairs is not None:
+            src, dst = pairs
+            pool[dst] = pool[src]
+
+    def _decode_step(self, pool: Tensor, step: Callable[[], Tensor]) -> Tensor:
+        """Run a decode op with the checkpoints before and after it copied slot to slot."""
+        if self.checkpoints is not None:
+            self._copy(pool, self._ck_before)
+        out = step()
+        if self.checkpoints is not None:
+            self._copy(pool, self._ck_after)
+        return out
+
+    def short_conv(self, layer: int, x: Tensor, weight: Tensor) -> Tensor:
+        """Causal depthwise conv + SiLU of KDA layer `layer` over the new tokens x [T, C]."""
+        pool = self.cache.conv[layer]
+        b = self.batch
+        if self.decode:
+            return self._decode_step(pool, lambda: conv1d_decode(x, weight, pool, b.state_slots))
+        return conv1d_prefill(x, weight, pool, state_slots=b.state_slots, cu_seqlens=b.cu_seqlens,
+                              has_initial_state=self.has_state, checkpoints=self.checkpoints)
+
+    def kda(self, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+        """The gated delta rule of KDA layer `layer` (q, k L2-normalised; g the log decay) -> o [T, H, V]."""
+        pool = self.cache.recurrent[layer]
+        b = self.batch
+        if self.decode:
+            return self._decode_step(pool, lambda: kda_decode(q, k, v, g, beta, pool, b.state_slots))
+        return kda_prefill(q, k, v, g, beta, pool, state_slots=b.state_slots, cu_seqlens=b.cu_seqlens,
+                           has_initial_state=self.has_state, checkpoints=self.checkpoints)
+
+    def mla(self, layer: int, q_nope: Tensor, q_pe: Tensor, latent: Tensor, kv_b_weight: Tensor,
+            scale: float) -> Tensor:
+        """Store the new tokens' latent of MLA layer `layer`, then attend over each sequence's paged KV."""
+        buf = self.cache.latent[layer]
+        mla_store(buf, self.batch.kv_slots, latent)
+        if self.decode:
+            return mla_paged_decode(q_nope, q_pe, buf, kv_b_weight, self.paged, scale=scale)
+        return mla_paged_prefill(q_nope, q_pe, buf, kv_b_weight, self.paged, cu_q=self.batch.cu_seqlens,
+                                 scale=scale)
+
+
+def attach_backend(batch: ForwardBatch, cache: HybridCache) -> ForwardBatch:
+    """Give `batch` the backend over `cache` that its layers will call."""
+    batch.attn_backend = AttentionBackend(batch, cache)
+    return batch

@@ -1,0 +1,77 @@
+"""The worker's page table (SGLang's `req_to_token`, one entry per page): row r holds the physical KV pages of the
+request the scheduler gave row r, so a plan carries only what changed (new pages, moved pages, new rows).
+
+Beside it, per row: the token last sampled (the overlap scheduler plans a decode before it knows that token and
+sends -1 for it) and the generated tokens (frequency / presence / repetition penalties).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+
+class WorkerPageTable:
+    def __init__(self, device: torch.device | str, rows: int = 64, width: int = 64) -> None:
+        self.table = torch.zeros(rows, width, dtype=torch.int64, device=device)
+        self.last_token = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.histories: dict[int, list[int]] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    def _fit(self, rows: int, width: int) -> None:
+        """Grow (by doubling) to hold `rows` rows of `width` pages; entries keep their place."""
+        r, w = self.table.shape
+        if rows <= r and width <= w:
+            return
+        nr, nw = max(r, 1), max(w, 1)
+        while nr < rows:
+            nr *= 2
+        while nw < width:
+            nw *= 2
+        table = self.table.new_zeros(nr, nw)
+        table[:r, :w] = self.table
+        last = self.last_token.new_zeros(nr)
+        last[:r] = self.last_token
+        self.table, self.last_token = table, last
+
+    def move_pages(self, moves: Iterable[tuple[int, int]]) -> None:
+        """Compaction moved physical page src to dst (dst was free): rename src to dst, move after move.
+        Entries that no live row uses may hold anything; renaming them too is harmless."""
+        for src, dst in moves:
+            self.table.masked_fill_(self.table == src, dst)
+
+    def write(self, rows: np.ndarray, cols: np.ndarray, pages: np.ndarray) -> None:
+        """table[rows[i], cols[i]] = pages[i]."""
+        if len(rows) == 0:
+            return
+        self._fit(int(rows.max()) + 1, int(cols.max()) + 1)
+        r, c, p = (torch.from_numpy(np.array(a, dtype=np.int64)).to(self.device) for a in (rows, cols, pages))
+        self.table[r, c] = p
+
+    def reset(self, row: int, history: list[int]) -> None:
+        """Row `row` now belongs to a request that has generated `history` so far."""
+        self._fit(row + 1, 1)
+        self.histories[row] = list(history)
+
+    def block_table(self, rows: torch.Tensor, num_pages: int) -> torch.Tensor:
+        """The first `num_pages` pages of each row in `rows`: [N, num_pages]."""
+        self._fit(int(rows.max()) + 1 if rows.numel() else 0, num_pages)
+        return self.table[rows, :num_pages]
+
+    def record_samples(self, rows: list[int], tokens: torch.Tensor, token_list: list[int]) -> None:
+        """The tokens just sampled for `rows`: the next -1 input of each row, and its history."""
+        if not rows:
+            return
+        self.last_token[torch.tensor(rows, device=self.device)] = tokens
+        for row, tok in zip(rows, token_list, strict=True):
+            self.histories.setdefault(row, []).append(tok)
+
+    def check_integrity(self) -> None:
+        assert self.table.shape[0] == self.last_token.shape[0], "rows of the table and of last_token differ"
+        assert bool((self.table >= 0).all()), "negative page id in the table"
+        assert all(0 <= r < self.table.shape[0] for r in self.histories), "history of a row outside the table"
