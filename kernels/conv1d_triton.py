@@ -9,7 +9,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.state_checkpoints import StateCheckpoints
-from kernels.triton_launch import kernel
+from kernels.triton_launch import kernel, outer_stride
 
 BLOCK_T = 16
 BLOCK_C = 64
@@ -17,7 +17,7 @@ BLOCK_C = 64
 
 @kernel
 def _conv_prefill_kernel(
-    x, w, y, pool, tok_seq, seq_start, seq_slot, seq_init, T, C: tl.constexpr, W: tl.constexpr,
+    x, w, y, pool, tok_seq, seq_start, seq_slot, seq_init, T, slot_stride, C: tl.constexpr, W: tl.constexpr,
     SILU: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     """y[t] = sum_j w[:, j] x[t-W+1+j], where positions before the sequence start read its initial state."""
@@ -37,7 +37,7 @@ def _conv_prefill_kernel(
         xv = tl.load(x + pos[:, None] * C + offs_c[None, :], mask=m2 & inside[:, None], other=0.0)
         col = (W - 1) - (start - pos)  # state column of a position before the start
         sv = tl.load(
-            pool + (slot * C)[:, None] * (W - 1) + offs_c[None, :] * (W - 1) + col[:, None],
+            pool + (slot * slot_stride)[:, None] + offs_c[None, :] * (W - 1) + col[:, None],
             mask=m2 & (~inside & (init != 0))[:, None],
             other=0.0,
         )
@@ -50,8 +50,8 @@ def _conv_prefill_kernel(
 
 @kernel
 def _conv_state_kernel(
-    x, pool, src_start, src_end, src_slot, src_init, dst_slot, C: tl.constexpr, W: tl.constexpr, BC: tl.constexpr,
-    BW: tl.constexpr,
+    x, pool, src_start, src_end, src_slot, src_init, dst_slot, slot_stride, C: tl.constexpr, W: tl.constexpr,
+    BC: tl.constexpr, BW: tl.constexpr,
 ):  # fmt: skip
     """pool[dst[m]] = the W-1 inputs before x-row end[m] of the sequence starting at start[m], the source slot's
     state (or zeros) filling in before the start. One program reads everything it writes before writing."""
@@ -70,20 +70,21 @@ def _conv_state_kernel(
     m2 = mc[:, None] & mi[None, :]
     xv = tl.load(x + pos[None, :] * C + offs_c[:, None], mask=m2 & inside[None, :], other=0.0)
     col = (W - 1) - (start - pos)
-    sv = tl.load(pool + slot * C * (W - 1) + offs_c[:, None] * (W - 1) + col[None, :],
+    sv = tl.load(pool + slot * slot_stride + offs_c[:, None] * (W - 1) + col[None, :],
                  mask=m2 & (~inside & (init != 0))[None, :], other=0.0)  # fmt: skip
-    tl.store(pool + dst * C * (W - 1) + offs_c[:, None] * (W - 1) + offs_i[None, :], xv + sv, mask=m2)
+    tl.store(pool + dst * slot_stride + offs_c[:, None] * (W - 1) + offs_i[None, :], xv + sv, mask=m2)
 
 
 @kernel
 def _conv_decode_kernel(
-    x, w, y, pool, slots, C: tl.constexpr, W: tl.constexpr, SILU: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr
+    x, w, y, pool, slots, slot_stride, C: tl.constexpr, W: tl.constexpr, SILU: tl.constexpr, BC: tl.constexpr,
+    BW: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     mc = offs_c < C
     slot = tl.load(slots + n).to(tl.int64)
-    base = pool + slot * C * (W - 1) + offs_c * (W - 1)
+    base = pool + slot * slot_stride + offs_c * (W - 1)
     xt = tl.load(x + n * C + offs_c, mask=mc, other=0.0)
     acc = tl.zeros([BC], dtype=tl.float32)
     for j in tl.static_range(W - 1):
@@ -106,6 +107,13 @@ def _silu(activation: str | None) -> bool:
     return activation is not None
 
 
+def _pool_stride(conv_pool: Tensor, c: int, width: int) -> int:
+    """The slot stride of a [num_slots, C, W-1] conv pool (a pool-buffer view: slots strided, each contiguous)."""
+    if tuple(conv_pool.shape[1:]) != (c, width - 1):
+        raise ValueError(f"conv pool shape {tuple(conv_pool.shape)} != [num_slots, {c}, {width - 1}]")
+    return outer_stride(conv_pool, "conv state pool")
+
+
 def _write_states(
     x: Tensor, pool: Tensor, start: Tensor, end: Tensor, src: Tensor, init: Tensor, dst: Tensor, width: int
 ) -> None:
@@ -113,8 +121,9 @@ def _write_states(
         return
     c = x.shape[-1]
     _conv_state_kernel[(len(dst), triton.cdiv(c, BLOCK_C))](
-        x, pool, start, end, src, init, dst, C=c, W=width, BC=BLOCK_C, BW=triton.next_power_of_2(max(width - 1, 1))
-    )
+        x, pool, start, end, src, init, dst, _pool_stride(pool, c, width), C=c, W=width, BC=BLOCK_C,
+        BW=triton.next_power_of_2(max(width - 1, 1)),
+    )  # fmt: skip
 
 
 def conv1d_prefill_triton(
@@ -130,20 +139,19 @@ def conv1d_prefill_triton(
 ) -> Tensor:
     t, c = x.shape
     width = weight.shape[-1]
-    if not conv_pool.is_contiguous():
-        raise ValueError("the Triton conv kernels want a contiguous conv pool")
+    stride = _pool_stride(conv_pool, c, width)
     dev = x.device
     cu = torch.tensor([0, t], device=dev) if cu_seqlens is None else cu_seqlens.to(dev)
     n = len(cu) - 1
     lens = cu[1:] - cu[:-1]
-    tok_seq = torch.repeat_interleave(torch.arange(n, device=dev), lens)
+    tok_seq = torch.repeat_interleave(torch.arange(n, device=dev), lens, output_size=t)  # sizing it: no sync
     init = torch.ones(n, dtype=torch.int32, device=dev) if has_initial_state is None else has_initial_state.int()
     xc = x.contiguous()
     wf = weight.float().contiguous()
     y = torch.empty(t, c, dtype=torch.float32, device=dev)
     starts = cu[:-1].contiguous()
     _conv_prefill_kernel[(triton.cdiv(t, BLOCK_T), triton.cdiv(c, BLOCK_C))](
-        xc, wf, y, conv_pool, tok_seq, starts, state_slots.contiguous(), init, t, C=c, W=width,
+        xc, wf, y, conv_pool, tok_seq, starts, state_slots.contiguous(), init, t, stride, C=c, W=width,
         SILU=_silu(activation), BT=BLOCK_T, BC=BLOCK_C,
     )  # fmt: skip
     if checkpoints is not None and len(checkpoints.slot):
@@ -162,11 +170,10 @@ def conv1d_decode_triton(
 ) -> Tensor:
     n, c = x.shape
     width = weight.shape[-1]
-    if not conv_pool.is_contiguous():
-        raise ValueError("the Triton conv kernels want a contiguous conv pool")
+    stride = _pool_stride(conv_pool, c, width)
     y = torch.empty(n, c, dtype=torch.float32, device=x.device)
     _conv_decode_kernel[(n, triton.cdiv(c, BLOCK_C))](
-        x.contiguous(), weight.float().contiguous(), y, conv_pool, state_slots.contiguous(), C=c, W=width,
+        x.contiguous(), weight.float().contiguous(), y, conv_pool, state_slots.contiguous(), stride, C=c, W=width,
         SILU=_silu(activation), BC=BLOCK_C, BW=triton.next_power_of_2(max(width - 1, 1)),
     )  # fmt: skip
     return y.to(x.dtype)

@@ -19,7 +19,7 @@ from torch import Tensor
 from kernels.kda import seq_bounds
 from kernels.kda_pool import KDAGate
 from kernels.state_checkpoints import StateCheckpoints
-from kernels.triton_launch import kernel
+from kernels.triton_launch import kernel, outer_stride
 
 BT = 16  # segment length of the Triton prefill (tl.dot needs >= 16)
 
@@ -28,7 +28,7 @@ BT = 16  # segment length of the Triton prefill (tl.dot needs >= 16)
 def _kda_prefill_kernel(
     q, k, v, g, beta, o, pool,
     seg_start, seg_len, seg_ckpt, seq_seg_lo, seq_seg_hi, seq_slot, seq_init,
-    scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    scale, slot_stride, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, COMMIT: tl.constexpr,
 ):  # fmt: skip
     i_n = tl.program_id(0)
@@ -43,7 +43,7 @@ def _kda_prefill_kernel(
     state_off = i_h * K * V + offs_k[:, None] * V + offs_v[None, :]
     slot = tl.load(seq_slot + i_n).to(tl.int64)
     has_init = tl.load(seq_init + i_n)
-    s = tl.load(pool + slot * H * K * V + state_off, mask=mkv & (has_init != 0), other=0.0).to(tl.float32)
+    s = tl.load(pool + slot * slot_stride + state_off, mask=mkv & (has_init != 0), other=0.0).to(tl.float32)
     rows = offs_t[:, None]
     cols = offs_t[None, :]
     lo = tl.load(seq_seg_lo + i_n)
@@ -90,9 +90,19 @@ def _kda_prefill_kernel(
         total = tl.sum(gv, axis=0)
         s = tl.exp(total)[:, None] * s + tl.dot(tl.trans(kv * to_last), v_new, input_precision="ieee")
         ck = tl.load(seg_ckpt + seg).to(tl.int64)
-        tl.store(pool + ck * H * K * V + state_off, s, mask=mkv & (ck >= 0))
+        tl.store(pool + ck * slot_stride + state_off, s, mask=mkv & (ck >= 0))
     if COMMIT:
-        tl.store(pool + slot * H * K * V + state_off, s, mask=mkv)
+        tl.store(pool + slot * slot_stride + state_off, s, mask=mkv)
+
+
+def _pool_stride(state_pool: Tensor, h: int, kdim: int, vdim: int) -> int:
+    """The slot stride of a [num_slots, H, K, V] fp32 pool (a pool-buffer view: slots strided, each contiguous)."""
+    if state_pool.dtype != torch.float32 or tuple(state_pool.shape[1:]) != (h, kdim, vdim):
+        raise ValueError(
+            f"the Triton KDA kernels want an fp32 [num_slots, {h}, {kdim}, {vdim}] state pool, got "
+            f"{state_pool.dtype} {tuple(state_pool.shape)}"
+        )
+    return outer_stride(state_pool, "KDA state pool")
 
 
 def _blocks(kdim: int, vdim: int) -> tuple[int, int]:
@@ -148,8 +158,7 @@ def kda_prefill_triton(
 ) -> Tensor:
     t, h, kdim = q.shape
     vdim = v.shape[-1]
-    if state_pool.dtype != torch.float32 or not state_pool.is_contiguous():
-        raise ValueError("the Triton KDA kernels want a contiguous fp32 state pool")
+    stride = _pool_stride(state_pool, h, kdim, vdim)
     bounds = seq_bounds(cu_seqlens, t)
     n = len(bounds) - 1
     # offset-0 checkpoints are the initial states themselves: copy them before the kernel overwrites slots
@@ -172,7 +181,7 @@ def kda_prefill_triton(
     bk, bv = _blocks(kdim, vdim)
     _kda_prefill_kernel[(n, h, triton.cdiv(vdim, bv))](
         qf, kf, vf, gf, bf, o, state_pool, starts, lens, cks, lo, hi, state_slots.contiguous(), init_flags,
-        scale, H=h, K=kdim, V=vdim, BT=BT, BK=bk, BV=bv, COMMIT=commit,
+        scale, stride, H=h, K=kdim, V=vdim, BT=BT, BK=bk, BV=bv, COMMIT=commit,
     )  # fmt: skip
     return o.to(v.dtype)
 
@@ -180,7 +189,7 @@ def kda_prefill_triton(
 @kernel
 def _kda_recurrent_kernel(
     q, k, v, g, beta, o, pool, slots, ntok, a_log, dt_bias,
-    L, scale, lower_bound, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    L, scale, lower_bound, slot_stride, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, HAS_Q: tl.constexpr, GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     BETA_LOGITS: tl.constexpr, L2NORM: tl.constexpr,
 ):  # fmt: skip
@@ -195,7 +204,7 @@ def _kda_recurrent_kernel(
     mv = offs_v < V
     mkv = mk[:, None] & mv[None, :]
     slot = tl.load(slots + i_n).to(tl.int64)
-    ptr_s = pool + slot * H * K * V + i_h * K * V + offs_k[:, None] * V + offs_v[None, :]
+    ptr_s = pool + slot * slot_stride + i_h * K * V + offs_k[:, None] * V + offs_v[None, :]
     s = tl.load(ptr_s, mask=mkv, other=0.0).to(tl.float32)
     n_tok = tl.load(ntok + i_n)
     if GATE != 0:
@@ -249,8 +258,7 @@ def kda_recurrent_pool_triton(
     past num_tokens unset) when q is given."""
     n, length, h, kdim = k.shape
     vdim = v.shape[-1]
-    if state_pool.dtype != torch.float32 or not state_pool.is_contiguous():
-        raise ValueError("the Triton KDA kernels want a contiguous fp32 state pool")
+    stride = _pool_stride(state_pool, h, kdim, vdim)
     bk, bv = _blocks(kdim, vdim)
     kc, vc, gc, bc = (x.contiguous() for x in (k, v, g, beta))
     qc = q.contiguous() if q is not None else kc
@@ -261,7 +269,7 @@ def kda_recurrent_pool_triton(
     lb = float(gate.lower_bound) if gate is not None and gate.lower_bound is not None else 0.0
     _kda_recurrent_kernel[(n, h, triton.cdiv(vdim, bv))](
         qc, kc, vc, gc, bc, o, state_pool, state_slots.contiguous(), num_tokens.contiguous(), a_log, dt_bias,
-        length, scale, lb, H=h, K=kdim, V=vdim, BK=bk, BV=bv, HAS_Q=q is not None, GATE=gate_kind,
+        length, scale, lb, stride, H=h, K=kdim, V=vdim, BK=bk, BV=bv, HAS_Q=q is not None, GATE=gate_kind,
         HAS_DT_BIAS=gate is not None and gate.dt_bias is not None, BETA_LOGITS=beta_logits, L2NORM=qk_l2norm,
     )  # fmt: skip
     return o if q is not None else None

@@ -11,14 +11,14 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.mla_paged import PagedKV
-from kernels.triton_launch import kernel
+from kernels.triton_launch import kernel, outer_stride
 
 BLOCK_N = 16
 
 
 @kernel
 def _mla_latent_attention_kernel(
-    q_lat, q_pe, latent, out, block_table, tok_seq, tok_pos, scale, max_pages,
+    q_lat, q_pe, latent, out, block_table, tok_seq, tok_pos, scale, max_pages, row_stride,
     H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr,
     BH: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
@@ -40,7 +40,7 @@ def _mla_latent_attention_kernel(
         pos = start + tl.arange(0, BN)
         valid = pos <= last
         page = tl.load(block_table + seq * max_pages + pos // PAGE, mask=valid, other=0).to(tl.int64)
-        row = (page * PAGE + pos % PAGE) * (R + DR)
+        row = (page * PAGE + pos % PAGE) * row_stride
         c = tl.load(latent + row[:, None] + offs_r[None, :], mask=valid[:, None] & mr[None, :], other=0.0)
         kp = tl.load(latent + row[:, None] + R + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
         c = c.to(tl.float32)
@@ -58,23 +58,29 @@ def _mla_latent_attention_kernel(
 
 
 @kernel
-def _store_kernel(buf, slots, src, D: tl.constexpr, BD: tl.constexpr):
+def _store_kernel(buf, slots, src, row_stride, D: tl.constexpr, BD: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BD + tl.arange(0, BD)
     m = offs < D
     slot = tl.load(slots + t).to(tl.int64)
-    tl.store(buf + slot * D + offs, tl.load(src + t * D + offs, mask=m), mask=m)
+    tl.store(buf + slot * row_stride + offs, tl.load(src + t * D + offs, mask=m), mask=m)
+
+
+def _row_stride(latent_buffer: Tensor, width: int) -> int:
+    """The row stride of a [num_slots, R + Dr] latent buffer (a pool-buffer view: rows strided, each contiguous)."""
+    if latent_buffer.dim() != 2 or latent_buffer.shape[1] != width:
+        raise ValueError(f"latent buffer shape {tuple(latent_buffer.shape)} != [num_slots, {width}]")
+    return outer_stride(latent_buffer, "latent buffer")
 
 
 def mla_store_triton(latent_buffer: Tensor, slots: Tensor, latent: Tensor) -> None:
-    if not latent_buffer.is_contiguous():
-        raise ValueError("the Triton MLA store wants a contiguous latent buffer")
     t, d = latent.shape
+    stride = _row_stride(latent_buffer, d)
     if t == 0:
         return
     bd = min(1024, triton.next_power_of_2(d))
     src = latent.to(latent_buffer.dtype).contiguous()
-    _store_kernel[(t, triton.cdiv(d, bd))](latent_buffer, slots.contiguous(), src, D=d, BD=bd)
+    _store_kernel[(t, triton.cdiv(d, bd))](latent_buffer, slots.contiguous(), src, stride, D=d, BD=bd)
 
 
 def mla_paged_triton(
@@ -89,14 +95,13 @@ def mla_paged_triton(
     t, h, dn = q_nope.shape
     dr = q_pe.shape[-1]
     r = kv_b_weight.shape[-1]
-    if latent_buffer.shape[-1] != r + dr or not latent_buffer.is_contiguous():
-        raise ValueError(f"latent buffer rows must be contiguous [R + Dr] = {r + dr}")
+    stride = _row_stride(latent_buffer, r + dr)
     w = kv_b_weight.float().view(h, -1, r)
     w_uk, w_uv = w[:, :dn], w[:, dn:]
     q_lat = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk).contiguous()
     dev = q_nope.device
     q_lens = q_lens.to(dev, torch.int64)
-    tok_seq = torch.repeat_interleave(torch.arange(len(q_lens), device=dev), q_lens)
+    tok_seq = torch.repeat_interleave(torch.arange(len(q_lens), device=dev), q_lens, output_size=t)  # no sync
     first_q = torch.cumsum(q_lens, 0) - q_lens
     # query j of sequence i sits at kv position kv_len - q_len + j
     tok_pos = kv.kv_lens.to(dev)[tok_seq] - q_lens[tok_seq] + torch.arange(t, device=dev) - first_q[tok_seq]
@@ -105,7 +110,7 @@ def mla_paged_triton(
     if t:
         _mla_latent_attention_kernel[(t, triton.cdiv(h, bh))](
             q_lat, q_pe.float().contiguous(), latent_buffer, o_lat, kv.block_table.contiguous(), tok_seq, tok_pos,
-            scale, kv.block_table.shape[1], H=h, R=r, DR=dr, PAGE=kv.page_size, BH=bh,
+            scale, kv.block_table.shape[1], stride, H=h, R=r, DR=dr, PAGE=kv.page_size, BH=bh,
             BR=max(16, triton.next_power_of_2(r)), BDR=max(16, triton.next_power_of_2(dr)), BN=BLOCK_N,
         )  # fmt: skip
     return torch.einsum("thr,hvr->thv", o_lat, w_uv).to(q_nope.dtype)

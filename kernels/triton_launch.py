@@ -78,3 +78,18 @@ class Kernel:
 
 def kernel(fn: Callable[..., None]) -> Kernel:
     return Kernel(fn)
+
+
+def outer_stride(t: torch.Tensor, what: str) -> int:
+    """Stride of dim 0 (a pool slot, a latent row) of a tensor whose inner dims are contiguous, as the pool's
+    per-layer views are: the kernels index slot * stride + the slot's own contiguous offset."""
+    if t.dim() < 2:
+        raise ValueError(f"{what}: expected at least 2 dims, got shape {tuple(t.shape)}")
+    if t.shape[0] == 0:
+        return 0
+    inner = t[0]
+    if not inner.is_contiguous():
+        raise ValueError(f"{what}: the dims after the first must be contiguous, got strides {t.stride()}")
+    if t.shape[0] > 1 and t.stride(0) < inner.numel():
+        raise ValueError(f"{what}: rows overlap (stride {t.stride(0)} < {inner.numel()} elements per row)")
+    return t.stride(0)
