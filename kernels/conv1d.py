@@ -44,6 +44,23 @@ def conv_history(
     return hist, row, bounds
 
 
+def history_states(hist: Tensor, first_rows: Tensor, width: int) -> Tensor:
+    """The conv states [M, C, W-1] held in rows first_rows[m] .. first_rows[m] + W-2 of a `conv_history` buffer."""
+    rows = first_rows[:, None] + torch.arange(width - 1, device=hist.device)
+    return hist[rows.reshape(-1)].view(len(first_rows), width - 1, -1).transpose(1, 2)
+
+
+def conv_from_history(hist: Tensor, row: Tensor, weight: Tensor, activation: str | None) -> Tensor:
+    """y [T, C] fp32 (activated) of the tokens at `row` of a `conv_history` buffer: w[:, 0] x_{t-W+1} first."""
+    width = weight.shape[-1]
+    wf = weight.float()
+    histf = hist.float()  # once, not per tap: the same fp32 values
+    y = torch.zeros(len(row), hist.shape[1], dtype=torch.float32, device=hist.device)
+    for j in range(width):
+        y += wf[:, j] * histf.index_select(0, row - (width - 1) + j)
+    return apply_activation(y, activation)
+
+
 def causal_conv1d(
     x: Tensor,
     weight: Tensor,
@@ -55,24 +72,26 @@ def causal_conv1d(
     """x [T, C], weight [C, W], initial_state [N, C, W-1] or None (zeros) -> (y [T, C], final_state [N, C, W-1])."""
     width = weight.shape[-1]
     hist, row, bounds = conv_history(x, cu_seqlens, initial_state, width)
-    wf = weight.float()
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for j in range(width):
-        y += wf[:, j] * hist[row - (width - 1) + j].float()
+    y = conv_from_history(hist, row, weight, activation)
     n = len(bounds) - 1
-    ends = torch.tensor(bounds[1:], dtype=torch.int64, device=x.device) + torch.arange(1, n + 1, device=x.device) * (
-        width - 1
-    )
-    final = hist[(ends[:, None] - (width - 1) + torch.arange(width - 1, device=x.device)).reshape(-1)]
-    return apply_activation(y, activation).to(x.dtype), final.view(n, width - 1, -1).transpose(1, 2).contiguous()
+    # sequence i's rows start at bounds[i] + i*(W-1); its final state is the last W-1 of them
+    last = torch.tensor(bounds[1:], dtype=torch.int64, device=x.device) + torch.arange(n, device=x.device) * (width - 1)
+    return y.to(x.dtype), history_states(hist, last, width).contiguous()
+
+
+def conv_window(window: Tensor, weight: Tensor, activation: str | None) -> Tensor:
+    """y [N, C] fp32 (activated) of one token per sequence from its window [N, C, W] of inputs, oldest first."""
+    wf = weight.float()
+    winf = window.float()  # once, not per tap: the same fp32 values
+    y = torch.zeros(window.shape[:-1], dtype=torch.float32, device=window.device)
+    for j in range(weight.shape[-1]):
+        y += wf[:, j] * winf[..., j]  # the same sum order as the prefill
+    return apply_activation(y, activation)
 
 
 def causal_conv1d_update(x: Tensor, weight: Tensor, state: Tensor, *, activation: str | None = "silu") -> Tensor:
     """One token per sequence: x [N, C], weight [C, W]; `state` [N, C, W-1] is updated in place."""
     window = torch.cat([state.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [N, C, W]
-    wf = weight.float()
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for j in range(weight.shape[-1]):
-        y += wf[:, j] * window[..., j].float()  # the same sum order as the prefill
+    y = conv_window(window, weight, activation)
     state.copy_(window[..., 1:])
-    return apply_activation(y, activation).to(x.dtype)
+    return y.to(x.dtype)

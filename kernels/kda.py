@@ -117,7 +117,17 @@ def kda_step(state: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Te
     Elementwise products and sums only (no batched matmul), so the result of a row never depends on which
     other rows share the batch: decode and replay stay bit-identical whatever the batch.
     """
-    s = state * g.float().exp()[..., None]
+    return _delta_update_(state * g.float().exp()[..., None], k, v, beta)
+
+
+def kda_step_(state: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+    """`kda_step` updating `state` (fp32, owned by the caller) in place and returning it: the same elementwise
+    ops, so the same bits, without allocating a second [N, H, K, V] state."""
+    return _delta_update_(state.mul_(g.float().exp()[..., None]), k, v, beta)
+
+
+def _delta_update_(s: Tensor, k: Tensor, v: Tensor, beta: Tensor) -> Tensor:
+    """s (already decayed) += beta k (v - s^T k)^T, in place."""
     kf = k.float()
     ks = (kf[..., None] * s).sum(-2)
     return s.addcmul_((beta.float()[..., None] * kf)[..., None], (v.float() - ks)[..., None, :])

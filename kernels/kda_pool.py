@@ -15,8 +15,9 @@ import torch
 from torch import Tensor
 
 from kernels.backend import kernel_backend
-from kernels.kda import kda_gate, kda_read, kda_step, l2norm, seq_bounds
+from kernels.kda import kda_gate, kda_read, kda_step, kda_step_, l2norm, seq_bounds
 from kernels.kda_chunk import chunk_scan, plan_chunks
+from kernels.pool_slots import gather_slots, scatter_slots
 from kernels.state_checkpoints import StateCheckpoints, check_num_tokens, check_slots
 
 
@@ -38,7 +39,7 @@ class StepInputs(NamedTuple):
 
 
 def _initial_states(pool: Tensor, slots: Tensor, has_initial_state: Tensor | None) -> Tensor:
-    s = pool[slots].float()
+    s = gather_slots(pool, slots).float()
     if has_initial_state is None:
         return s
     # where, not a product: a fresh slot may hold anything, NaN included
@@ -60,16 +61,19 @@ def kda_prefill(
     scale: float | None = None,
     commit: bool = True,
     chunk_size: int = 64,
+    validate: bool = True,
 ) -> Tensor:
     """Chunked KDA over packed sequences (inputs as `kda.kda_chunked`) with states in `state_pool`.
 
     Sequence i starts from state_pool[state_slots[i]] (zeros where has_initial_state[i] is False; None = all
-    True) and, if `commit`, ends there. Checkpoints are written to their slots. Returns o [T, H, V]."""
+    True) and, if `commit`, ends there. Checkpoints are written to their slots. Returns o [T, H, V].
+    `validate=False` skips `check_slots` (a host read of the slots): for callers that ran it once per step."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     n = 1 if cu_seqlens is None else len(cu_seqlens) - 1
     if len(state_slots) != n:
         raise ValueError(f"{len(state_slots)} state slots for {n} sequences")
-    check_slots(state_slots, checkpoints, state_pool.shape[0])
+    if validate:
+        check_slots(state_slots, checkpoints, state_pool.shape[0])
     if kernel_backend(q.device) == "triton":
         from kernels.kda_triton import kda_prefill_triton
 
@@ -81,9 +85,9 @@ def kda_prefill(
     plan = plan_chunks(bounds, chunk_size, checkpoints.pairs() if checkpoints is not None else None, q.device)
     o, ck_states = chunk_scan(q, k, v, g, beta, states, plan, scale)
     if checkpoints is not None and len(checkpoints.slot):
-        state_pool[checkpoints.slot] = ck_states.to(state_pool.dtype)
+        scatter_slots(state_pool, checkpoints.slot, ck_states)
     if commit:
-        state_pool[state_slots] = states.to(state_pool.dtype)
+        scatter_slots(state_pool, state_slots, states)
     return o.to(v.dtype)
 
 
@@ -111,13 +115,16 @@ def kda_decode(
     gate: KDAGate | None = None,
     beta_logits: bool = False,
     qk_l2norm: bool = False,
+    validate: bool = True,
 ) -> Tensor:
     """One token per sequence (q, k, g [N, H, K], v [N, H, V], beta [N, H]), state updated in its slot.
 
     With `gate`, g is the raw gate projection and the decay is computed here; with `beta_logits`, beta is
-    sigmoided here; with `qk_l2norm`, q and k are L2-normalised here. Returns o [N, H, V] in v's dtype."""
+    sigmoided here; with `qk_l2norm`, q and k are L2-normalised here. Returns o [N, H, V] in v's dtype.
+    `validate=False` skips `check_slots`, as for `kda_prefill`."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    check_slots(state_slots, None, state_pool.shape[0])
+    if validate:
+        check_slots(state_slots, None, state_pool.shape[0])
     if kernel_backend(q.device) == "triton":
         from kernels.kda_triton import kda_recurrent_pool_triton
 
@@ -127,8 +134,8 @@ def kda_decode(
         )  # fmt: skip
         return o[:, 0].to(v.dtype)
     step = preprocess_step(k, v, g, beta, gate, beta_logits, qk_l2norm)
-    s = kda_step(state_pool[state_slots].float(), *step)
-    state_pool[state_slots] = s.to(state_pool.dtype)
+    s = kda_step_(gather_slots(state_pool, state_slots).float(), *step)  # the gathered copy is ours to update
+    scatter_slots(state_pool, state_slots, s)
     return kda_read(s, l2norm(q) if qk_l2norm else q, scale).to(v.dtype)
 
 
@@ -144,13 +151,16 @@ def kda_replay(
     gate: KDAGate | None = None,
     beta_logits: bool = False,
     qk_l2norm: bool = False,
+    validate: bool = True,
 ) -> None:
     """Advance each slot's state over the first num_tokens[i] of its saved tokens, in place.
 
     k, g [N, L, H, K], v [N, L, H, V], beta [N, L, H]: the same per-token inputs decode takes (raw where the
-    flags say so); num_tokens [N] int64 in [0, L]. Equals decode over those tokens bit for bit."""
-    check_slots(state_slots, None, state_pool.shape[0])
-    check_num_tokens(num_tokens, k.shape[1])
+    flags say so); num_tokens [N] int64 in [0, L]. Equals decode over those tokens bit for bit.
+    `validate=False` skips `check_slots` and `check_num_tokens` (host reads)."""
+    if validate:
+        check_slots(state_slots, None, state_pool.shape[0])
+        check_num_tokens(num_tokens, k.shape[1])
     if kernel_backend(k.device) == "triton":
         from kernels.kda_triton import kda_recurrent_pool_triton
 
@@ -158,8 +168,8 @@ def kda_replay(
             None, k, v, g, beta, state_pool, state_slots, num_tokens, 1.0, gate, beta_logits, qk_l2norm
         )
         return
-    s = state_pool[state_slots].float()
+    s = gather_slots(state_pool, state_slots).float()
     for t in range(max(num_tokens.tolist(), default=0)):
         step = preprocess_step(k[:, t], v[:, t], g[:, t], beta[:, t], gate, beta_logits, qk_l2norm)
         s = torch.where((num_tokens > t).view(-1, 1, 1, 1), kda_step(s, *step), s)
-    state_pool[state_slots] = s.to(state_pool.dtype)
+    scatter_slots(state_pool, state_slots, s)

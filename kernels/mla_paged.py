@@ -17,6 +17,7 @@ from torch import Tensor
 
 from kernels.backend import kernel_backend
 from kernels.mla import mla_attention
+from kernels.pool_slots import gather_slots, scatter_slots
 
 
 class PagedKV(NamedTuple):
@@ -39,19 +40,33 @@ def sequence_slots(kv: PagedKV) -> Tensor:
     return paged_slots(kv.block_table, seq, pos, kv.page_size)
 
 
-def mla_store(latent_buffer: Tensor, slots: Tensor, latent: Tensor) -> None:
-    """latent_buffer[slots[t]] = latent[t], in place (latent [T, R+Dr], cast to the buffer's dtype)."""
-    if len(set(slots.tolist())) != len(slots):
+def check_store_slots(slots: Tensor, num_slots: int | None = None) -> None:
+    """`mla_store`'s check: no slot twice (and, given num_slots, each in range). A host read of the slots (a
+    device sync on a GPU); every MLA layer of a step stores to the same slots, so a caller may run it once
+    per step and pass `validate=False` to `mla_store`."""
+    values = slots.tolist()
+    if len(set(values)) != len(values):
         raise ValueError("mla_store: slots repeat")
+    if num_slots is not None and any(not 0 <= s < num_slots for s in values):
+        raise ValueError(f"mla_store: a slot lies outside the buffer of {num_slots} rows")
+
+
+def mla_store(latent_buffer: Tensor, slots: Tensor, latent: Tensor, *, validate: bool = True) -> None:
+    """latent_buffer[slots[t]] = latent[t], in place (latent [T, R+Dr], cast to the buffer's dtype).
+    `validate=False` skips `check_store_slots`."""
+    if validate:
+        check_store_slots(slots, latent_buffer.shape[0])
     if kernel_backend(latent.device) == "triton":
         from kernels.mla_triton import mla_store_triton
 
         mla_store_triton(latent_buffer, slots, latent)
         return
-    latent_buffer[slots] = latent.to(latent_buffer.dtype)
+    scatter_slots(latent_buffer, slots, latent)
 
 
-def _check(kv: PagedKV, q_lens: Tensor) -> None:
+def check_paged(kv: PagedKV, q_lens: Tensor) -> None:
+    """The paged ops' check: q_lens fit in kv_lens, the block table covers kv_lens. Host reads, as
+    `check_store_slots`: a caller may run it once per step and pass `validate=False` to the per-layer ops."""
     if len(kv.kv_lens) != len(q_lens) or bool((q_lens > kv.kv_lens).any()):
         raise ValueError(f"q_lens {q_lens.tolist()} must fit in kv_lens {kv.kv_lens.tolist()}")
     need = (kv.kv_lens + kv.page_size - 1) // kv.page_size
@@ -68,32 +83,44 @@ def mla_paged_prefill(
     *,
     cu_q: Tensor,
     scale: float,
+    validate: bool = True,
 ) -> Tensor:
     """New tokens' attention over cached prefix + new tokens. q_nope [T, H, Dn], q_pe [T, H, Dr], cu_q [N+1]
-    -> o [T, H, Dv]. The new tokens' latent must already be stored (`mla_store`)."""
+    -> o [T, H, Dv]. The new tokens' latent must already be stored (`mla_store`).
+    `validate=False` skips `check_paged`."""
     q_lens = cu_q[1:] - cu_q[:-1]
-    _check(kv, q_lens)
+    if validate:
+        check_paged(kv, q_lens)
     if kernel_backend(q_nope.device) == "triton":
         from kernels.mla_triton import mla_paged_triton
 
         return mla_paged_triton(q_nope, q_pe, latent_buffer, kv_b_weight, kv, q_lens, scale)
     cu_kv = torch.cat([kv.kv_lens.new_zeros(1), torch.cumsum(kv.kv_lens, 0)])
-    lat = latent_buffer[sequence_slots(kv)].to(q_nope.dtype)
+    lat = gather_slots(latent_buffer, sequence_slots(kv)).to(q_nope.dtype)
     return mla_attention(q_nope, q_pe, lat, kv_b_weight, cu_q=cu_q, cu_kv=cu_kv, scale=scale, absorbed=False)
 
 
 def mla_paged_decode(
-    q_nope: Tensor, q_pe: Tensor, latent_buffer: Tensor, kv_b_weight: Tensor, kv: PagedKV, *, scale: float
+    q_nope: Tensor,
+    q_pe: Tensor,
+    latent_buffer: Tensor,
+    kv_b_weight: Tensor,
+    kv: PagedKV,
+    *,
+    scale: float,
+    validate: bool = True,
 ) -> Tensor:
-    """One query token per sequence (the last of its kv_lens), absorbed form: [N, H, Dn|Dr] -> [N, H, Dv]."""
+    """One query token per sequence (the last of its kv_lens), absorbed form: [N, H, Dn|Dr] -> [N, H, Dv].
+    `validate=False` skips `check_paged`."""
     n = q_nope.shape[0]
     q_lens = torch.ones(n, dtype=torch.int64, device=q_nope.device)
-    _check(kv, q_lens)
+    if validate:
+        check_paged(kv, q_lens)
     if kernel_backend(q_nope.device) == "triton":
         from kernels.mla_triton import mla_paged_triton
 
         return mla_paged_triton(q_nope, q_pe, latent_buffer, kv_b_weight, kv, q_lens, scale)
     cu_q = torch.arange(n + 1, device=q_nope.device)
     cu_kv = torch.cat([kv.kv_lens.new_zeros(1), torch.cumsum(kv.kv_lens, 0)])
-    lat = latent_buffer[sequence_slots(kv)].to(q_nope.dtype)
+    lat = gather_slots(latent_buffer, sequence_slots(kv)).to(q_nope.dtype)
     return mla_attention(q_nope, q_pe, lat, kv_b_weight, cu_q=cu_q, cu_kv=cu_kv, scale=scale, absorbed=True)

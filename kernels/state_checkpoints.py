@@ -20,12 +20,15 @@ class StateCheckpoints(NamedTuple):
 
 
 def check_slots(state_slots: Tensor, checkpoints: StateCheckpoints | None, num_slots: int) -> None:
-    """Cheap argument checks shared by the pool ops: slots in range, live slots distinct, checkpoint slots
-    distinct and apart from the live ones (a kernel may read a live slot while it writes the checkpoints)."""
+    """Argument checks shared by the pool ops: slots in range, live slots distinct, checkpoint slots distinct
+    and apart from the live ones (a kernel may read a live slot while it writes the checkpoints).
+
+    Reads the slots on the host (a device sync on a GPU). Every KDA layer of a step takes the same slots, so
+    a caller may run this once per step and pass `validate=False` to the per-layer ops."""
+    if checkpoints is not None and not len(checkpoints.seq) == len(checkpoints.offset) == len(checkpoints.slot):
+        raise ValueError("checkpoint seq/offset/slot lengths differ")
     live = state_slots.tolist()
     ck = checkpoints.slot.tolist() if checkpoints is not None else []
-    if checkpoints is not None and not len(checkpoints.seq) == len(checkpoints.offset) == len(ck):
-        raise ValueError("checkpoint seq/offset/slot lengths differ")
     for s in (*live, *ck):
         if not 0 <= s < num_slots:
             raise ValueError(f"slot {s} outside the pool of {num_slots}")
@@ -34,7 +37,8 @@ def check_slots(state_slots: Tensor, checkpoints: StateCheckpoints | None, num_s
 
 
 def check_num_tokens(num_tokens: Tensor, limit: int) -> None:
-    """Replay counts: each in [0, limit], the number of saved tokens per sequence."""
+    """Replay counts: each in [0, limit], the number of saved tokens per sequence (a host read, as
+    `check_slots`)."""
     counts = num_tokens.tolist()
     if any(not 0 <= c <= limit for c in counts):
         raise ValueError(f"num_tokens {counts} outside [0, {limit}]")
