@@ -144,6 +144,8 @@ def cutoffs(z: Tensor, p: SamplingTensors) -> Tensor:
 
 def select_torch(z: Tensor, adjusted: Tensor, p: SamplingTensors, cut: Tensor) -> Tensor:
     """Greedy rows: argmax of the penalised logits; others: the Gumbel-max draw among kept tokens."""
+    if bool(p.greedy.all()):  # no draw at all: skip the [N, V] hash, the common serving case
+        return adjusted.argmax(-1)
     zmax = z.max(-1, keepdim=True).values
     keep = z >= cut[:, None]
     keep &= (p.min_p[:, None] <= 0) | (z >= zmax + torch.log(p.min_p[:, None]))
