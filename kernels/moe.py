@@ -3,12 +3,15 @@
 Router: s = sigmoid(logits) in fp32; experts are chosen by s + e_score_correction_bias (the bias only
 selects), optionally group-limited (groups scored by the sum of their top-2 biased scores, the best
 `topk_group` kept); weights are the unbiased s of the chosen experts, renormalised w / (sum w + 1e-20), times
-routed_scaling_factor. Expert e: w2[e] (silu(w1[e] x) * w3[e] x); the output sums weight * expert over the k
-choices. The Triton fused path (`moe_triton`) runs on CUDA; the dispatch is `moe_experts`.
+routed_scaling_factor. Experts are stacked: w13 [E, 2I, D] (rows [:I] gate = checkpoint w1, [I:] up = w3) and
+w2 [E, D, I] (down); expert e is w2[e] act(gate, up) with `GLU` act (SwiGLU or K3's SiTU-GLU), and the output
+sums weight * expert over the k choices. The Triton fused path (`moe_triton`, both activations) runs on CUDA;
+the dispatch is `moe_experts`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -65,25 +68,63 @@ def group_by_expert(route: MoERoute, num_experts: int) -> ExpertGroups:
     return ExpertGroups(order, torch.bincount(flat, minlength=num_experts))
 
 
-def moe_experts(x: Tensor, route: MoERoute, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
-    """x [T, D], w1/w3 [E, I, D] (gate/up), w2 [E, D, I] (down) -> sum_k weight_k * expert_k(x) [T, D]."""
+@dataclass(frozen=True)
+class GLU:
+    """The gated activation act(gate) * up of every MLP: SwiGLU, or K3's SiTU-GLU
+    gate' = beta tanh(gate / beta) sigmoid(gate), up' = beta_lin tanh(up / beta_lin) (up unchanged without
+    beta_lin); a bounded SiLU that tends to SiLU as beta grows. This is the torch reference of the activation
+    that the Triton expert kernel fuses."""
+
+    kind: str = "silu"  # "silu" or "situ"
+    beta: float | None = None
+    linear_beta: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("silu", "situ"):
+            raise ValueError(f"unsupported GLU activation {self.kind!r}: expected 'silu' or 'situ'")
+
+    @property
+    def gate_beta(self) -> float:
+        return 1.0 if self.beta is None else self.beta
+
+    def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        beta = self.gate_beta
+        gate = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+        if self.linear_beta is not None:
+            up = self.linear_beta * torch.tanh(up / self.linear_beta)
+        return gate * up
+
+
+SILU = GLU()
+
+
+def moe_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU = SILU) -> Tensor:
+    """x [T, D], w13 [E, 2I, D] (gate rows, then up rows), w2 [E, D, I] -> sum_k weight_k * expert_k(x) [T, D].
+
+    Torch: the (token, choice) pairs are gathered in expert order once, then one gate|up GEMM and one down GEMM
+    per expert that has tokens, and one scatter-add; accumulation in fp32, the result in x's dtype."""
     if kernel_backend(x.device) == "triton":
         from kernels.moe_triton import fused_moe_triton
 
-        return fused_moe_triton(x, route, w1, w3, w2)
+        return fused_moe_triton(x, route, w13, w2, act)
     t, d = x.shape
     k = route.experts.shape[1]
-    groups = group_by_expert(route, w1.shape[0])
-    out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
+    inter = w2.shape[-1]
+    groups = group_by_expert(route, w13.shape[0])
+    tok = groups.order // k
+    xs = x[tok]  # [T*k, D], expert after expert
+    ys = torch.empty(t * k, d, dtype=torch.float32, device=x.device)
     start = 0
     for e, count in enumerate(groups.counts.tolist()):
         if count == 0:
             continue
-        pairs = groups.order[start : start + count]
-        start += count
-        tok = pairs // k
-        xe = x[tok]
-        h = F.silu(xe @ w1[e].t()) * (xe @ w3[e].t())
-        y = (h @ w2[e].t()).float() * route.weights.reshape(-1)[pairs, None]
-        out.index_add_(0, tok, y)
+        end = start + count
+        gu = xs[start:end] @ w13[e].t()
+        ys[start:end] = act(gu[:, :inter], gu[:, inter:]) @ w2[e].t()
+        start = end
+    ys *= route.weights.reshape(-1)[groups.order, None].float()
+    out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
+    out.index_add_(0, tok, ys)
     return out.to(x.dtype)

@@ -1,7 +1,9 @@
 """Triton fused MoE: (token, choice) pairs sorted by expert and padded per expert to BLOCK_M rows, so each
-row block has one expert; kernel 1 computes h = silu(x w1^T) * (x w3^T) for a block, kernel 2 the weighted
-down projection per pair, and the k choices of a token are summed in torch (no atomics: deterministic).
-fp32 inputs use IEEE dots (no TF32), so results match the torch path within fp32 rounding."""
+row block has one expert; kernel 1 computes h = act(x w13[:I]^T, x w13[I:]^T) for a block, kernel 2 the
+weighted down projection per pair, and the k choices of a token are summed in torch (no atomics:
+deterministic). Both activations of `GLU` are fused: SwiGLU and K3's SiTU-GLU (tanh written with exp, as
+1 - 2 / (exp(2z) + 1), which saturates correctly at both ends). fp32 inputs use IEEE dots (no TF32), so
+results match the torch path within fp32 rounding."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.moe import MoERoute, group_by_expert
+from kernels.moe import GLU, MoERoute, group_by_expert
 from kernels.triton_launch import kernel
 
 BLOCK_M = 16
@@ -20,7 +22,8 @@ BLOCK_K = 32
 
 @kernel
 def _gate_up_kernel(
-    x, w1, w3, h, rows, block_expert, k_choices, D, N_INTER,
+    x, w13, h, rows, block_expert, k_choices, D, N_INTER, beta, linear_beta,
+    SITU: tl.constexpr, LINEAR_BETA: tl.constexpr,
     IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     blk = tl.program_id(0)
@@ -37,15 +40,23 @@ def _gate_up_kernel(
         mk = offs_k < D
         xa = tl.load(x + tok[:, None] * D + offs_k[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
         wmask = mk[:, None] & mn[None, :]
-        wa = tl.load(w1 + e * N_INTER * D + offs_n[None, :] * D + offs_k[:, None], mask=wmask, other=0.0)
-        wb = tl.load(w3 + e * N_INTER * D + offs_n[None, :] * D + offs_k[:, None], mask=wmask, other=0.0)
+        base = w13 + e * 2 * N_INTER * D + offs_k[:, None]
+        wa = tl.load(base + offs_n[None, :] * D, mask=wmask, other=0.0)
+        wb = tl.load(base + (N_INTER + offs_n[None, :]) * D, mask=wmask, other=0.0)
         if IEEE:
             acc1 += tl.dot(xa, wa, input_precision="ieee")
             acc3 += tl.dot(xa, wb, input_precision="ieee")
         else:
             acc1 += tl.dot(xa, wa)
             acc3 += tl.dot(xa, wb)
-    hv = acc1 / (1.0 + tl.exp(-acc1)) * acc3
+    sig = 1.0 / (1.0 + tl.exp(-acc1))
+    if SITU:  # beta tanh(gate / beta) sigmoid(gate) * up', up' = linear_beta tanh(up / linear_beta) or up
+        gate = beta * (1.0 - 2.0 / (tl.exp(2.0 * acc1 / beta) + 1.0)) * sig
+        if LINEAR_BETA:
+            acc3 = linear_beta * (1.0 - 2.0 / (tl.exp(2.0 * acc3 / linear_beta) + 1.0))
+    else:
+        gate = acc1 * sig
+    hv = gate * acc3
     safe = tl.where(mm, pair, 0).to(tl.int64)
     tl.store(h + safe[:, None] * N_INTER + offs_n[None, :], hv, mask=mm[:, None] & mn[None, :])
 
@@ -82,40 +93,37 @@ def _down_kernel(
 
 def _padded_rows(route: MoERoute, num_experts: int) -> tuple[Tensor, Tensor]:
     """Pair ids sorted by expert, each expert's run padded with -1 to a multiple of BLOCK_M; and the expert of
-    every block."""
+    every block. Vectorised: one host sync (the padded length), no loop over experts."""
     groups = group_by_expert(route, num_experts)
-    counts = groups.counts.tolist()
-    rows: list[Tensor] = []
-    experts: list[int] = []
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        blocks = triton.cdiv(c, BLOCK_M)
-        run = torch.full((blocks * BLOCK_M,), -1, dtype=torch.int64, device=route.experts.device)
-        run[:c] = groups.order[start : start + c]
-        rows.append(run)
-        experts.extend([e] * blocks)
-        start += c
-    dev = route.experts.device
-    if not rows:
-        return torch.empty(0, dtype=torch.int64, device=dev), torch.empty(0, dtype=torch.int64, device=dev)
-    return torch.cat(rows), torch.tensor(experts, dtype=torch.int64, device=dev)
+    counts = groups.counts
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    padded_end = torch.cumsum(blocks * BLOCK_M, 0)
+    run_start = torch.cumsum(counts, 0) - counts
+    expert_of = route.experts.reshape(-1)[groups.order]  # the expert of each sorted pair
+    rank = torch.arange(groups.order.numel(), device=counts.device) - run_start[expert_of]
+    dest = padded_end[expert_of] - blocks[expert_of] * BLOCK_M + rank
+    total = int(padded_end[-1]) if num_experts else 0
+    rows = torch.full((total,), -1, dtype=torch.int64, device=counts.device)
+    rows[dest] = groups.order
+    block_expert = torch.repeat_interleave(torch.arange(num_experts, device=counts.device), blocks)
+    return rows, block_expert
 
 
-def fused_moe_triton(x: Tensor, route: MoERoute, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
+def fused_moe_triton(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU) -> Tensor:
     t, d = x.shape
-    num_experts, inter, _ = w1.shape
+    num_experts, inter = w13.shape[0], w2.shape[-1]
     k = route.experts.shape[1]
     rows, block_expert = _padded_rows(route, num_experts)
     if len(block_expert) == 0:
         return torch.zeros_like(x)
     ieee = x.dtype == torch.float32
-    xc, w1c, w3c, w2c = (a.contiguous() for a in (x, w1, w3, w2))
+    xc, w13c, w2c = (a.contiguous() for a in (x, w13, w2))
     h = torch.empty(t * k, inter, dtype=torch.float32, device=x.device)
     nb = len(block_expert)
     _gate_up_kernel[(nb, triton.cdiv(inter, BLOCK_N))](
-        xc, w1c, w3c, h, rows, block_expert, k, d, inter, IEEE=ieee, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K
+        xc, w13c, h, rows, block_expert, k, d, inter, act.gate_beta, act.linear_beta or 1.0,
+        SITU=act.kind == "situ", LINEAR_BETA=act.linear_beta is not None,
+        IEEE=ieee, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
     )
     out = torch.empty(t * k, d, dtype=torch.float32, device=x.device)
     weights = route.weights.reshape(-1).float().contiguous()

@@ -1,6 +1,11 @@
 """Checkpoints on disk: a directory with config.json, safetensors weights (one file or sharded with
 `model.safetensors.index.json`) and the tokenizer, under the public Kimi-Linear tensor names or the native K3
 ones (`tensor_names`). The format follows the config's `model_type`.
+
+The model holds fused / stacked parameters (q|k|v, gate|up, the experts as [E, ...]); on disk every tensor keeps
+its public name (`experts.{e}.w1.weight`, `q_proj.weight`, ...), so real checkpoints load unchanged and
+transformers loads ours. Loading copies each tensor into its view of the fused parameter (merge at load),
+writing saves each view under its name (split at save).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from safetensors.torch import save_file
 
 from radixk3.config import ModelConfig
 from radixk3.model import KimiForCausalLM, build_model
-from radixk3.tensor_names import checkpoint_name, model_name, quantised_reason
+from radixk3.tensor_names import checkpoint_name, model_name, public_layout, public_tensors, quantised_reason
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -34,7 +39,9 @@ def write_checkpoint(model: KimiForCausalLM, out_dir: str | Path, *, num_shards:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
     cfg = model.config
-    tensors = {checkpoint_name(cfg, k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    # Cloned: the public tensors are views of fused parameters, and safetensors refuses shared storage.
+    tensors = {checkpoint_name(cfg, k): v.detach().to("cpu", copy=True).contiguous()
+               for k, v in public_tensors(model).items()}
     names = sorted(tensors)
     if num_shards <= 1:
         save_file(tensors, out / SINGLE_FILE, metadata={"format": "pt"})
@@ -100,8 +107,8 @@ def load_model(path: str | Path, *, device: torch.device | str = "cpu", dtype: t
         cfg = cfg.replace(dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype])
     with torch.device("meta"):
         skeleton = KimiForCausalLM(cfg)
-    expected = set(skeleton.state_dict())
-    files: dict[str, tuple[str, Path]] = {}  # model name -> (checkpoint name, file)
+    expected = set(public_layout(skeleton))  # public names; several may fill one fused parameter
+    files: dict[str, tuple[str, Path]] = {}  # public model name -> (checkpoint name, file)
     for ckpt, f in sorted(_weight_files(path).items()):
         name = model_name(cfg, ckpt)
         if name is None:  # skipped (vision tower, rotary buffers, MTP AttnRes), whatever its format
@@ -120,7 +127,7 @@ def load_model(path: str | Path, *, device: torch.device | str = "cpu", dtype: t
     if unexpected:
         raise CheckpointError(f"unexpected tensor {_first({files[n][0] for n in unexpected})}")
     model = build_model(cfg)  # allocated, cast to cfg's dtype with fp32 gates; filled below
-    state = model.state_dict()
+    state = public_tensors(model)  # views into the fused parameters: copying into one fills its part
     by_file: dict[Path, list[str]] = {}
     for name, (_, f) in files.items():
         by_file.setdefault(f, []).append(name)

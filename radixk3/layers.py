@@ -1,19 +1,63 @@
 """Norms and feed-forward blocks of the Kimi family: RMSNorm, the dense GLU MLP and the sigmoid-routed MoE
-(with K3's LatentMoE and SiTU-GLU activation as options).
+(with K3's LatentMoE and SiTU-GLU activation as options), and the fused parameter holders.
 
-Parameter names follow the checkpoints so that `state_dict()` keys are the tensor names.
+Projections that read the same input are fused into one GEMM (`FusedLinear`: gate|up, KDA's q|k|v) and the
+routed experts are stacked (`Experts`: w13 [E, 2I, D], w2 [E, D, I]) for grouped GEMMs. The checkpoints keep
+the separate per-projection / per-expert tensors: each fused module names them (`public_parts`), and
+`tensor_names.public_layout` maps every public name to a view of the fused parameter, for loading, saving and
+random init alike.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe import moe_route
+from kernels import moe
+from kernels.moe import MoERoute, moe_experts, moe_route
 from radixk3.config import ModelConfig
+
+# (parameter attribute, public tensor name relative to the module's parent, index of its part in the parameter)
+PublicPart = tuple[str, str, tuple[int | slice, ...]]
+
+
+def _row_parts(attr: str, parts: Sequence[tuple[str, int]]) -> Iterator[PublicPart]:
+    start = 0
+    for name, rows in parts:
+        yield attr, f"{name}.weight", (slice(start, start + rows),)
+        start += rows
+
+
+class FusedLinear(nn.Linear):
+    """Bias-free projections of one input in one GEMM. The weight stacks, in row order, the checkpoint's
+    separate tensors `{name}.weight` (siblings of this module) of the given row counts."""
+
+    def __init__(self, in_features: int, parts: Sequence[tuple[str, int]]) -> None:
+        super().__init__(in_features, sum(rows for _, rows in parts), bias=False)
+        self.parts = tuple(parts)
+        self.sizes = [rows for _, rows in parts]
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self(x).split(self.sizes, dim=-1)
+
+    def public_parts(self, local_name: str) -> Iterator[PublicPart]:
+        return _row_parts("weight", self.parts)
+
+
+class FusedWeight(nn.Module):
+    """A weight [sum rows, *inner] stacking the checkpoint's tensors `{name}.weight` by rows (KDA's three short
+    convs as one [3P, 1, W] depthwise weight, so the conv needs no per-call concatenation)."""
+
+    def __init__(self, parts: Sequence[tuple[str, int]], inner: Sequence[int]) -> None:
+        super().__init__()
+        self.parts = tuple(parts)
+        self.weight = nn.Parameter(torch.zeros(sum(rows for _, rows in parts), *inner))
+
+    def public_parts(self, local_name: str) -> Iterator[PublicPart]:
+        return _row_parts("weight", self.parts)
 
 
 class RMSNorm(nn.Module):
@@ -37,56 +81,49 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (xf * torch.sigmoid(gate.float())).to(x.dtype)
 
 
-@dataclass(frozen=True)
-class GLU:
-    """The gated activation act(gate) * up of every MLP: SwiGLU, or K3's SiTU-GLU
-    gate' = beta tanh(gate / beta) sigmoid(gate), up' = beta_lin tanh(up / beta_lin) (up unchanged without
-    beta_lin); a bounded SiLU that tends to SiLU as beta grows."""
-
-    kind: str = "silu"
-    beta: float | None = None
-    linear_beta: float | None = None
+class GLU(moe.GLU):
+    """`kernels.moe.GLU` (SwiGLU or K3's SiTU-GLU, the activation the expert kernels fuse), built from a config."""
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> GLU:
         return cls(cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
 
-    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if self.kind == "silu":
-            return F.silu(gate) * up
-        beta = 1.0 if self.beta is None else self.beta
-        gate = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
-        if self.linear_beta is not None:
-            up = self.linear_beta * torch.tanh(up / self.linear_beta)
-        return gate * up
-
 
 class MLP(nn.Module):
-    """GLU MLP: down(act(gate x) * up x)."""
+    """GLU MLP: down(act(gate x) * up x), gate and up in one GEMM (checkpoint: `gate_proj`, `up_proj`)."""
 
-    def __init__(self, hidden: int, intermediate: int, act: GLU | None = None) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: moe.GLU | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.gate_up_proj = FusedLinear(hidden, [("gate_proj", intermediate), ("up_proj", intermediate)])
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = act or GLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_up_proj.split(x)
+        return self.down_proj(self.act(gate, up))
 
 
-class Expert(nn.Module):
-    """One routed expert under the checkpoint's names: w1 = gate, w3 = up, w2 = down."""
+class Experts(nn.Module):
+    """The routed experts stacked for grouped GEMMs: w13_weight [E, 2I, D] (rows [:I] the gate, checkpoint
+    `experts.{e}.w1`; rows [I:] the up projection, `experts.{e}.w3`) and w2_weight [E, D, I] (`experts.{e}.w2`)."""
 
-    def __init__(self, hidden: int, intermediate: int, act: GLU | None = None) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: moe.GLU) -> None:
         super().__init__()
-        self.w1 = nn.Linear(hidden, intermediate, bias=False)
-        self.w2 = nn.Linear(intermediate, hidden, bias=False)
-        self.w3 = nn.Linear(hidden, intermediate, bias=False)
-        self.act = act or GLU()
+        self.intermediate = intermediate
+        self.w13_weight = nn.Parameter(torch.zeros(num_experts, 2 * intermediate, hidden))
+        self.w2_weight = nn.Parameter(torch.zeros(num_experts, hidden, intermediate))
+        self.act = act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.w1(x), self.w3(x)))
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum_i w_i E_i(x) over each token's chosen experts (`kernels.moe.moe_experts`)."""
+        return moe_experts(x, MoERoute(weights, ids), self.w13_weight, self.w2_weight, self.act)
+
+    def public_parts(self, local_name: str) -> Iterator[PublicPart]:
+        i = self.intermediate
+        for e in range(self.w13_weight.shape[0]):
+            yield "w13_weight", f"{local_name}.{e}.w1.weight", (e, slice(0, i))
+            yield "w2_weight", f"{local_name}.{e}.w2.weight", (e,)
+            yield "w13_weight", f"{local_name}.{e}.w3.weight", (e, slice(i, 2 * i))
 
 
 class Router(nn.Module):
@@ -121,9 +158,7 @@ class MoE(nn.Module):
         latent = cfg.routed_expert_hidden_size
         expert_dim = cfg.hidden_size if latent is None else latent
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(
-            Expert(expert_dim, cfg.moe_intermediate_size, act) for _ in range(cfg.num_experts)
-        )
+        self.experts = Experts(cfg.num_experts, expert_dim, cfg.moe_intermediate_size, act)
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts, act)
             if cfg.num_shared_experts > 0
@@ -141,30 +176,12 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         if self.routed_expert_down_proj is not None and self.routed_expert_up_proj is not None:
-            routed = self.routed(self.routed_expert_down_proj(x), weights, ids)
+            routed = self.experts(self.routed_expert_down_proj(x), weights, ids)
             if self.routed_expert_norm is not None:
                 routed = self.routed_expert_norm(routed)
             out = self.routed_expert_up_proj(routed)
         else:
-            out = self.routed(x, weights, ids)
+            out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
-
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum_i w_i E_i(x) over each token's chosen experts."""
-        out = torch.zeros_like(x)
-        # Group tokens by expert: one matmul per hit expert instead of one per (token, expert).
-        order = ids.flatten().argsort(stable=True)
-        counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
-        token_of = order // ids.shape[1]
-        w_sorted = weights.flatten()[order]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok = token_of[start : start + n]
-            y = self.experts[e](x[tok]) * w_sorted[start : start + n, None]
-            out.index_add_(0, tok, y.to(x.dtype))
-            start += n
         return out

@@ -9,6 +9,15 @@ Model names are the Kimi-Linear checkpoint names (`model.embed_tokens.weight`, `
   ignored (they run with the additive residual), as are the vision tower (`vision_tower.*`, `mm_projector.*`)
   and rotary buffers. `self_attn.g_proj` is KDA's full-rank output gate in a KDA layer and the Gated-MLA gate
   in an MLA layer: the layer type (from the config) decides, and the expected shape differs.
+
+Public names vs parameters: the model fuses projections and stacks experts (`layers.FusedLinear`,
+`FusedWeight`, `Experts`), so its state-dict names are not all checkpoint names. `public_layout` maps each
+public (unfused, Kimi-Linear) name to a part of one parameter: KDA `self_attn.{q,k,v}_proj.weight` are the row
+thirds of `self_attn.qkv_proj.weight` and `{q,k,v}_conv1d.weight` those of `self_attn.qkv_conv1d.weight`
+[3P, 1, W]; `{mlp,shared_experts}.{gate,up}_proj.weight` the halves of `gate_up_proj.weight`;
+`block_sparse_moe.experts.{e}.w1/w3.weight` the halves of `experts.w13_weight[e]` and `experts.{e}.w2.weight`
+is `experts.w2_weight[e]`. Everything else is its own parameter. Loading copies each checkpoint tensor into its
+view, saving writes each view under its public name.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from __future__ import annotations
 import re
 
 import torch
+from torch import nn
 
 from radixk3.config import ModelConfig
 
@@ -75,3 +85,42 @@ def quantised_reason(name: str, dtype: torch.dtype | None = None) -> str | None:
     if dtype is not None and (not dtype.is_floating_point or dtype.itemsize == 1):
         return f"{dtype} storage"
     return None
+
+
+# public name -> (state-dict name, index of the public tensor in that entry)
+Layout = dict[str, tuple[str, tuple[int | slice, ...]]]
+
+
+def public_layout(module: nn.Module) -> Layout:
+    """Every public tensor name of `module` (names relative to it) and where its values live: the modules
+    that fuse tensors declare their parts (`public_parts`), every other state-dict entry is public as is."""
+    layout: Layout = {}
+    fused: set[str] = set()
+    for mname, sub in module.named_modules():
+        parts = getattr(sub, "public_parts", None)
+        if parts is None or not mname:
+            continue
+        parent, _, local = mname.rpartition(".")
+        prefix = parent + "." if parent else ""
+        for attr, public, index in parts(local):
+            layout[prefix + public] = (f"{mname}.{attr}", index)
+            fused.add(f"{mname}.{attr}")
+    for name in module.state_dict(keep_vars=True):
+        if name in fused:
+            continue
+        if name in layout:
+            raise ValueError(f"parameter {name!r} collides with a fused tensor's public name")
+        layout[name] = (name, ())
+    return layout
+
+
+def public_tensors(module: nn.Module, *, params_only: bool = False) -> dict[str, torch.Tensor]:
+    """Public name -> a view of the (detached) state-dict tensor holding it: writing into a view fills the model.
+    `params_only` leaves buffers (the router's correction bias) out."""
+    state = module.state_dict()
+    params = {n for n, _ in module.named_parameters()} if params_only else None
+    return {
+        public: state[name][index]
+        for public, (name, index) in public_layout(module).items()
+        if params is None or name in params
+    }

@@ -1,5 +1,6 @@
-"""MoE routing against a per-token reading of the definition; grouped experts on both backends against a
-token-by-token loop; routing against transformers' Kimi-Linear MoE gate."""
+"""MoE routing against a per-token reading of the definition; grouped experts (stacked w13 / w2, SwiGLU and
+K3's SiTU-GLU) on both backends against a token-by-token loop; routing and experts against transformers'
+Kimi-Linear MoE gate and experts."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import ENV_VAR
-from kernels.moe import MoERoute, moe_experts, moe_route
+from kernels.moe import GLU, SILU, MoERoute, moe_experts, moe_route
 
 E, D, INTER = 8, 24, 20
 
@@ -78,12 +78,26 @@ def test_route_and_experts_match_transformers() -> None:
                   routed_scaling_factor=2.446)  # fmt: skip
     dense_tf = torch.zeros(9, E).scatter_(1, ids_tf, w_tf.float())
     torch.testing.assert_close(torch.zeros(9, E).scatter_(1, r.experts, r.weights), dense_tf, rtol=0, atol=1e-6)
-    torch.testing.assert_close(moe_experts(x, r, w1, w3, w2), out_tf, rtol=0, atol=1e-5)
+    torch.testing.assert_close(moe_experts(x, r, torch.cat([w1, w3], dim=1), w2), out_tf, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_experts_equal_token_loop(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
-    monkeypatch.setenv(ENV_VAR, backend)
+def situ_by_formula(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """K3's SiTU-GLU written out: beta tanh(gate / beta) sigmoid(gate) * (linear_beta tanh(up / linear_beta))."""
+    g = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+    return g * (up if linear_beta is None else linear_beta * torch.tanh(up / linear_beta))
+
+
+ACTS = {
+    "silu": (SILU, lambda g, u: F.silu(g) * u),
+    # betas below the pre-activations' spread (~1): both tanh saturate on part of the values
+    "situ": (GLU("situ", 0.5, 1.0), lambda g, u: situ_by_formula(g, u, 0.5, 1.0)),
+    "situ-default-beta": (GLU("situ"), lambda g, u: situ_by_formula(g, u, 1.0, None)),
+}
+
+
+@pytest.mark.parametrize("act_name", list(ACTS))
+def test_experts_equal_token_loop(backend: str, act_name: str) -> None:
+    act, formula = ACTS[act_name]
     gen = torch.Generator().manual_seed(3)
     t, k = 21, 3
     x = torch.randn(t, D, generator=gen)
@@ -92,18 +106,35 @@ def test_experts_equal_token_loop(monkeypatch: pytest.MonkeyPatch, backend: str)
     logits = torch.randn(t, E, generator=gen)
     logits[:, 5] -= 100  # expert 5 gets no tokens
     r = moe_route(logits, top_k=k, routed_scaling_factor=1.5)
-    out = moe_experts(x, r, w1, w3, w2)
+    out = moe_experts(x, r, torch.cat([w1, w3], dim=1), w2, act)
     ref = torch.zeros(t, D)
     for i in range(t):
         for j in range(k):
             e = int(r.experts[i, j])
-            ref[i] += r.weights[i, j] * (w2[e] @ (F.silu(w1[e] @ x[i]) * (w3[e] @ x[i])))
+            ref[i] += r.weights[i, j] * (w2[e] @ formula(w1[e] @ x[i], w3[e] @ x[i]))
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5 if backend == "torch" else 1e-4)
 
 
-def test_no_tokens() -> None:
+def test_bf16_experts_near_fp32() -> None:
+    """bf16 weights and inputs, fp32 accumulation of the k choices: within bf16 rounding of the fp32 result."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(17, D, generator=gen)
+    w13, w2 = torch.randn(E, 2 * INTER, D, generator=gen) / 5, torch.randn(E, D, INTER, generator=gen) / 5
+    r = moe_route(torch.randn(17, E, generator=gen), top_k=2)
+    act = GLU("situ", 2.0, None)
+    ref = moe_experts(x, r, w13, w2, act)
+    got = moe_experts(x.bfloat16(), r, w13.bfloat16(), w2.bfloat16(), act)
+    assert got.dtype == torch.bfloat16
+    # Inputs, weights, h and the output each rounded to 8 mantissa bits (2^-8 relative each), over O(1) values.
+    assert (got.float() - ref).abs().max().item() < 4 * 2**-8 * ref.abs().max().item()
+
+
+def test_unknown_activation_is_refused() -> None:
+    with pytest.raises(ValueError, match="unsupported GLU activation 'gelu'"):
+        GLU("gelu")
+
+
+def test_no_tokens(backend: str) -> None:
     r = MoERoute(torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.int64))
-    out = moe_experts(
-        torch.zeros(0, D), r, torch.zeros(E, INTER, D), torch.zeros(E, INTER, D), torch.zeros(E, D, INTER)
-    )
+    out = moe_experts(torch.zeros(0, D), r, torch.zeros(E, 2 * INTER, D), torch.zeros(E, D, INTER))
     assert out.shape == (0, D)

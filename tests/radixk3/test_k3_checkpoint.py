@@ -15,6 +15,7 @@ from radixk3.checkpoint import SINGLE_FILE, CheckpointError, load_model, write_r
 from radixk3.cli import main
 from radixk3.config import preset
 from radixk3.model import build_model
+from radixk3.tensor_names import public_tensors
 
 P = "language_model.model."
 
@@ -98,7 +99,7 @@ def test_bf16_checkpoint_keeps_the_reference_fp32_tensors(tmp_path: Path) -> Non
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             assert f.get_slice(name).get_dtype() == ("F32" if name.endswith(fp32) else "BF16"), name
     model = load_model(ck)
-    sd = model.state_dict()
+    sd = public_tensors(model)  # views of the fused parameters, under the checkpoint's names
     assert sd["model.layers.0.self_attn.q_conv1d.weight"].dtype == torch.float32
     assert sd["model.layers.1.block_sparse_moe.gate.e_score_correction_bias"].dtype == torch.float32
     assert sd["model.layers.1.self_attn.g_proj.weight"].dtype == torch.bfloat16

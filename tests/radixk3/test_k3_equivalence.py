@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from oracles import transformers_module
 from radixk3.checkpoint import SINGLE_FILE, load_model, write_random_checkpoint
 from radixk3.config import ModelConfig, preset
+from radixk3.tensor_names import public_tensors
 
 # The K3 reference gives kv_a_layernorm rms_norm_eps where Moonshot's Kimi-Linear code uses 1e-6: with
 # rms_norm_eps = 1e-6 the two conventions coincide, so the formats can be compared exactly.
@@ -63,7 +64,7 @@ def test_bf16_k3_format_is_exact_too(tmp_path: Path) -> None:
     k3_dir = _as_k3(kl_dir, tmp_path / "k3", legacy_names=False)
     kl, k3 = load_model(kl_dir), load_model(k3_dir)
     conv = "model.layers.0.self_attn.q_conv1d.weight"
-    assert k3.state_dict()[conv].dtype == torch.float32 and kl.state_dict()[conv].dtype == torch.bfloat16
+    assert public_tensors(k3)[conv].dtype == torch.float32 and public_tensors(kl)[conv].dtype == torch.bfloat16
     ids = torch.randint(0, kl.config.vocab_size, (1, 50), generator=torch.Generator().manual_seed(2))
     assert torch.equal(k3(ids), kl(ids))
 

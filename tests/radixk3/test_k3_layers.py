@@ -1,4 +1,5 @@
-"""Each native-K3 layer feature against its equation, computed independently here from the layer's weights."""
+"""Each native-K3 layer feature against its equation, computed independently here from the layer's weights
+(read under their checkpoint names, as views of the fused parameters)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from radixk3.kda_attention import KDAAttention
 from radixk3.layers import MLP, MoE
 from radixk3.mla_attention import MLAAttention
 from radixk3.model import build_model
+from radixk3.tensor_names import public_tensors
 
 TOL = 1e-5
 
@@ -58,9 +60,10 @@ def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 def _kda_reference(layer: KDAAttention, x: torch.Tensor, lower_bound: float | None, full_rank: bool) -> torch.Tensor:
     h, d = layer.num_heads, layer.head_dim
     t = x.shape[0]
-    q = _conv_silu(x @ layer.q_proj.weight.T, layer.q_conv1d.weight[:, 0]).view(t, h, d)
-    k = _conv_silu(x @ layer.k_proj.weight.T, layer.k_conv1d.weight[:, 0]).view(t, h, d)
-    v = _conv_silu(x @ layer.v_proj.weight.T, layer.v_conv1d.weight[:, 0]).view(t, h, d)
+    w = public_tensors(layer)
+    q = _conv_silu(x @ w["q_proj.weight"].T, w["q_conv1d.weight"][:, 0]).view(t, h, d)
+    k = _conv_silu(x @ w["k_proj.weight"].T, w["k_conv1d.weight"][:, 0]).view(t, h, d)
+    v = _conv_silu(x @ w["v_proj.weight"].T, w["v_conv1d.weight"][:, 0]).view(t, h, d)
     f = (x @ layer.f_a_proj.weight.T @ layer.f_b_proj.weight.T).view(t, h, d) + layer.dt_bias.view(h, d)
     a = layer.A_log.reshape(h, 1).exp()
     if lower_bound is None:
@@ -144,7 +147,8 @@ def test_situ_glu(beta: float | None, linear_beta: float | None) -> None:
     mlp = build_model(cfg, seed=6).model.layers[0].mlp  # layer 0 is dense
     assert isinstance(mlp, MLP)
     x = 3 * _x(25, cfg.hidden_size, 5)
-    g, u = x @ mlp.gate_proj.weight.T, x @ mlp.up_proj.weight.T
+    w = public_tensors(mlp)
+    g, u = x @ w["gate_proj.weight"].T, x @ w["up_proj.weight"].T
     b = 1.0 if beta is None else beta
     gate = b * torch.tanh(g / b) * torch.sigmoid(g)
     up = u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta)
@@ -187,22 +191,23 @@ def test_latent_moe(use_norm: bool) -> None:
     cfg = _cfg(latent_moe_use_norm=use_norm)
     moe = build_model(cfg, seed=8).model.layers[1].block_sparse_moe
     assert isinstance(moe, MoE) and (moe.routed_expert_norm is not None) == use_norm
-    assert moe.experts[0].w1.weight.shape == (cfg.moe_intermediate_size, cfg.routed_expert_hidden_size)
+    w = public_tensors(moe)
+    assert w["experts.0.w1.weight"].shape == (cfg.moe_intermediate_size, cfg.routed_expert_hidden_size)
     x = _x(30, cfg.hidden_size, 9)
-    act = moe.experts[0].act
+    act = moe.experts.act
     with torch.no_grad():
         got = moe(x)
         u = x @ moe.routed_expert_down_proj.weight.T
         rows = []
         for i, pairs in enumerate(_route(moe, x, cfg)):
             r = torch.zeros(cfg.routed_expert_hidden_size)
-            for e, w in pairs:
-                ex = moe.experts[e]
-                r = r + w * (act(u[i] @ ex.w1.weight.T, u[i] @ ex.w3.weight.T) @ ex.w2.weight.T)
+            for e, weight in pairs:
+                w1, w2, w3 = (w[f"experts.{e}.{n}.weight"] for n in ("w1", "w2", "w3"))
+                r = r + weight * (act(u[i] @ w1.T, u[i] @ w3.T) @ w2.T)
             if use_norm:
                 r = _rms(r, moe.routed_expert_norm.weight, cfg.rms_norm_eps)
             rows.append(r @ moe.routed_expert_up_proj.weight.T)
-        sh = moe.shared_experts
-        shared = act(x @ sh.gate_proj.weight.T, x @ sh.up_proj.weight.T) @ sh.down_proj.weight.T
+        shared = act(x @ w["shared_experts.gate_proj.weight"].T, x @ w["shared_experts.up_proj.weight"].T)
+        shared = shared @ w["shared_experts.down_proj.weight"].T
         expected = torch.stack(rows) + shared
     assert (got - expected).abs().max().item() < TOL
