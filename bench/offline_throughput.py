@@ -1,0 +1,368 @@
+"""Offline throughput: radixk3's `Engine` against transformers' `KimiLinearForCausalLM.generate` on the same
+random k3-small checkpoint (written by radixk3 into a temp dir), same token-id prompts, greedy, EOS ignored.
+
+Workloads (token ids; every batch has prompts of one length, so transformers never pads):
+  gsm8k      a burst of 32 requests submitted at once: the 5-shot prefix of SGLang's gsm8k harness (5
+             consecutive train examples, chosen so the prefix is about 800 tokens) + each test question
+             truncated to 70 tokens ("Question: ..." then "\\nAnswer:"), encoded with the built-in
+             tokenizer; 64 new tokens each. transformers runs the 32 as one batch.
+  b1..b64    plain decode: batch 1, 8, 32, 64 of 24-token random prompts, 128 new tokens each.
+  radix off  the gsm8k burst again on an engine with `disable_radix_cache=True`.
+
+Why equal lengths: transformers' KimiLinear zeroes padded positions before every KDA layer
+(`apply_mask_to_padding_states`), which keeps a left-padded row's recurrent state at zero, but the
+chunked KDA then runs over shifted chunk boundaries and the MLA layers see a padding mask, so a padded row
+is not bit-identical to the same row alone. Equal lengths keep the comparison exact up to batching.
+
+For each dtype (fp32 and bf16 columns by default) it prints output tok/s per backend and radixk3 /
+transformers ratios, the radix cache on/off ratio, the prefill tokens the engine computed on the burst
+against an ideal cache, and how far radixk3's tokens agree with transformers' (share of tokens before the
+first divergence, and share of identical sequences). Ratios are measured in this run.
+
+    python bench/offline_throughput.py [--backend radixk3|transformers|both] [--dtypes float32,bfloat16]
+                                       [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+# Run as a script, bench/ is sys.path[0] and bench/kernels.py would shadow the kernels package.
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+if "transformers" not in sys.modules and not torch.cuda.is_available():
+    # fla's Triton kernels need a GPU driver; hidden, transformers' KimiLinear takes its torch fallbacks.
+    sys.modules["fla"] = None  # type: ignore[assignment]
+
+Prompts = list[list[int]]
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+# --- machine -------------------------------------------------------------------------------------------
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
+    try:
+        import transformers
+
+        tf_version = transformers.__version__  # the import is cheap until a model class is touched
+    except ImportError:
+        tf_version = None
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": tf_version, "python": platform.python_version(),
+            "system": platform.system()}
+
+
+# --- workloads -----------------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    name: str
+    prompts: Prompts
+    new_tokens: int
+    shape: str
+
+
+def read_jsonl(path: Path) -> list[dict[str, str]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def gsm8k_burst(tokenizer: Any, requests: int, prefix_target: int, own: int, new_tokens: int,  # noqa: ANN401
+                shots_n: int = 5) -> Workload:
+    data = REPO / "bench" / "data" / "gsm8k"
+    train, test = read_jsonl(data / "train.jsonl"), read_jsonl(data / "test.jsonl")
+
+    def shots(i: int) -> list[int]:
+        text = "".join(f"Question: {e['question']}\nAnswer: {e['answer']}\n\n" for e in train[i : i + shots_n])
+        return tokenizer.encode(text, add_bos=True)
+
+    # The first window of `shots_n` consecutive train examples (of the first 200) whose prefix is closest
+    # to the target.
+    prefix = min((shots(i) for i in range(200)), key=lambda p: abs(len(p) - prefix_target))
+    tail = tokenizer.encode("\nAnswer:")
+    prompts: Prompts = []
+    for e in test:
+        q = tokenizer.encode(f"Question: {e['question']}")
+        if len(q) + len(tail) >= own:
+            prompts.append(prefix + q[: own - len(tail)] + tail)
+        if len(prompts) == requests:
+            break
+    shape = (f"{requests} requests at once: {len(prefix)}-token shared {shots_n}-shot prefix + {own} own tokens "
+             f"(gsm8k text, built-in tokenizer), {new_tokens} new each")
+    return Workload("gsm8k", prompts, new_tokens, shape)
+
+
+def decode_batch(batch: int, prompt_len: int, new_tokens: int, vocab: int, seed: int) -> Workload:
+    g = random.Random(seed)
+    # Ids from 16 up: no special tokens; a different first token per batch size keeps workloads from
+    # sharing cached prefixes.
+    prompts = [[g.randrange(16, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    return Workload(f"b{batch}", prompts, new_tokens,
+                    f"batch {batch}: {prompt_len}-token random prompts, {new_tokens} new each")
+
+
+def ideal_prefill(prompts: Sequence[Sequence[int]]) -> int:
+    """Prefill tokens an unbounded cache that never recomputes a token would compute, in submission order
+    (the last prompt token is always computed: its logits are sampled)."""
+    trie: dict[int, dict] = {}
+    total = 0
+    for p in prompts:
+        node, hit = trie, 0
+        for t in p:
+            if t not in node:
+                break
+            node, hit = node[t], hit + 1
+        total += len(p) - min(hit, len(p) - 1)
+        node = trie
+        for t in p:
+            node = node.setdefault(t, {})
+    return total
+
+
+# --- backends ------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    tok_s: float
+    outputs: Prompts
+    seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def params(new_tokens: int) -> dict[str, Any]:
+    return {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def engine_kwargs(dtype: str, a: argparse.Namespace, radix: bool) -> dict[str, Any]:
+    kw: dict[str, Any] = {"mem_bytes": a.mem_mib << 20, "max_running_requests": a.max_running_requests,
+                          "chunked_prefill_size": a.chunked_prefill_size, "disable_radix_cache": not radix}
+    if dtype != "auto":
+        kw["dtype"] = dtype
+    return kw
+
+
+def warm_prompts(vocab: int) -> Prompts:
+    """Two 64-token prompts that share no first token with the workloads (ids below 16 start them), so that
+    first-call costs (allocations, lazy imports) are paid before timing and nothing is cached for later."""
+    g = random.Random(12345)
+    return [[5 + i] + [g.randrange(16, vocab) for _ in range(63)] for i in range(2)]
+
+
+def run_radixk3(ckpt: Path, dtype: str, workloads: list[Workload], burst: Workload, vocab: int,
+                a: argparse.Namespace) -> dict[str, Run]:
+    import radixk3
+
+    out: dict[str, Run] = {}
+    for radix in (True, False):
+        with radixk3.Engine(model=str(ckpt), **engine_kwargs(dtype, a, radix)) as engine:
+            engine.generate(warm_prompts(vocab), params(4))
+            todo = workloads if radix else [burst]
+            for w in todo:
+                before = engine.get_metrics()["prefill_tokens_computed"]
+                t0 = time.perf_counter()
+                res = engine.generate(w.prompts, params(w.new_tokens))
+                dt = time.perf_counter() - t0
+                computed = engine.get_metrics()["prefill_tokens_computed"] - before
+                outs = [r["output_ids"] for r in res]
+                name = w.name if radix else f"{w.name}_radix_off"
+                out[name] = Run(sum(map(len, outs)) / dt, outs, dt, {"prefill_tokens_computed": computed})
+                print(f"  radixk3      {dtype:<9} {name:<18} {out[name].tok_s:9.1f} tok/s  ({dt:6.1f} s, "
+                      f"{computed} prefill tokens computed)", flush=True)
+    return out
+
+
+def load_transformers(ckpt: Path, dtype: str) -> Any:  # noqa: ANN401
+    import transformers
+
+    tdtype = torch.float32 if dtype in ("auto", "float32") else torch.bfloat16
+    model = transformers.KimiLinearForCausalLM.from_pretrained(ckpt, use_kernels=False, dtype=tdtype).eval()
+    model.generation_config.eos_token_id = None  # ignore EOS, as the engine does with ignore_eos
+    return model
+
+
+@torch.inference_mode()
+def tf_generate(model: Any, prompts: Prompts, new_tokens: int, batch: int) -> Prompts:  # noqa: ANN401
+    outs: Prompts = []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        assert len({len(p) for p in chunk}) == 1, "a transformers batch must not need padding"
+        ids = torch.tensor(chunk)
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        outs.extend(gen[:, ids.shape[1] :].tolist())
+    return outs
+
+
+def run_transformers(ckpt: Path, dtype: str, workloads: list[Workload], vocab: int, a: argparse.Namespace
+                     ) -> dict[str, Run]:
+    model = load_transformers(ckpt, dtype)
+    tf_generate(model, warm_prompts(vocab), 4, 2)
+    out: dict[str, Run] = {}
+    for w in workloads:
+        t0 = time.perf_counter()
+        outs = tf_generate(model, w.prompts, w.new_tokens, a.tf_batch or len(w.prompts))
+        dt = time.perf_counter() - t0
+        out[w.name] = Run(sum(map(len, outs)) / dt, outs, dt)
+        print(f"  transformers {dtype:<9} {w.name:<18} {out[w.name].tok_s:9.1f} tok/s  ({dt:6.1f} s)", flush=True)
+    del model
+    return out
+
+
+# --- figures -------------------------------------------------------------------------------------------
+def agreement(ours: Prompts, ref: Prompts) -> tuple[float, float]:
+    """(share of reference tokens before the first divergence, share of identical sequences)."""
+    same = total = exact = 0
+    for a, b in zip(ours, ref, strict=True):
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        same += k
+        total += len(b)
+        exact += a == b
+    return same / max(total, 1), exact / max(len(ref), 1)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def column(rk: dict[str, Run], tf: dict[str, Run], workloads: list[Workload], burst: Workload) -> dict[str, Any]:
+    def tps(runs: dict[str, Run], name: str) -> float | None:
+        return runs[name].tok_s if name in runs else None
+
+    col: dict[str, Any] = {
+        "tok_s": {"radixk3": {k: v.tok_s for k, v in rk.items()}, "transformers": {k: v.tok_s for k, v in tf.items()}},
+    }
+    for w in workloads:
+        col[f"ratio_{w.name}"] = ratio(tps(rk, w.name), tps(tf, w.name))
+    col["radix_on_off"] = ratio(tps(rk, burst.name), tps(rk, f"{burst.name}_radix_off"))
+    ideal = ideal_prefill(burst.prompts)
+    if burst.name in rk:
+        on = rk[burst.name].extra["prefill_tokens_computed"]
+        off = rk[f"{burst.name}_radix_off"].extra["prefill_tokens_computed"]
+        col |= {"prefill_tokens_on": on, "prefill_tokens_off": off, "prefill_tokens_ideal": ideal,
+                "prefill_vs_ideal": on / ideal}
+    else:
+        col |= {"prefill_tokens_ideal": ideal, "prefill_vs_ideal": None}
+    if rk and tf:
+        per = {w.name: agreement(rk[w.name].outputs, tf[w.name].outputs) for w in workloads}
+        ours = [o for w in workloads for o in rk[w.name].outputs]
+        ref = [o for w in workloads for o in tf[w.name].outputs]
+        tokens, seqs = agreement(ours, ref)
+        col |= {"agreement": tokens, "agreement_sequences": seqs,
+                "agreement_by_workload": {k: {"tokens": t, "sequences": s} for k, (t, s) in per.items()}}
+    else:
+        col |= {"agreement": None, "agreement_sequences": None}
+    if burst.name in rk:  # the radix cache must never change greedy output
+        col["radix_off_equal"] = rk[burst.name].outputs == rk[f"{burst.name}_radix_off"].outputs
+    return col
+
+
+def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def print_table(cols: dict[str, dict[str, Any]], workloads: list[Workload]) -> None:
+    names = list(cols)
+    print(f"\n{'':<28}" + "".join(f"{n:>30}" for n in names))
+    for w in workloads:
+        cells = []
+        for n in names:
+            c = cols[n]
+            r, t = c["tok_s"]["radixk3"].get(w.name), c["tok_s"]["transformers"].get(w.name)
+            cells.append(f"{fmt(r, '.1f')} / {fmt(t, '.1f')} = {fmt(c[f'ratio_{w.name}'], '.2f', 'x')}")
+        print(f"{w.name + ' tok/s rk3 / tf':<28}" + "".join(f"{s:>30}" for s in cells))
+    rows = [("radix on / off (burst)", "radix_on_off", ".2f", "x"), ("prefill computed / ideal", "prefill_vs_ideal",
+            ".3f", ""), ("agreement (tokens)", "agreement", ".1%", ""), ("identical sequences", "agreement_sequences",
+            ".1%", "")]
+    for label, key, spec, suf in rows:
+        print(f"{label:<28}" + "".join(f"{fmt(cols[n].get(key), spec, suf):>30}" for n in names))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", choices=("radixk3", "transformers", "both"), default="both")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)}")
+    ap.add_argument("--quick", action="store_true", help="tiny workloads, for a smoke test")
+    ap.add_argument("--json", action="store_true", help="end with one JSON object of the figures")
+    ap.add_argument("--checkpoint", type=Path, default=None, help="use this checkpoint instead of a random k3-small")
+    ap.add_argument("--mem-mib", type=int, default=512, help="engine pool per rank, MiB")
+    ap.add_argument("--max-running-requests", type=int, default=64)
+    ap.add_argument("--chunked-prefill-size", type=int, default=2048)
+    ap.add_argument("--tf-batch", type=int, default=0, help="transformers batch size (0: the whole workload)")
+    a = ap.parse_args(argv)
+    dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
+    if bad := [d for d in dtypes if d not in DTYPES]:
+        ap.error(f"unknown dtype {bad[0]!r}")
+    if a.quick:
+        a.mem_mib = min(a.mem_mib, 128)
+
+    from radixk3.checkpoint import write_random_checkpoint
+    from radixk3.config import preset
+    from radixk3.tokenizer import load_tokenizer
+
+    mach = machine()
+    print(f"machine: {mach['cpu']}, {mach['cores']} cores, {mach['torch_threads']} torch threads, torch "
+          f"{mach['torch']}, transformers {mach['transformers']}, python {mach['python']}")
+    with tempfile.TemporaryDirectory(prefix="radixk3-bench-") as tmp:
+        ckpt = a.checkpoint
+        if ckpt is None:
+            ckpt = write_random_checkpoint(preset("k3-small"), Path(tmp) / "k3-small", seed=0)
+            print("checkpoint: random k3-small (seed 0) written by radixk3 into a temp dir")
+        tok_file = Path(ckpt) / "tokenizer.model"
+        tok = load_tokenizer(tok_file if tok_file.is_file() else None)
+        vocab = json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"]
+        if a.quick:
+            burst = gsm8k_burst(tok, 4, 100, 16, 4, shots_n=1)
+            decodes = [decode_batch(b, 4, 2, vocab, seed=b) for b in (1, 8, 32, 64)]
+        else:
+            burst = gsm8k_burst(tok, 32, 800, 70, 64)
+            decodes = [decode_batch(b, 24, 128, vocab, seed=b) for b in (1, 8, 32, 64)]
+        workloads = [burst, *decodes]
+        for w in workloads:
+            print(f"workload {w.name}: {w.shape}")
+        cols: dict[str, dict[str, Any]] = {}
+        for dtype in dtypes:
+            rk = run_radixk3(Path(ckpt), dtype, workloads, burst, vocab, a) if a.backend != "transformers" else {}
+            tf = run_transformers(Path(ckpt), dtype, workloads, vocab, a) if a.backend != "radixk3" else {}
+            cols[dtype] = column(rk, tf, workloads, burst)
+    print_table(cols, workloads)
+    print("ratios: radixk3 / transformers output tok/s, measured in this run; agreement: share of transformers' "
+          "tokens that radixk3 reproduces before the first divergence")
+    for name, c in cols.items():
+        if c.get("radix_off_equal") is False:
+            print(f"WARNING: {name}: radix cache on and off gave different greedy outputs")
+    if a.json:
+        first = cols[dtypes[0]]
+        summary = {"machine": mach, "dtype": dtypes[0],
+                   "workloads": {w.name: w.shape for w in workloads}}
+        keys = [f"ratio_{w.name}" for w in workloads] + ["radix_on_off", "prefill_vs_ideal", "agreement",
+                                                         "agreement_sequences", "tok_s"]
+        summary |= {k: first.get(k) for k in keys}
+        summary["columns"] = cols
+        print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
