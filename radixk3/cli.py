@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 import orjson
 
-from radixk3.checkpoint import CheckpointError, load_model, write_random_checkpoint
-from radixk3.config import BUILTIN_PRESET, BUILTIN_SEED, PRESETS, TRUE_SIZE_PRESETS, ConfigError, preset
+from radixk3.checkpoint import CheckpointError, write_random_checkpoint
+from radixk3.config import BUILTIN_PRESET, PRESETS, TRUE_SIZE_PRESETS, ConfigError, ModelConfig, preset
 from radixk3.plan import memory_plan
 
 
@@ -38,31 +39,41 @@ def _make_checkpoint(args: argparse.Namespace) -> None:
     print(f"wrote {args.preset} (seed {args.seed}) to {out}")
 
 
-def _generate(args: argparse.Namespace) -> None:
-    # Imported here so that `plan` stays instant.
-    from radixk3.generate import stream_greedy
-    from radixk3.model import build_model
-    from radixk3.tokenizer import load_tokenizer
+class GenerateError(RuntimeError):
+    """The engine refused or failed the request."""
 
-    if args.model is None:
-        model = build_model(preset(BUILTIN_PRESET), seed=BUILTIN_SEED)
-        tok = load_tokenizer()
-    else:
-        model = load_model(args.model)
-        tok_file = Path(args.model) / "tokenizer.model"
-        tok = load_tokenizer(str(tok_file) if tok_file.is_file() else None)
-    ids = tok.encode(args.prompt, add_bos=True)
-    if max(ids) >= model.config.vocab_size:
-        raise ConfigError(f"tokenizer id {max(ids)} exceeds the model's vocab_size {model.config.vocab_size}")
-    stop = frozenset(tok.stop_ids) if not args.ignore_eos else frozenset()
-    detok = tok.incremental_decoder()  # prints only whole characters, never half of a multi-byte one
-    sys.stdout.write(args.prompt)
-    for t in stream_greedy(model, ids, args.max_new_tokens, stop):
-        if t in stop:
-            break
-        sys.stdout.write(detok.push(t))
-        sys.stdout.flush()
-    sys.stdout.write(detok.flush() + "\n")
+
+def _generate(args: argparse.Namespace) -> None:
+    # Imported here so that `plan` and `make-checkpoint` stay instant (no engine, no ZeroMQ).
+    from runtime.engine import Engine, EngineError
+    from runtime.server_args import ServerArgs
+
+    server_args = ServerArgs.from_cli_args(args)
+    # Checked here, before any process starts, so that a bad directory gets a one-line error.
+    cfg = preset(BUILTIN_PRESET) if server_args.model is None else ModelConfig.from_file(server_args.model)
+    try:
+        engine = Engine(**dataclasses.asdict(server_args))
+    except EngineError as e:
+        raise GenerateError(str(e)) from e
+    with engine:
+        tok = engine.tokenizer
+        ids = tok.encode(args.prompt, add_bos=True)
+        if max(ids) >= cfg.vocab_size:
+            raise ConfigError(f"tokenizer id {max(ids)} exceeds the model's vocab_size {cfg.vocab_size}")
+        sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                    "ignore_eos": args.ignore_eos}
+        if args.sampling_seed is not None:
+            sampling["seed"] = args.sampling_seed
+        detok = tok.incremental_decoder()  # prints only whole characters, never half of a multi-byte one
+        sys.stdout.write(args.prompt)
+        for chunk in engine.stream(ids, sampling):
+            if chunk.finished == "error":
+                sys.stdout.write("\n")
+                raise GenerateError(chunk.error or "the request failed")
+            for t in chunk.token_ids:  # a stop token is special: the decoder skips it
+                sys.stdout.write(detok.push(t))
+            sys.stdout.flush()
+        sys.stdout.write(detok.flush() + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,11 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--shards", type=int, default=1, help="safetensors shards (>1 writes an index)")
     mk.set_defaults(fn=_make_checkpoint)
 
-    gen = sub.add_parser("generate", help="greedy generation through the cache")
+    from runtime.server_args import ServerArgs  # settings only: imports neither the engine nor ZeroMQ
+
+    gen = sub.add_parser("generate", help="stream a completion through the engine (greedy by default)",
+                         description="Starts radixk3.Engine with the ServerArgs flags below (--model DIR: a "
+                                     "checkpoint; default: the built-in tiny model) and streams the text.")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
     gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampler (temperature > 0)")
     gen.add_argument("--ignore-eos", action="store_true")
+    ServerArgs.add_cli_args(gen)
     gen.set_defaults(fn=_generate)
     return p
 
@@ -96,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.fn(args)
-    except (ConfigError, CheckpointError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError, GenerateError) as e:
         print(f"radixk3 {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0
