@@ -1,29 +1,33 @@
-"""Prefix-cache workload simulator: replays token-id traces through the hybrid radix cache alone (no model)
-and counts the prefill tokens that must be computed.
+"""Prefix-cache workload simulator: replays token-id traces through the real `Scheduler` (runtime/scheduler.py)
+with a scripted no-op worker (no model, no pool buffer: the scheduler holds allocator metadata only) and
+counts the prefill tokens the engine computes.
 
 Workloads: (a) gsm8k 5-shot, (b) multi-turn chat, (c) a shared system prompt with short distinct user
 messages, (d) the same with system prompts shorter than 512 tokens. For each it reports computed prefill
 tokens for
-  radixk3         the radix cache in a unified pool of the given size and layout, with its checkpoint
-                  policy (branching point, prefill chunk ends at absolute multiples of the checkpoint
-                  interval, prompt end, donation at request end);
+  radixk3         the engine's scheduler: its radix cache, admission, chunked prefill and checkpoint policy
+                  in a unified pool of the given size and layout (ServerArgs flags set them);
   ideal           recompute only tokens never computed before (unbounded memory);
   block_baseline  a state only at fixed block boundaries, block = the KV-equivalent of one state, as
                   vLLM's hybrid manager (unbounded memory, so an upper bound on its hits);
-and the radixk3 pool's peak bytes per side. Requests are replayed one after another, in trace order; the
-last sampled token of an answer is never fed back, so it is never cached.
+and the pool's peak bytes per side. Requests are replayed one after another, in trace order: each is added,
+then steps run until it finishes. The worker samples the recorded answer token by token (max_new_tokens =
+the answer's length, EOS ignored), so the last sampled token is never fed back and never cached, as in the
+engine.
 
-    python bench/prefix_cache_sim.py [--json]
+    python bench/prefix_cache_sim.py [--json] [ServerArgs flags, e.g. --page-size 16 --chunked-prefill-size 2048]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
 import random
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +37,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from runtime.pool import UnifiedPool  # noqa: E402
+from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, decode, encode  # noqa: E402
 from runtime.pool_layout import PoolLayout  # noqa: E402
-from runtime.radix_cache import HybridRadixCache, Node  # noqa: E402
+from runtime.scheduler import Scheduler  # noqa: E402
+from runtime.server_args import ServerArgs  # noqa: E402
 
 Encode = Callable[[str], list[int]]
 
@@ -54,8 +59,10 @@ class WorkloadResult(NamedTuple):
     requests: int
     peak_state_bytes: int
     peak_kv_bytes: int
-    evicted_states: int
-    evicted_pages: int
+    evictions: int  # pages + state blocks the radix cache evicted
+    checkpoints: int
+    cached_tokens: int  # prompt tokens the scheduler matched in the cache at admission
+    steps: int
 
 
 # --- token sources -------------------------------------------------------------------------------------
@@ -205,74 +212,85 @@ class BlockBaseline:
         return len(req.prompt) - hit // self.block * self.block
 
 
-class RadixReplay:
-    """The scheduler's use of the cache, one request at a time: match, copy on hit, prefill with
-    checkpoints at the branching point, at chunk ends and at the prompt end, decode, donate."""
+class ScriptedWorker:
+    """Stands in for the model worker: samples, for the one running request, the next token of its script.
+    With `wire`, each plan and result goes through the wire encoding as between the processes."""
 
-    def __init__(self, layout: PoolLayout, pool_bytes: int, checkpoint_interval: int) -> None:
-        self.pool = UnifiedPool(layout, pool_bytes)
-        self.cache = HybridRadixCache(self.pool)
-        self.ps = layout.page_size
-        self.interval = checkpoint_interval
+    def __init__(self, wire: bool = False) -> None:
+        self.script: list[int] = []
+        self.wire = wire
 
-    def _checkpoint(self, tokens: tuple[int, ...], pages: list[int], node: Node) -> Node:
-        r = self.cache.insert(tokens, pages[: len(tokens) // self.ps], self.pool.alloc_state())
-        pages[: len(tokens) // self.ps] = r.pages
-        self.cache.lock(r.node)
-        self.cache.unlock(node)
-        return r.node
-
-    def run(self, req: Request) -> int:
-        cache, pool, ps = self.cache, self.pool, self.ps
-        prompt = req.prompt
-        m = cache.match_prefix(prompt)
-        cache.lock(m.node)
-        live = cache.alloc_live_state(m)
-        node, pages = m.node, list(m.pages)
-        stops = {m.branch_len, len(prompt)}
-        if self.interval:
-            first = (m.prefix_len // self.interval + 1) * self.interval
-            stops.update(range(first, len(prompt), self.interval))
-        for stop in sorted(s - s % ps for s in stops):
-            if stop > node.depth:
-                pages += pool.alloc_pages(stop // ps - len(pages))
-                node = self._checkpoint(prompt[:stop], pages, node)
-        seq = prompt + req.answer[:-1]  # what the forward passes consumed
-        # With pages of several tokens only whole pages enter the tree, so decode keeps a copy of the live
-        # state at the last page boundary it crossed (one block, overwritten at each crossing).
-        boundary = pool.alloc_state() if ps > 1 and len(seq) % ps else None
-        pages += pool.alloc_pages(-(-len(seq) // ps) - len(pages))
-        pool.drain_copies()  # no buffer here: the copies are what a worker would do
-        end = len(seq) - len(seq) % ps
-        if end > node.depth:
-            donated = live if boundary is None else boundary
-            cache.insert(seq[:end], pages[: end // ps], donated)  # the block becomes the checkpoint
-            pages = pages[end // ps :]
-            for spare in {live, boundary} - {donated, None}:
-                pool.free_state(spare)  # type: ignore[arg-type]
-        else:
-            pages = pages[node.depth // ps :]
-            for spare in {live, boundary} - {None}:
-                pool.free_state(spare)  # type: ignore[arg-type]
-        pool.free_pages(pages)
-        cache.unlock(node)
-        return len(prompt) - m.prefix_len
+    def execute(self, plan: StepPlan) -> StepResult:
+        if self.wire:
+            plan = decode(encode(plan))
+        n = len(plan.sample_params)
+        if n > 1:
+            raise RuntimeError("the replay runs one request at a time, yet a step sampled several rows")
+        tokens = [self.script.pop(0) for _ in range(n)]
+        result = StepResult(plan.step, tokens, [0.0] * n, [[] for _ in range(n)], [[] for _ in range(n)],
+                            [0.0] * (len(plan.logits_index) - n))
+        return decode(encode(result)) if self.wire else result
 
 
-def simulate(requests: Sequence[Request], layout: PoolLayout, pool_bytes: int, checkpoint_interval: int,
-             block_tokens: int, check: bool = False) -> WorkloadResult:
-    radix = RadixReplay(layout, pool_bytes, checkpoint_interval)
+class SchedulerReplay:
+    """The engine's scheduler, driven step by step; one request at a time."""
+
+    def __init__(self, layout: PoolLayout, args: ServerArgs, vocab_size: int, wire: bool = False) -> None:
+        self.sched = Scheduler(args, layout, frozenset(), lambda ids: "", vocab_size)
+        self.worker = ScriptedWorker(wire)
+        self.steps = 0
+        self._rid = 0
+
+    def run(self, req: Request, check: bool = False) -> int:
+        s = self.sched
+        before = s.metrics.prefill_tokens_computed
+        self._rid += 1
+        rid = f"q{self._rid}"
+        self.worker.script = list(req.answer)
+        s.add(GenerateReq(rid, list(req.prompt), {"max_new_tokens": len(req.answer), "temperature": 0,
+                                                   "ignore_eos": True}))
+        done: TokenOut | None = None
+        outs = s.take_outputs()
+        while True:
+            for o in outs:
+                if o.rid == rid and o.finished is not None:
+                    done = o
+            if done is not None:
+                break
+            plan = s.schedule()
+            if plan is None:
+                outs = s.take_outputs()
+                if not outs and not s.has_work:
+                    raise RuntimeError(f"request {rid} vanished without finishing")
+                continue
+            outs = s.process(self.worker.execute(plan))
+            self.steps += 1
+            if check:
+                s.check_integrity()
+        if done.finished != "length" or self.worker.script:
+            raise RuntimeError(f"request {rid} ended with {done.finished!r} ({done.error}), "
+                               f"{len(self.worker.script)} scripted tokens left")
+        return s.metrics.prefill_tokens_computed - before
+
+
+def sim_args(pool_bytes: int, **overrides: object) -> ServerArgs:
+    """ServerArgs for the replay: the given pool, long prompts accepted, everything else as the engine's."""
+    return ServerArgs(**({"mem_bytes": pool_bytes} | overrides))  # type: ignore[arg-type]
+
+
+def simulate(requests: Sequence[Request], layout: PoolLayout, args: ServerArgs, block_tokens: int,
+             vocab_size: int, check: bool = False, wire: bool = False) -> WorkloadResult:
+    radix = SchedulerReplay(layout, args, vocab_size, wire)
     ideal, block = IdealCache(), BlockBaseline(block_tokens)
     totals = [0, 0, 0]
     for req in requests:
-        totals[0] += radix.run(req)
+        totals[0] += radix.run(req, check=check)
         totals[1] += ideal.run(req)
         totals[2] += block.run(req)
-        if check:
-            radix.cache.check_integrity(held_pages=[], held_states=[])
-    u, s = radix.pool.usage(), radix.cache.stats()
+    m = radix.sched.metrics
+    u = radix.sched.pool.usage()
     return WorkloadResult(*totals, sum(len(r.prompt) for r in requests), len(requests), u.peak_state_bytes,
-                          u.peak_kv_bytes, s.evicted_states, s.evicted_pages)
+                          u.peak_kv_bytes, m.evictions, m.checkpoints, m.cached_tokens, radix.steps)
 
 
 def build_workloads(encode: Encode, data: Path, scale: float = 1.0) -> dict[str, list[Request]]:
@@ -295,60 +313,61 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="kimi-linear-48b", help="model whose layout sizes the pool")
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--page-size", type=int, default=1)
-    ap.add_argument("--pool-gib", type=float, default=24.0, help="per-rank pool bytes, GiB")
-    ap.add_argument("--checkpoint-interval", type=int, default=64,
-                    help="prefill emits a checkpoint at every multiple of this many tokens (the KDA chunk size: "
-                         "its kernel has those states anyway); 0 = branching point and prompt end only")
+    ap.add_argument("--pool-gib", type=float, default=24.0, help="per-rank pool bytes, GiB (sets --mem-bytes)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
-    ap.add_argument("--check", action="store_true", help="run check_integrity() after every request")
+    ap.add_argument("--check", action="store_true", help="run the scheduler's check_integrity() after every step")
+    ap.add_argument("--wire", action="store_true", help="send plans and results through the wire encoding")
     ap.add_argument("--json", action="store_true", help="end with one JSON object of the figures")
+    ServerArgs.add_cli_args(ap)  # the scheduler's own settings: --page-size, --chunked-prefill-size, ...
     args = ap.parse_args(argv)
+    args.mem_bytes = int(args.pool_gib * 2**30)
+    server_args = ServerArgs.from_cli_args(args)
 
     from radixk3.config import preset
 
-    layout = PoolLayout.from_config(preset(args.preset), tp=args.tp, page_size=args.page_size)
+    cfg = preset(args.preset)
+    layout = PoolLayout.from_config(cfg, tp=args.tp, page_size=server_args.page_size)
     block = PoolLayout.from_config(preset("kimi-linear-48b")).state_equivalent_tokens()
     encode, enc_name = load_encoder()
     data = gsm8k_dir()
-    pool_bytes = int(args.pool_gib * 2**30)
     print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs, {platform.system()}, python {platform.python_version()} "
-          "(allocator metadata only: no model, no buffer, no device)")
+          "(scheduler with a scripted no-op worker: allocator metadata only, no model, no buffer, no device)")
     print(f"tokens: {enc_name}; data: gsm8k from {data.relative_to(REPO) if data.is_relative_to(REPO) else data}")
-    print(f"layout: {args.preset} tp={args.tp} page_size={args.page_size}: state block "
+    print(f"layout: {args.preset} tp={args.tp} page_size={server_args.page_size}: state block "
           f"{layout.state_block_bytes / 2**20:.1f} MiB, KV {layout.kv_token_bytes} B/token; pool {args.pool_gib} GiB")
     print(f"block baseline: {block} tokens per block (one kimi-linear-48b KDA layer's state in MLA-layer KV; "
           f"a whole state is {layout.state_block_bytes / layout.kv_token_bytes:.0f} tokens of all-layer KV)")
-    print(f"radixk3 checkpoint interval: {args.checkpoint_interval} tokens\n")
+    print(f"scheduler: chunked_prefill_size {server_args.chunked_prefill_size}, decode_checkpoint_interval "
+          f"{server_args.decode_checkpoint_interval}, schedule_policy {server_args.schedule_policy}, radix cache "
+          f"{'off' if server_args.disable_radix_cache else 'on'}\n")
 
     results: dict[str, WorkloadResult] = {}
     head = (f"{'workload':<14}{'requests':>9}{'prompt tok':>11}{'radixk3':>9}{'ideal':>8}{'block':>8}"
             f"{'radix/ideal':>12}{'block/ideal':>12}{'radix hit':>10}{'block hit':>10}{'peak state':>11}"
-            f"{'peak KV':>9}")
+            f"{'peak KV':>9}{'steps':>8}")
     print(head)
+    t0 = time.perf_counter()
     for name, reqs in build_workloads(encode, data, args.scale).items():
-        r = simulate(reqs, layout, pool_bytes, args.checkpoint_interval, block, check=args.check)
+        r = simulate(reqs, layout, server_args, block, cfg.vocab_size, check=args.check, wire=args.wire)
         results[name] = r
         t = r.total_prompt_tokens
         print(f"{name:<14}{r.requests:>9}{t:>11}{r.radixk3:>9}{r.ideal:>8}{r.block_baseline:>8}"
               f"{r.radixk3 / r.ideal:>12.4f}{r.block_baseline / r.ideal:>12.3f}{1 - r.radixk3 / t:>10.1%}"
               f"{1 - r.block_baseline / t:>10.1%}{r.peak_state_bytes / 2**30:>9.2f}Gi"
-              f"{r.peak_kv_bytes / 2**30:>7.2f}Gi")
-    print("\nratios are computed prefill tokens over the ideal cache's, measured in this run; hit = share of "
-          "prompt tokens not computed")
+              f"{r.peak_kv_bytes / 2**30:>7.2f}Gi{r.steps:>8}")
+    elapsed = time.perf_counter() - t0
+    print(f"\nratios are computed prefill tokens over the ideal cache's, measured in this run; hit = share of "
+          f"prompt tokens not computed; {sum(r.steps for r in results.values())} scheduler steps in {elapsed:.1f} s")
     if args.json:
         print(json.dumps({
-            "workloads": {k: {"radixk3": v.radixk3, "ideal": v.ideal, "block_baseline": v.block_baseline,
-                              "total_prompt_tokens": v.total_prompt_tokens, "requests": v.requests,
-                              "peak_state_bytes": v.peak_state_bytes, "peak_kv_bytes": v.peak_kv_bytes,
-                              "evicted_states": v.evicted_states, "evicted_pages": v.evicted_pages}
-                          for k, v in results.items()},
+            "workloads": {k: v._asdict() for k, v in results.items()},
             "block_tokens": block,
-            "checkpoint_interval": args.checkpoint_interval,
-            "layout": {"preset": args.preset, "tp": args.tp, "page_size": args.page_size,
+            "server_args": dataclasses.asdict(server_args),
+            "layout": {"preset": args.preset, "tp": args.tp, "page_size": server_args.page_size,
                        "state_block_bytes": layout.state_block_bytes, "kv_token_bytes": layout.kv_token_bytes},
-            "pool_bytes": pool_bytes,
+            "pool_bytes": server_args.mem_bytes,
             "tokens": enc_name,
+            "seconds": elapsed,
         }))
     return 0
 
