@@ -19,8 +19,8 @@ from torch import Tensor
 
 from kernels.conv1d_pool import conv1d_decode, conv1d_prefill
 from kernels.kda_pool import kda_decode, kda_prefill
-from kernels.mla_paged import PagedKV, mla_paged_decode, mla_paged_prefill, mla_store
-from kernels.state_checkpoints import StateCheckpoints
+from kernels.mla_paged import PagedKV, check_paged, check_store_slots, mla_paged_decode, mla_paged_prefill, mla_store
+from kernels.state_checkpoints import StateCheckpoints, check_slots
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 
 
@@ -33,6 +33,7 @@ class AttentionBackend:
         self.paged = PagedKV(batch.block_table, batch.seq_lens, batch.page_size)
         ck = batch.checkpoints
         self.checkpoints = ck if ck is not None and len(ck.slot) else None
+        self._validate()
         if self.decode and self.checkpoints is not None:
             # A decode step has one token: a checkpoint is the state before it (offset 0) or after it (1).
             offs = self.checkpoints.offset
@@ -40,6 +41,15 @@ class AttentionBackend:
                 raise ValueError("a decode step's checkpoints must be at offset 0 or 1")
             self._ck_before = self._pairs(self.checkpoints, 0)
             self._ck_after = self._pairs(self.checkpoints, 1)
+
+    def _validate(self) -> None:
+        """The kernels' argument checks read tensors back to the host: run them once per step, not per layer."""
+        b, c = self.batch, self.cache
+        if c.recurrent:
+            check_slots(b.state_slots, self.checkpoints, c.recurrent[0].shape[0])
+        if c.latent:
+            check_store_slots(b.kv_slots, c.latent[0].shape[0])
+            check_paged(self.paged, b.cu_seqlens[1:] - b.cu_seqlens[:-1])
 
     def _pairs(self, ck: StateCheckpoints, offset: int) -> tuple[Tensor, Tensor] | None:
         keep = ck.offset == offset
@@ -67,28 +77,28 @@ class AttentionBackend:
         pool = self.cache.conv[layer]
         b = self.batch
         if self.decode:
-            return self._decode_step(pool, lambda: conv1d_decode(x, weight, pool, b.state_slots))
+            return self._decode_step(pool, lambda: conv1d_decode(x, weight, pool, b.state_slots, validate=False))
         return conv1d_prefill(x, weight, pool, state_slots=b.state_slots, cu_seqlens=b.cu_seqlens,
-                              has_initial_state=self.has_state, checkpoints=self.checkpoints)
+                              has_initial_state=self.has_state, checkpoints=self.checkpoints, validate=False)
 
     def kda(self, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
         """The gated delta rule of KDA layer `layer` (q, k L2-normalised; g the log decay) -> o [T, H, V]."""
         pool = self.cache.recurrent[layer]
         b = self.batch
         if self.decode:
-            return self._decode_step(pool, lambda: kda_decode(q, k, v, g, beta, pool, b.state_slots))
+            return self._decode_step(pool, lambda: kda_decode(q, k, v, g, beta, pool, b.state_slots, validate=False))
         return kda_prefill(q, k, v, g, beta, pool, state_slots=b.state_slots, cu_seqlens=b.cu_seqlens,
-                           has_initial_state=self.has_state, checkpoints=self.checkpoints)
+                           has_initial_state=self.has_state, checkpoints=self.checkpoints, validate=False)
 
     def mla(self, layer: int, q_nope: Tensor, q_pe: Tensor, latent: Tensor, kv_b_weight: Tensor,
             scale: float) -> Tensor:
         """Store the new tokens' latent of MLA layer `layer`, then attend over each sequence's paged KV."""
         buf = self.cache.latent[layer]
-        mla_store(buf, self.batch.kv_slots, latent)
+        mla_store(buf, self.batch.kv_slots, latent, validate=False)
         if self.decode:
-            return mla_paged_decode(q_nope, q_pe, buf, kv_b_weight, self.paged, scale=scale)
+            return mla_paged_decode(q_nope, q_pe, buf, kv_b_weight, self.paged, scale=scale, validate=False)
         return mla_paged_prefill(q_nope, q_pe, buf, kv_b_weight, self.paged, cu_q=self.batch.cu_seqlens,
-                                 scale=scale)
+                                 scale=scale, validate=False)
 
 
 def attach_backend(batch: ForwardBatch, cache: HybridCache) -> ForwardBatch:

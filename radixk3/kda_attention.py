@@ -21,14 +21,6 @@ from radixk3.forward_batch import ForwardBatch
 from radixk3.layers import FusedLinear, FusedWeight, gated_rms_norm
 
 
-class ShortConv(nn.Module):
-    """Holds one depthwise conv weight under the checkpoint name `{q,k,v}_conv1d.weight` ([C, 1, W])."""
-
-    def __init__(self, channels: int, width: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(channels, 1, width))
-
-
 class KDAAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, kda_index: int) -> None:
         super().__init__()
