@@ -108,8 +108,9 @@ def gsm8k_burst(tokenizer: Any, requests: int, prefix_target: int, own: int, new
             prompts.append(prefix + q[: own - len(tail)] + tail)
         if len(prompts) == requests:
             break
+    common = len(os.path.commonprefix(prompts))  # the few-shot prefix and the "Question:" that follows it
     shape = (f"{requests} requests at once: {len(prefix)}-token shared {shots_n}-shot prefix + {own} own tokens "
-             f"(gsm8k text, built-in tokenizer), {new_tokens} new each")
+             f"(gsm8k text, built-in tokenizer; {common} tokens common to all), {new_tokens} new each")
     return Workload("gsm8k", prompts, new_tokens, shape)
 
 

@@ -1,0 +1,83 @@
+"""Smoke tests of the benchmarks at tiny sizes: they run, their workloads have the promised shapes, and the
+JSON they end with holds the promised keys. No timing is asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@cache
+def bench(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def last_json(capsys: pytest.CaptureFixture[str]) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+# --- offline_throughput --------------------------------------------------------------------------------
+def test_gsm8k_burst_shapes() -> None:
+    from radixk3.tokenizer import load_tokenizer
+
+    m = bench("offline_throughput")
+    w = m.gsm8k_burst(load_tokenizer(), 32, 800, 70, 64)
+    assert len(w.prompts) == 32 and len({len(p) for p in w.prompts}) == 1  # one length: no padding
+    shared = len(w.prompts[0]) - 70
+    assert 700 <= shared <= 900
+    assert all(p[:shared] == w.prompts[0][:shared] for p in w.prompts)
+    assert len({tuple(p[shared:]) for p in w.prompts}) == 32
+    assert shared + 32 * 60 <= m.ideal_prefill(w.prompts) <= shared + 32 * 70  # own parts open alike
+
+
+def test_ideal_prefill_and_agreement() -> None:
+    m = bench("offline_throughput")
+    assert m.ideal_prefill([[1, 2, 3], [1, 2, 3], [1, 2, 4]]) == 3 + 1 + 1  # the last token is always computed
+    assert m.agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == (4 / 5, 1 / 2)
+
+
+def test_offline_throughput_quick_json(capsys: pytest.CaptureFixture[str]) -> None:
+    m = bench("offline_throughput")
+    assert m.main(["--quick", "--dtypes", "float32", "--json"]) == 0
+    out = last_json(capsys)
+    for key in ("ratio_gsm8k", "ratio_b1", "ratio_b32", "ratio_b64", "radix_on_off", "prefill_vs_ideal",
+                "agreement", "tok_s", "machine"):
+        assert out[key] is not None, key
+    assert set(out["tok_s"]["radixk3"]) == {"gsm8k", "b1", "b8", "b32", "b64", "gsm8k_radix_off"}
+    assert set(out["tok_s"]["transformers"]) == {"gsm8k", "b1", "b8", "b32", "b64"}
+    col = out["columns"]["float32"]
+    assert col["radix_off_equal"] is True
+    assert col["prefill_tokens_ideal"] <= col["prefill_tokens_on"] <= col["prefill_tokens_off"]
+    assert 0 <= out["agreement"] <= 1
+
+
+# --- engine_throughput ---------------------------------------------------------------------------------
+def test_engine_throughput_scheduler_only_json(capsys: pytest.CaptureFixture[str]) -> None:
+    m = bench("engine_throughput")
+    assert m.main(["--scheduler-only", "--steps", "3", "--batches", "1,4", "--json"]) == 0
+    out = last_json(capsys)
+    assert set(out["scheduler"]) == {"1", "4"}
+    for r in out["scheduler"].values():
+        assert r["seconds_per_step"] > 0 and r["plan_bytes"] > 0
+    assert out["machine"]["cores"] >= 1
+
+
+def test_engine_throughput_end_to_end_json(capsys: pytest.CaptureFixture[str]) -> None:
+    m = bench("engine_throughput")
+    assert m.main(["--steps", "3", "--batches", "1", "--engine-batch", "4", "--engine-new", "2", "--json"]) == 0
+    out = last_json(capsys)
+    assert out["engine"]["batch"] == 4 and out["engine"]["steps_long"] > out["engine"]["steps_short"]
+    assert isinstance(out["scheduler_share"], float) and "4" in out["scheduler"]
