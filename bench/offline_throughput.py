@@ -14,6 +14,10 @@ Why equal lengths: transformers' KimiLinear zeroes padded positions before every
 chunked KDA then runs over shifted chunk boundaries and the MLA layers see a padding mask, so a padded row
 is not bit-identical to the same row alone. Equal lengths keep the comparison exact up to batching.
 
+transformers 5.24.0 loads the checkpoint with `use_kernels=False` and its defaults otherwise (sdpa attention,
+grouped_mm experts; fla hidden on CPU, so KDA and the short conv take its torch fallbacks), EOS disabled in
+its generation config and min_new_tokens = max_new_tokens. The engine gets `ignore_eos`.
+
 For each dtype (fp32 and bf16 columns by default) it prints output tok/s per backend and radixk3 /
 transformers ratios, the radix cache on/off ratio, the prefill tokens the engine computed on the burst
 against an ideal cache, and how far radixk3's tokens agree with transformers' (share of tokens before the
