@@ -1,20 +1,24 @@
-"""Scheduler and worker in one process, stepping in lock-step: for tests, benchmarks and debugging.
+"""Scheduler and worker in one process: for tests, benchmarks and debugging.
 
-It runs the very same Scheduler and ModelWorker as the multi-process Engine (messages still make the
-orjson round trip when `wire=True`), so what it proves about scheduling and caching holds there too.
+It runs the very same Scheduler, StepLoop and ModelWorker as the multi-process Engine (messages still make
+the orjson round trip when `wire=True`), so what it proves about scheduling and caching holds there too.
+With overlap (the default, as in the Engine) a sent plan waits in a queue and the worker runs it when the
+loop asks for its result, after the next plan was made: exactly the order the overlapped processes see.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from radixk3.model import KimiForCausalLM
-from runtime.messages import GenerateReq, TokenOut, decode, encode
+from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, decode, encode
 from runtime.model_worker import ModelWorker
 from runtime.processes import model_config, tokenizer_for
 from runtime.scheduler import Scheduler
 from runtime.server_args import ServerArgs
+from runtime.step_loop import StepLoop
 
 
 class LocalEngine:
@@ -27,6 +31,15 @@ class LocalEngine:
                                    tok.decode, cfg.vocab_size)
         self.wire, self.check, self.on_step = wire, check, on_step
         self._n = 0
+        self._sent: deque[StepPlan] = deque()
+        self.loop = StepLoop(self.scheduler, self._sent.append, self._run_next,
+                             overlap=not args.disable_overlap_schedule)
+
+    def _run_next(self) -> StepResult:
+        plan = self._sent.popleft()
+        plan = decode(encode(plan)) if self.wire else plan
+        res = self.worker.execute(plan)
+        return decode(encode(res)) if self.wire else res
 
     def submit(self, input_ids: list[int], sampling: dict[str, Any], **kw: Any) -> str:
         rid = f"l{self._n}"
@@ -38,14 +51,8 @@ class LocalEngine:
         """Step until every submitted request has finished; returns each request's TokenOut chunks."""
         outs: dict[str, list[TokenOut]] = {}
         s = self.scheduler
-        while s.has_work:
-            plan = s.schedule()
-            if plan is None:
-                got = s.take_outputs()
-            else:
-                plan = decode(encode(plan)) if self.wire else plan
-                res = self.worker.execute(plan)
-                got = s.process(decode(encode(res)) if self.wire else res)
+        while self.loop.busy:
+            got = self.loop.step()
             for o in got:
                 outs.setdefault(o.rid, []).append(o)
             if self.check:

@@ -167,6 +167,7 @@ class UnifiedPool:
         self._kv = _Side(g.num_pages)
         self._st = _Side(g.num_state_slots)
         self._copies: list[CopyCommand] = []
+        self._page_moves: list[tuple[int, int]] = []  # (src, dst) physical pages moved by compaction
         self._evictor: Evictor | None = None
         self._moves = 0
 
@@ -227,6 +228,12 @@ class UnifiedPool:
     def drain_copies(self) -> list[CopyCommand]:
         """The byte copies queued since the last drain, in the order the worker must apply them."""
         out, self._copies = self._copies, []
+        return out
+
+    def drain_page_moves(self) -> list[tuple[int, int]]:
+        """The (src, dst) physical KV pages that compaction moved since the last drain, in order: page
+        tables that hold physical ids rename src to dst, one move after the other."""
+        out, self._page_moves = self._page_moves, []
         return out
 
     # --- translation -----------------------------------------------------------------------------------
@@ -344,6 +351,7 @@ class UnifiedPool:
             cmd = CopyCommand(g.state_offset(cap - 1 - src), g.state_offset(cap - 1 - dst), g.state_block_bytes)
         else:
             cmd = CopyCommand(g.page_offset(src), g.page_offset(dst), g.page_bytes)
+            self._page_moves.append((src, dst))
         self._copies.append(cmd)
         self._moves += 1
 

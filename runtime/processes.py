@@ -25,15 +25,16 @@ from runtime.messages import (
     MetricsOut,
     MetricsReq,
     Shutdown,
+    StepPlan,
     StepResult,
     WorkerReady,
     decode,
     encode,
 )
-from runtime.model_worker import ModelWorker
 from runtime.pool_layout import pool_layout
 from runtime.scheduler import Scheduler
 from runtime.server_args import ServerArgs
+from runtime.step_loop import StepLoop
 
 
 def endpoint(ipc_dir: str, name: str) -> str:
@@ -72,6 +73,8 @@ def worker_main(args: ServerArgs, ipc_dir: str, rank: int) -> None:
     plans = _socket(ctx, zmq.PULL, endpoint(ipc_dir, f"worker_in_{rank}"), bind=True)
     results = _socket(ctx, zmq.PUSH, endpoint(ipc_dir, "worker_out"), bind=False)
     try:
+        from runtime.model_worker import ModelWorker  # the model only in the worker: never in the scheduler
+
         worker = ModelWorker(args)
     except Exception as e:  # report why we could not start, then exit
         results.send_multipart(encode(WorkerReady(rank, error=f"{type(e).__name__}: {e}")))
@@ -114,11 +117,22 @@ def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
         outbox.send_multipart(encode(ready))
         if ready.error is not None:
             return
+
+    def send(plan: StepPlan) -> None:
+        frames = encode(plan)
+        for s in to_workers:
+            s.send_multipart(frames)
+
+    def recv() -> StepResult:
+        results = [decode(from_workers.recv_multipart()) for _ in to_workers]
+        return results[0]
+
+    loop = StepLoop(sched, send, recv, overlap=not args.disable_overlap_schedule)
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     running = True
     while running:
-        timeout = 0 if sched.has_work else None
+        timeout = 0 if loop.busy else None
         while poller.poll(timeout):
             msg = decode(inbox.recv_multipart())
             if isinstance(msg, GenerateReq):
@@ -133,16 +147,7 @@ def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
             timeout = 0
         if not running:
             break
-        plan = sched.schedule()
-        if plan is not None:
-            frames = encode(plan)
-            for s in to_workers:
-                s.send_multipart(frames)
-            results = [decode(from_workers.recv_multipart()) for _ in to_workers]
-            outputs = sched.process(results[0])
-        else:
-            outputs = sched.take_outputs()
-        for out in outputs:
+        for out in loop.step():
             outbox.send_multipart(encode(out))
     for s in to_workers:
         s.send_multipart(encode(Shutdown()))

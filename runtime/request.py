@@ -1,4 +1,5 @@
-"""A request as the scheduler tracks it: tokens, what of them the cache holds, and what it owns in the pool."""
+"""A request as the scheduler tracks it: tokens, what of them the cache holds (or will once the planned
+steps have run), what it owns in the pool, its page-table row, and its output bookkeeping."""
 
 from __future__ import annotations
 
@@ -19,19 +20,28 @@ class Req:
     arrival: int = 0  # admission order, for FCFS
 
     output_ids: list[int] = field(default_factory=list)
-    # Cache bookkeeping. Tokens fed so far = (prompt + output)[:num_computed]; their KV is in `pages`
-    # (the first `tree_pages` of which belong to the radix tree; the rest to this request) and the KDA
-    # state after them is in the live block `state`.
+    # Cache bookkeeping. `num_computed` tokens are planned: once the steps in flight have run, the KV of
+    # tokens [0, num_computed) is in `pages` (the first `tree_pages` of which belong to the radix tree, the
+    # rest to this request) and the KDA state after them is in the live block `state`. Under the overlap
+    # scheduler the last of them may be a token still being sampled (fed to the worker as -1).
     num_computed: int = 0
     pages: list[int] = field(default_factory=list)
     tree_pages: int = 0
     state: int | None = None
     node: Node | None = None  # the locked tree node the request's tree pages end at
-    branch_len: int = 0  # a prefill chunk must end here (to checkpoint the branching point)
+    branch_len: int = 0  # the match's branching point: a step checkpoints the state there
+    ckpt_points: set[int] = field(default_factory=set)  # more positions to checkpoint (prefixes others share)
+    pending_ckpts: set[int] = field(default_factory=set)  # checkpoints planned, not yet in the tree
     cached_tokens: int = 0
     decode_since_checkpoint: int = 0
-    slots: list[int] = field(default_factory=list)  # physical KV slots of the fed tokens (a plan-time cache)
-    slots_epoch: int = -1
+    prefill_done: bool = False  # the chunk that samples its first token (since admission) is planned
+    # Page table: the worker's row for this request and how many of its columns the worker holds.
+    row: int | None = None
+    table_cols: int = 0
+    dirty_cols: set[int] = field(default_factory=set)  # columns whose page changed (swapped for the tree's)
+    # Steps planned and not yet processed that include this request, and how many of them sample for it.
+    in_flight: int = 0
+    pending_samples: int = 0
     # Output bookkeeping.
     new_token_logprobs: list[float] = field(default_factory=list)
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -42,11 +52,51 @@ class Req:
     finished: str | None = None
     matched_stop: int | str | None = None
     aborted: bool = False
+    retract_pending: bool = False  # retract once its in-flight steps are processed
+    poisoned: bool = False  # a step including it failed: its state must never be cached
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
     @property
+    def known_len(self) -> int:
+        """Tokens whose ids are known (prompt + processed outputs)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens the sequence will have once the samples in flight are processed."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending_samples
+
+    @property
+    def output_index(self) -> int:
+        """Index among the outputs of the next token to be sampled."""
+        return len(self.output_ids) + self.pending_samples
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
+
+    def ids(self, start: int, end: int) -> list[int]:
+        """Known token ids [start, end), without building the whole sequence."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    @property
+    def active(self) -> bool:
+        """Still to be scheduled (not finished, aborted, failed, or waiting to be retracted)."""
+        return not (self.finished or self.aborted or self.poisoned or self.retract_pending)
+
+    @property
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and 0 <= self.logprob_start_len < len(self.prompt_ids)
+
+    def wants_input_logprob(self, pos: int) -> bool:
+        """Whether prompt token `pos`'s logprob is still to be collected (not already, before a retraction)."""
+        return self.wants_input_logprobs and max(self.logprob_start_len, self.input_logprob_next) <= pos < len(
+            self.prompt_ids)

@@ -1,30 +1,44 @@
 """The scheduler: waiting queue, running batch, radix cache and pool metadata; no model tensors.
 
-Every request is a run of tokens, `all_ids[:num_computed]` of which are in the cache. A step feeds each
-running request some of its pending tokens (one for a decode, a chunk for a prefill) and samples the next
-token for every request whose tokens are then all fed. Decodes and prefill chunks share one forward.
+Every request is a run of tokens, the first `num_computed` of which are planned into the cache. A step is
+either an extend step (prefill chunks of running and newly admitted requests, up to `chunked_prefill_size`
+tokens; running decodes ride along only with `enable_mixed_chunk`) or, when there is no prefill work, a
+decode step with every running decode. Checkpoints (branching point, shared prefixes, chunk ends, prompt
+end, every `decode_checkpoint_interval` decode tokens) are requested in the plan of the step that computes
+that position and enter the tree when its result is processed.
+
+Results may come one step late (the overlap scheduler plans step N+1 while the worker runs step N): a
+decode planned before its input token is known feeds -1, and a request is released (its memory donated
+to the tree) only once no step in flight includes it.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
+from runtime.admission import NO_DEMAND, Admission, Demand, request_demand
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
-from runtime.pool import PoolExhausted, UnifiedPool
+from runtime.output_processor import OutputProcessor
+from runtime.page_table import PageTables
+from runtime.plan_builder import Checkpoint, SeqEntry, StepRecord, build_plan
+from runtime.pool import UnifiedPool
 from runtime.pool_layout import PoolLayout
 from runtime.radix_cache import HybridRadixCache, MatchResult
+from runtime.req_cache import ReqCache
 from runtime.request import Req
 from runtime.sampling_params import InvalidRequest, SamplingParams
+from runtime.schedule_policy import NewTokenRatio, order_waiting, shared_prefix_leader
 from runtime.server_args import ServerArgs
 
 
 @dataclass
 class SchedulerMetrics:
     steps: int = 0
+    extend_steps: int = 0
+    decode_steps: int = 0
     running: int = 0
     queued: int = 0
     prefill_tokens_computed: int = 0
@@ -48,16 +62,18 @@ class Scheduler:
         self.pool = UnifiedPool(layout, args.mem_bytes)
         self.cache = None if args.disable_radix_cache else HybridRadixCache(self.pool)
         self.ps = layout.page_size
-        self.stop_ids = stop_ids
-        self.detokenize = detokenize
+        self.admission = Admission(self.pool, self.cache)
+        self.req_cache = ReqCache(self.pool, self.cache)
+        self.tables = PageTables(args.max_running_requests)
+        self.outputs = OutputProcessor(stop_ids, detokenize)
+        self.ratio = NewTokenRatio(args.schedule_conservativeness)
         self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
+        self.running: list[Req] = []  # requests holding pool memory and a row (finished ones until released)
         self.metrics = SchedulerMetrics()
         self._arrivals = 0
         self._step = 0
-        self._inflight: list[tuple[Req, int]] = []
+        self._inflight: deque[StepRecord] = deque()
         self._retracted_now: set[int] = set()
-        self._outbox: list[TokenOut] = []
 
     # --- requests in -----------------------------------------------------------------------------------
     def add(self, msg: GenerateReq) -> None:
@@ -80,7 +96,7 @@ class Scheduler:
             if len(self.waiting) >= self.args.max_queued_requests:
                 raise InvalidRequest("the queue is full, try again later")
         except (InvalidRequest, TypeError) as e:
-            self._outbox.append(TokenOut(msg.rid, [], finished="error", error=str(e)))
+            self.outputs.outbox.append(TokenOut(msg.rid, [], finished="error", error=str(e)))
             return
         self._arrivals += 1
         self.waiting.append(Req(msg.rid, list(msg.input_ids), params, msg.return_logprob, msg.logprob_start_len,
@@ -90,353 +106,311 @@ class Scheduler:
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
-                self._finish(req, "abort")
+                self.outputs.finish(req, "abort")
         for req in self.running:
-            if req.rid == rid:
-                req.aborted = True  # released after the in-flight step, if any
+            if req.rid == rid and not req.finished:
+                req.aborted = True  # released once no step in flight includes it
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._outbox)
+        return bool(self.waiting or self.running or self.outputs.outbox or self._inflight)
+
+    @property
+    def steps_in_flight(self) -> int:
+        return len(self._inflight)
 
     def take_outputs(self) -> list[TokenOut]:
-        out, self._outbox = self._outbox, []
-        return out
+        return self.outputs.take()
 
     # --- one step --------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
-        for req in [r for r in self.running if r.aborted]:
-            self._release(req)
-            self.running.remove(req)
-            self._finish(req, "abort")
-        self._retracted_now: set[int] = set()  # ids of requests retracted by this step: not readmitted in it
+        """Plan the next step (results of the steps in flight may still be outstanding), or None."""
+        self._retracted_now = set()  # ids of requests retracted while planning: not readmitted in this step
+        for req in [r for r in self.running if r.in_flight == 0 and not r.active]:
+            self._settle(req)
+        batch = self._extend_batch()
+        mode = "extend"
+        if batch and self.args.enable_mixed_chunk:
+            batch += self._decode_batch(batch)
+        elif not batch:
+            batch, mode = self._decode_batch([]), "decode"
+        batch = [(r, n) for r, n in batch if r in self.running]  # drop requests retracted while planning
+        if not batch:
+            if not self._inflight:  # nothing runs and nothing will free memory: fail one request, never spin
+                if self.running:
+                    req = max((r for r in self.running if r.active), key=lambda r: r.arrival, default=None)
+                    if req is not None:
+                        self.outputs.finish(req, "error", "the request does not fit in the memory pool")
+                        self._settle(req)
+                elif self.waiting:
+                    self.outputs.finish(self.waiting.popleft(), "error", "the request does not fit in the memory pool")
+            return None
+        self._step += 1
+        rec = self._record(batch, mode)
+        self._inflight.append(rec)
+        if mode == "decode":
+            self.ratio.on_decode_step()
+        return build_plan(rec, self.pool, self.tables, self.outputs)
+
+    def process(self, result: StepResult) -> list[TokenOut]:
+        """Apply the result of the oldest step in flight."""
+        rec = self._inflight.popleft()
+        if result.step != rec.step:
+            raise RuntimeError(f"result of step {result.step} while step {rec.step} is the oldest in flight")
+        failed = result.error is not None
+        sample_i = lp_i = 0
+        for s in rec.seqs:
+            req = s.req
+            req.in_flight -= 1
+            if s.sampled:
+                req.pending_samples -= 1
+            if failed:
+                req.poisoned = True  # the forward may have advanced its state: never cache it
+                if not req.finished:
+                    self.outputs.finish(req, "error", result.error)
+                continue
+            if s.n == 1 and s.start >= len(req.prompt_ids):
+                self.metrics.decode_tokens += 1
+            else:
+                self.metrics.prefill_tokens_computed += s.n
+            n_lp = len(s.input_lp_positions)
+            if s.input_lp_first_none or n_lp:
+                self.outputs.collect_input_logprobs(req, s.input_lp_first_none, s.input_lp_positions,
+                                                    result.input_logprobs[lp_i : lp_i + n_lp])
+                lp_i += n_lp
+            if s.sampled:
+                i = sample_i
+                sample_i += 1
+                if req.finished or req.aborted or req.poisoned:
+                    continue  # planned before the request ended: the token is discarded
+                reason = self.outputs.on_token(req, result.tokens[i], result.logprobs[i] if result.logprobs else 0.0,
+                                               result.top_ids[i] if result.top_ids else [],
+                                               result.top_logprobs[i] if result.top_logprobs else [])
+                if reason is not None:
+                    self.outputs.finish(req, reason)
+                elif not req.aborted:
+                    self.outputs.emit(req)
+        for c in rec.ckpts:
+            req = rec.seqs[c.seq].req
+            req.pending_ckpts.discard(c.pos)
+            if req.poisoned:
+                self.pool.free_state(c.block)
+                continue
+            self.tables.mark_changed(req, self.req_cache.insert_checkpoint(req, c.pos, c.block))
+            self.metrics.checkpoints += 1
+        for s in rec.seqs:
+            if s.req.in_flight == 0 and not s.req.active and s.req in self.running:
+                self._settle(s.req)
+        self.metrics.steps += 1
+        if rec.mode == "decode":
+            self.metrics.decode_steps += 1
+        else:
+            self.metrics.extend_steps += 1
+        self._refresh_metrics()
+        return self.take_outputs()
+
+    # --- batches ---------------------------------------------------------------------------------------
+    def _extend_batch(self) -> list[tuple[Req, int]]:
+        """Prefill chunks: running requests' next chunks first, then new admissions, within the budget."""
         batch: list[tuple[Req, int]] = []
-        for req in sorted(self.running, key=lambda r: r.arrival):
-            if self._pending(req) == 1:
-                if req in self.running and self._ensure_pages(req, 1):
-                    batch.append((req, 1))
         budget = self.args.chunked_prefill_size
         for req in sorted(self.running, key=lambda r: r.arrival):
-            if req in self.running and self._pending(req) > 1 and budget > 0:
-                n = self._chunk_len(req, budget)
-                if self._ensure_pages(req, n):
+            if budget <= 0:
+                break
+            if req.active and not req.prefill_done and req in self.running:
+                n = min(req.known_len - req.num_computed, budget)
+                if self._grow(req, n):
                     batch.append((req, n))
                     budget -= n
-        self._order_waiting()
+        batch = [(r, n) for r, n in batch if r in self.running]
+        if budget <= 0:
+            return batch
+        self.waiting = order_waiting(self.waiting, self.cache, self._match_ids, self.args.schedule_policy,
+                                     self.args.lpm_max_queue)
+        sources = [r for r in self.running if r.active and (not r.prefill_done or r.pending_ckpts)]
+        reserved = self._running_reserve()
         deferred: list[Req] = []
-        branching: set[tuple[int, ...]] = set()  # branching points this step's prefills will checkpoint
         while self.waiting and budget > 0 and len(self.running) < self.args.max_running_requests:
             req = self.waiting.popleft()
             if id(req) in self._retracted_now:
                 deferred.append(req)
                 continue
+            if len(deferred) >= self.args.lpm_max_queue:  # bound the scan of a long queue of followers
+                self.waiting.appendleft(req)
+                break
             match = self.cache.match_prefix(self._match_ids(req)) if self.cache is not None else None
-            if match is not None and match.branch_len > match.prefix_len and \
-                    tuple(req.all_ids[: match.branch_len]) in branching:
-                deferred.append(req)  # next step it hits the checkpoint another request is making now
+            if match is not None and self._follow(req, match, sources):
+                deferred.append(req)
                 continue
-            if not self._admit(req, match):
+            demand = self._demand(req, match)
+            if not self.admission.fits(demand, reserved) or not self.req_cache.admit(req, match):
                 self.waiting.appendleft(req)
                 break
-            n = self._chunk_len(req, budget)
-            if not self._ensure_pages(req, n, retract=False):
-                self._release(req)
+            n = min(req.known_len - req.num_computed, budget)
+            if not self.req_cache.grow(req, n):
+                self.req_cache.cache_req(req, donate=False)
                 self.waiting.appendleft(req)
                 break
-            if req.branch_len > req.num_computed:
-                branching.add(tuple(req.all_ids[: req.branch_len]))
+            self._count_admission(req, match)
+            self.tables.assign(req)
             self.running.append(req)
             batch.append((req, n))
+            sources.append(req)
             budget -= n
+            reserved = reserved.plus(demand)
         self.waiting.extendleft(reversed(deferred))
-        batch = [(r, n) for r, n in batch if r in self.running and id(r) not in self._retracted_now]
-        if not batch:
-            # Nothing can run and nothing will free memory: fail one request rather than spin.
-            if self.running:
-                req = max(self.running, key=lambda r: r.arrival)
-                self._done(req, "error", error="the request does not fit in the memory pool")
-            elif self.waiting:
-                self._finish(self.waiting.popleft(), "error", error="the request does not fit in the memory pool")
-            return None
-        self._step += 1
-        self._inflight = batch
-        return self._plan(batch)
+        return batch
 
-    def process(self, result: StepResult) -> list[TokenOut]:
-        if result.error is not None:
-            for req, _ in self._inflight:
-                self._release(req, donate=False)  # the forward may have advanced its state: never cache it
-                self.running.remove(req)
-                self._finish(req, "error", error=result.error)
-            self._inflight = []
-            return self.take_outputs()
-        sample_i = 0
-        lp_i = 0
-        for req, n in self._inflight:
-            start = req.num_computed
-            req.num_computed += n
+    def _decode_batch(self, taken: list[tuple[Req, int]]) -> list[tuple[Req, int]]:
+        """One token for every running request whose tokens are all fed but the last sampled one."""
+        in_batch = {id(r) for r, _ in taken}
+        batch: list[tuple[Req, int]] = []
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if (req.active and req.prefill_done and id(req) not in in_batch and req in self.running
+                    and req.seq_len - req.num_computed == 1
+                    and req.output_index < req.params.max_new_tokens):  # else it ends with the pending sample
+                if self._grow(req, 1):
+                    batch.append((req, 1))
+        return [(r, n) for r, n in batch if r in self.running]
+
+    def _follow(self, req: Req, match: MatchResult, sources: list[Req]) -> bool:
+        """Whether `req` should wait for a leader to checkpoint a prefix they share (in-batch prefix caching);
+        if so, ask the leader for that checkpoint."""
+        found = shared_prefix_leader(self._match_ids(req), match.prefix_len, sources, self.ps)
+        if found is None:
+            return False
+        leader, pos = found
+        if pos > leader.num_computed:
+            leader.ckpt_points.add(pos)
+        return True
+
+    def _grow(self, req: Req, n: int) -> bool:
+        """Pages for `n` more tokens of running `req`; under pressure retract the newest other running
+        request that no step in flight includes (a batch member is dropped from the batch), or, if all are
+        in flight, mark one to be retracted when its step is processed and skip `req` for this step."""
+        while not self.req_cache.grow(req, n):
+            victims = [r for r in self.running if r is not req and r.active and r.in_flight == 0]
+            if victims:
+                self._retract(max(victims, key=lambda r: r.arrival))
+                continue
+            later = [r for r in self.running if r is not req and r.active]
+            if later:
+                max(later, key=lambda r: r.arrival).retract_pending = True
+            return False
+        return True
+
+    def _retract(self, req: Req) -> None:
+        """Free a running request's memory (caching what it computed) and queue it again; nothing is lost."""
+        assert req.in_flight == 0
+        self._release(req, donate=True)
+        req.num_computed = req.branch_len = 0
+        req.prefill_done = req.retract_pending = False
+        req.ckpt_points.clear()
+        self.waiting.appendleft(req)
+        self._retracted_now.add(id(req))
+        self.metrics.retractions += 1
+        self.ratio.on_retract()
+
+    def _settle(self, req: Req) -> None:
+        """A request that is in no step in flight and will not be scheduled again: release or retract it."""
+        if req.finished or req.aborted or req.poisoned:
+            self._release(req, donate=not req.poisoned)
+            if not req.finished:
+                self.outputs.finish(req, "abort")
+        elif req.retract_pending:
+            self._retract(req)
+
+    def _release(self, req: Req, donate: bool) -> None:
+        self.req_cache.cache_req(req, donate)
+        self.tables.release(req)
+        self.running.remove(req)
+
+    # --- the step record -------------------------------------------------------------------------------
+    def _record(self, batch: list[tuple[Req, int]], mode: str) -> StepRecord:
+        """Checkpoints and input-logprob rows of each sequence; advances what each request has planned."""
+        rec = StepRecord(self._step, mode, [], [])
+        for i, (req, n) in enumerate(batch):
+            a, b = req.num_computed, req.num_computed + n
+            sampled = b == req.seq_len
+            s = SeqEntry(req, a, n, sampled)
             if req.wants_input_logprobs:
-                lp_i = self._collect_input_logprobs(req, start, n, result, lp_i)
-            if n == 1 and req.num_computed > len(req.prompt_ids):
-                self.metrics.decode_tokens += 1
-                req.decode_since_checkpoint += 1
-            else:
-                self.metrics.prefill_tokens_computed += n
-            if req.num_computed == len(req.all_ids):
-                self._on_token(req, result, sample_i)
-                sample_i += 1
-            elif not req.aborted:
-                self._checkpoint(req)  # a prefill chunk ended mid-prompt
-        self._inflight = []
-        self.metrics.steps += 1
-        self._refresh_metrics()
-        return self.take_outputs()
+                s.input_lp_first_none = a == 0 and req.wants_input_logprob(0)
+                s.input_lp_positions = [p for p in range(a + 1, b + 1) if req.wants_input_logprob(p)]
+            rec.seqs.append(s)
+            for pos in self._checkpoint_positions(req, a, b, sampled):
+                block = self.req_cache.alloc_checkpoint()
+                if block is None:
+                    break  # no room: skipped (the later ones would need room too)
+                rec.ckpts.append(Checkpoint(i, pos, block))
+                req.pending_ckpts.add(pos)
+                req.ckpt_points.discard(pos)
+            req.num_computed = b
+            req.in_flight += 1
+            if sampled:
+                req.pending_samples += 1
+                req.prefill_done = True
+        return rec
 
-    # --- internals -------------------------------------------------------------------------------------
-    def _pending(self, req: Req) -> int:
-        return len(req.all_ids) - req.num_computed
+    def _checkpoint_positions(self, req: Req, a: int, b: int, sampled: bool) -> list[int]:
+        """Positions in (a, b] where the step must checkpoint `req`'s state."""
+        if self.cache is None:
+            return []
+        ps = self.ps
+        want: set[int] = set()
+        if not req.prefill_done:
+            want.add(req.branch_len)  # the branching point found by matching
+            want.add((len(req.prompt_ids) - 1) // ps * ps)  # the prompt's end, as far as a repeat can hit
+            want.update(req.ckpt_points)  # prefixes that waiting requests share with this one
+            if not sampled:
+                want.add(b // ps * ps)  # a chunk ending mid-prompt
+        else:
+            req.decode_since_checkpoint += b - a
+            if req.decode_since_checkpoint >= self.args.decode_checkpoint_interval and b % ps == 0:
+                want.add(b)
+            want.update(req.ckpt_points)
+        out = sorted(p for p in want if a < p <= b and p % ps == 0 and p not in req.pending_ckpts)
+        if out and out[-1] == b:
+            req.decode_since_checkpoint = 0
+        return out
 
-    def _chunk_len(self, req: Req, budget: int) -> int:
-        n = min(self._pending(req), budget)
-        if req.branch_len > req.num_computed:
-            n = min(n, req.branch_len - req.num_computed)
-        if n < self._pending(req):  # not the last chunk: end it on a page boundary so it can be checkpointed
-            end = (req.num_computed + n) // self.ps * self.ps
-            if end > req.num_computed:
-                n = end - req.num_computed
-        return n
-
-    def _order_waiting(self) -> None:
-        if self.cache is None or self.args.schedule_policy == "fcfs" or len(self.waiting) > self.args.lpm_max_queue:
-            return
-        # Longest prefix match first: requests that share cached prefixes run while those are hot.
-        scored = sorted(self.waiting, key=lambda r: (-self.cache.match_prefix(self._match_ids(r)).prefix_len,
-                                                     r.arrival))
-        self.waiting = deque(scored)
-
+    # --- admission -------------------------------------------------------------------------------------
     def _match_ids(self, req: Req) -> list[int]:
         ids = req.all_ids
         if req.wants_input_logprobs:  # tokens whose input logprobs are wanted must be recomputed
             ids = ids[: max(req.logprob_start_len - 1, 0) + 1]
         return ids
 
-    def _admit(self, req: Req, match: MatchResult | None) -> bool:
-        """Give `req` its live state block (with the matched checkpoint copied in) and its matched pages.
-        `match` is this step's fresh `match_prefix` of the request (None without a radix cache)."""
-        try:
-            if self.cache is None or match is None:
-                req.state = self.pool.alloc_state()
-                return True
-            self.cache.lock(match.node)
-            try:
-                req.state = self.cache.alloc_live_state(match)
-            except PoolExhausted:
-                self.cache.unlock(match.node)
-                raise
-        except PoolExhausted:
-            return False
-        req.node = match.node
-        req.pages = list(match.pages)
-        req.tree_pages = len(match.pages)
-        req.num_computed = match.prefix_len
-        req.branch_len = match.branch_len
-        if not req.admitted:  # count each request once, not again after a retraction
-            req.admitted = True
-            req.cached_tokens = match.prefix_len
-            self.metrics.cached_tokens += match.prefix_len
-            self.metrics.prompt_tokens += len(req.prompt_ids)
-            if match.state is not None:
-                self.metrics.state_hits += 1
-            else:
-                self.metrics.state_misses += 1
-        return True
+    def _decode_reserve(self, req: Req) -> int:
+        """Decode tokens admission reserves pages for: the new-token ratio's share of those left."""
+        return math.ceil(self.ratio.value * max(req.params.max_new_tokens - len(req.output_ids), 0))
 
-    def _ensure_pages(self, req: Req, n: int, retract: bool = True) -> bool:
-        """Pages for `n` more tokens of `req`; under pressure retract the newest other running requests."""
-        need = -(-(req.num_computed + n) // self.ps) - len(req.pages)
-        while need > 0:
-            try:
-                req.pages.extend(self.pool.alloc_pages(need))
-                return True
-            except PoolExhausted:
-                victims = [r for r in self.running if r is not req and r not in (b for b, _ in self._inflight)]
-                if not retract or not victims:
-                    return False
-                self._retract(max(victims, key=lambda r: r.arrival))
-        return True
+    def _demand(self, req: Req, match: MatchResult | None) -> Demand:
+        if match is None:
+            match = MatchResult([], None, None, 0, 0)  # type: ignore[arg-type]
+        return request_demand(self.ps, match, req.known_len, self._decode_reserve(req))
 
-    def _retract(self, req: Req) -> None:
-        """Free a running request's memory (caching what it computed) and queue it again; nothing is lost."""
-        self._release(req)
-        self.running.remove(req)
-        req.num_computed = 0
-        req.branch_len = 0
-        self.waiting.appendleft(req)
-        self._retracted_now.add(id(req))
-        self.metrics.retractions += 1
+    def _running_reserve(self) -> Demand:
+        """Pages the running requests will still take (prompt remainder and their decode reserve)."""
+        pages = 0
+        for r in self.running:
+            if r.active:
+                target = -(-(r.known_len + self._decode_reserve(r)) // self.ps)
+                pages += max(0, target - len(r.pages))
+        return Demand(pages, 0) if pages else NO_DEMAND
 
-    def _release(self, req: Req, donate: bool = True) -> None:
-        """Return the request's pool memory: donate its state and KV to the tree where possible."""
-        if req.state is None:
+    def _count_admission(self, req: Req, match: MatchResult | None) -> None:
+        if req.admitted:  # count each request once, not again after a retraction
             return
-        own_from = req.tree_pages
-        if donate and self.cache is not None and req.num_computed > 0 and req.num_computed % self.ps == 0:
-            k = req.num_computed // self.ps
-            self.cache.insert(req.all_ids[: req.num_computed], req.pages[:k], req.state)  # donation
-            own_from = k
+        req.admitted = True
+        req.cached_tokens = req.num_computed
+        self.metrics.cached_tokens += req.num_computed
+        self.metrics.prompt_tokens += len(req.prompt_ids)
+        if match is not None and match.state is not None:
+            self.metrics.state_hits += 1
         else:
-            self.pool.free_state(req.state)
-        self.pool.free_pages(req.pages[own_from:])
-        if req.node is not None:
-            self.cache.unlock(req.node)  # type: ignore[union-attr]
-        req.state, req.node, req.pages, req.tree_pages = None, None, [], 0
-        req.slots_epoch = -1
+            self.metrics.state_misses += 1
 
-    def _checkpoint(self, req: Req) -> None:
-        """Copy the live state into a tree node at the current (page-aligned) position."""
-        if self.cache is None or req.num_computed % self.ps or req.state is None:
-            return
-        try:
-            ckpt = self.pool.alloc_state()
-        except PoolExhausted:
-            return
-        self.pool.copy_state(req.state, ckpt)
-        k = req.num_computed // self.ps
-        res = self.cache.insert(req.all_ids[: req.num_computed], req.pages[:k], ckpt)
-        req.pages[:k] = res.pages
-        req.slots_epoch = -1  # duplicates were swapped for the tree's pages
-        req.tree_pages = k
-        self.cache.lock(res.node)
-        if req.node is not None:
-            self.cache.unlock(req.node)
-        req.node = res.node
-        req.decode_since_checkpoint = 0
-        self.metrics.checkpoints += 1
-
-    def _on_token(self, req: Req, result: StepResult, i: int) -> None:
-        tok = result.tokens[i]
-        p = req.params
-        if p.max_new_tokens == 0:
-            self._done(req, "length")
-            return
-        req.output_ids.append(tok)
-        if req.return_logprob:
-            req.new_token_logprobs.append(result.logprobs[i])
-            top = list(zip(result.top_ids[i], result.top_logprobs[i], strict=True))
-            req.new_top_logprobs.append(top[: req.top_logprobs_num])
-        n_out = len(req.output_ids)
-        if tok in self._stop_tokens(req):  # masked while below min_new_tokens (see _plan)
-            req.matched_stop = tok
-            self._done(req, "stop")
-        elif n_out >= p.min_new_tokens and p.stop and (s := self._stop_string(req)) is not None:
-            req.matched_stop = s
-            self._done(req, "stop")
-        elif n_out >= p.max_new_tokens:
-            self._done(req, "length")
-        elif req.aborted:
-            self._done(req, "abort")
-        else:
-            if req.decode_since_checkpoint >= self.args.decode_checkpoint_interval:
-                self._checkpoint(req)
-            self._emit(req)
-
-    def _stop_tokens(self, req: Req) -> set[int]:
-        return set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else set(self.stop_ids))
-
-    def _stop_string(self, req: Req) -> str | None:
-        """The stop string that occurs first in the output, if any."""
-        text = self.detokenize(req.output_ids)
-        hits = [(text.find(s), s) for s in req.params.stop if s in text]
-        return min(hits)[1] if hits else None
-
-    def _done(self, req: Req, reason: str, error: str | None = None) -> None:
-        self._release(req)
-        self.running.remove(req)
-        self._finish(req, reason, error)
-
-    def _finish(self, req: Req, reason: str, error: str | None = None) -> None:
-        req.finished = reason
-        self._emit(req, error)
-
-    def _emit(self, req: Req, error: str | None = None) -> None:
-        new = req.output_ids[req.sent_tokens :]
-        if not new and req.finished is None and not req.input_logprobs:
-            return
-        out = TokenOut(req.rid, new, finished=req.finished, matched_stop=req.matched_stop,
-                       prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens, error=error)
-        if req.return_logprob:
-            out.logprobs, out.top_logprobs = req.new_token_logprobs, req.new_top_logprobs
-            out.input_logprobs, req.input_logprobs = req.input_logprobs, []
-            req.new_token_logprobs, req.new_top_logprobs = [], []
-        req.sent_tokens = len(req.output_ids)
-        self._outbox.append(out)
-
-    @staticmethod
-    def _wants_input_logprob(req: Req, pos: int) -> bool:
-        """Whether prompt token `pos`'s logprob is still to be collected (not already, before a retraction)."""
-        return max(req.logprob_start_len, req.input_logprob_next) <= pos < len(req.prompt_ids)
-
-    def _collect_input_logprobs(self, req: Req, start: int, n: int, result: StepResult, k: int) -> int:
-        if start == 0 and self._wants_input_logprob(req, 0):
-            req.input_logprobs.append(None)  # the first token has no context
-            req.input_logprob_next = 1
-        for j in range(start, start + n):
-            if self._wants_input_logprob(req, j + 1):
-                req.input_logprobs.append(result.input_logprobs[k])
-                req.input_logprob_next = j + 2
-                k += 1
-        return k
-
-    def _token_slots(self, req: Req, end: int, epoch: int) -> list[int]:
-        """Physical KV slots of req's tokens [0, end), extended incrementally: recomputed only when a
-        compaction moved pages (epoch) or the request's page list was rewritten (checkpoint, admission)."""
-        if req.slots_epoch != epoch or len(req.slots) > end:
-            req.slots, req.slots_epoch = [], epoch
-        req.slots.extend(self.pool.token_slots(req.pages, len(req.slots), end))
-        return req.slots
-
-    def _plan(self, batch: list[tuple[Req, int]]) -> StepPlan:
-        epoch = self.pool.usage().compaction_moves
-        ids: list[int] = []
-        cu, prefix, slots, kv_slots, kv_idx, indptr = [0], [], [], [], [], [0]
-        sample_rows: list[int] = []
-        params: list[dict] = []
-        histories: list[list[int]] = []
-        banned: list[list[int]] = []
-        lp_rows: list[tuple[int, int]] = []  # (packed row, next token)
-        top_n = 0
-        for req, n in batch:
-            a, b = req.num_computed, req.num_computed + n
-            ids.extend(req.all_ids[a:b])
-            prefix.append(a)
-            slots.append(self.pool.state_slot(req.state))  # type: ignore[arg-type]
-            all_slots = self._token_slots(req, b, epoch)
-            kv_slots.extend(all_slots[a:b])
-            kv_idx.extend(all_slots)
-            indptr.append(len(kv_idx))
-            base = cu[-1]
-            cu.append(base + n)
-            if req.wants_input_logprobs:
-                for j in range(a, b):
-                    if self._wants_input_logprob(req, j + 1):
-                        lp_rows.append((base + j - a, req.prompt_ids[j + 1]))
-            if b == len(req.all_ids):
-                sample_rows.append(base + n - 1)
-                params.append(req.params.row(len(req.output_ids)).__dict__)
-                histories.append(req.output_ids)
-                banned.append(sorted(self._stop_tokens(req)) if len(req.output_ids) < req.params.min_new_tokens
-                              else [])
-                top_n = max(top_n, req.top_logprobs_num if req.return_logprob else 0)
-        logits_index = sample_rows + [r for r, _ in lp_rows]
-        copies = [tuple(c) for c in self.pool.drain_copies()]
-        return StepPlan(
-            step=self._step, copies=copies, input_ids=np.array(ids), cu_seqlens=np.array(cu),
-            prefix_lens=np.array(prefix), state_slots=np.array(slots), kv_slots=np.array(kv_slots),
-            kv_indices=np.array(kv_idx), kv_indptr=np.array(indptr), logits_index=np.array(logits_index),
-            sample_params=params, histories=histories, banned=banned, top_logprobs_num=top_n,
-            input_logprob_rows=[(len(sample_rows) + i, tok) for i, (_, tok) in enumerate(lp_rows)],
-        )
-
+    # --- metrics and invariants ------------------------------------------------------------------------
     def _refresh_metrics(self) -> None:
         m = self.metrics
         m.running, m.queued = len(self.running), len(self.waiting)
@@ -447,10 +421,25 @@ class Scheduler:
             m.evictions = s.evicted_pages + s.evicted_states
 
     def check_integrity(self) -> None:
+        """The pool, the tree and every request's share of them, the page-table rows, the in-flight counts."""
         self.pool.check_integrity()
+        ckpt_blocks = [c.block for rec in self._inflight for c in rec.ckpts]
+        live = [r.state for r in self.running if r.state is not None]
+        assert len(live) == len(self.running), "a running request has no live state"
         if self.cache is not None:
             held_pages = [p for r in self.running for p in r.pages[r.tree_pages :]]
-            held_states = [r.state for r in self.running if r.state is not None]
-            self.cache.check_integrity(held_pages=held_pages, held_states=held_states)
+            self.cache.check_integrity(held_pages=held_pages, held_states=live + ckpt_blocks)
+        else:
+            assert set(live) == self.pool.live_states() and not ckpt_blocks, "state blocks leaked"
+            assert {p for r in self.running for p in r.pages} == self.pool.live_pages(), "KV pages leaked"
+        self.tables.check_integrity(self.running)
+        counts: dict[int, int] = {}
+        for rec in self._inflight:
+            for s in rec.seqs:
+                counts[id(s.req)] = counts.get(id(s.req), 0) + 1
+        for r in self.running:
+            assert r.in_flight == counts.get(id(r), 0), f"request {r.rid}: in-flight count drifted"
+            assert len(r.pages) == -(-r.num_computed // self.ps), f"request {r.rid}: pages != planned tokens"
+            assert r.num_computed <= r.seq_len, f"request {r.rid}: planned past its tokens"
         for r in self.waiting:
-            assert r.state is None and not r.pages, f"waiting request {r.rid} holds pool memory"
+            assert r.state is None and not r.pages and r.row is None, f"waiting request {r.rid} holds pool memory"

@@ -31,6 +31,9 @@ class ServerArgs:
     schedule_policy: str = "lpm"  # longest prefix match, FCFS fallback for long queues; or "fcfs"
     lpm_max_queue: int = 128  # above this many waiting requests, lpm falls back to fcfs
     decode_checkpoint_interval: int = 64  # checkpoint the KDA state every N decode tokens
+    enable_mixed_chunk: bool = False  # running decodes ride along in prefill (extend) steps
+    disable_overlap_schedule: bool = False  # plan step N+1 only after step N's result (no overlap)
+    schedule_conservativeness: float = 1.0  # scales the decode tokens admission reserves (0: none, retract instead)
     max_queued_requests: int = 4096  # beyond this the engine refuses new requests (HTTP 503)
     device: str = "cpu"
     dtype: str = "auto"  # serving dtype of weights, activations and the pool: auto (the checkpoint's), bfloat16, float32
@@ -50,6 +53,8 @@ class ServerArgs:
             raise ValueError("--schedule-policy must be 'lpm' or 'fcfs'")
         if self.dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError("--dtype must be 'auto', 'bfloat16' or 'float32'")
+        if self.schedule_conservativeness < 0:
+            raise ValueError("--schedule-conservativeness must be >= 0")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
 
@@ -60,7 +65,7 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", default=f.default)
             else:
-                kind: Any = {"int": int, "float | None": float}.get(str(f.type), str)
+                kind: Any = {"int": int, "float": float, "float | None": float}.get(str(f.type), str)
                 parser.add_argument(flag, type=kind, default=f.default)
 
     @classmethod

@@ -122,7 +122,7 @@ def test_a_failed_step_caches_nothing(model) -> None:  # noqa: ANN001
     eng.worker.execute = flaky  # type: ignore[method-assign]
     prompt = list(range(300, 340))
     out = _one(eng, prompt, GREEDY)
-    assert out[-1].finished == "error" and calls["n"] == 1
+    assert out[-1].finished == "error" and calls["n"] >= 1  # with overlap the next step was already sent
     eng.worker.execute = real  # type: ignore[method-assign]
     again = _one(eng, prompt + [5], GREEDY)
     assert again[-1].cached_tokens == 0
@@ -130,9 +130,11 @@ def test_a_failed_step_caches_nothing(model) -> None:  # noqa: ANN001
 
 
 def test_logprob_bookkeeping_under_retraction_and_min_new_tokens(model) -> None:  # noqa: ANN001
-    eng = LocalEngine(ServerArgs(mem_bytes=120_000, chunked_prefill_size=16), model, check=True)
+    # Admission reserves no decode tokens (conservativeness 0): decoding outgrows the pool and retracts.
+    eng = LocalEngine(ServerArgs(mem_bytes=120_000, chunked_prefill_size=16, schedule_conservativeness=0.0), model,
+                      check=True)
     prompts = [list(range(40 * i, 40 * i + 40)) for i in range(1, 4)]
-    rids = [eng.submit(p, {**GREEDY, "max_new_tokens": 60}, return_logprob=True, logprob_start_len=0,
+    rids = [eng.submit(p, {**GREEDY, "max_new_tokens": 150}, return_logprob=True, logprob_start_len=0,
                        top_logprobs_num=i) for i, p in enumerate(prompts)]
     outs = eng.run()
     assert eng.scheduler.metrics.retractions > 0

@@ -1,0 +1,44 @@
+"""The scheduler's step loop, shared by the scheduler process and LocalEngine.
+
+With overlap (SGLang's overlap scheduler) the loop sends step N+1 before it waits for step N's result, so
+the scheduler plans while the worker computes; results are applied one step late. Without it, each plan
+waits for the previous result. Workers run plans in the order they are sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from runtime.messages import StepPlan, StepResult, TokenOut
+from runtime.scheduler import Scheduler
+
+
+class StepLoop:
+    def __init__(self, scheduler: Scheduler, send: Callable[[StepPlan], None], recv: Callable[[], StepResult],
+                 overlap: bool, check_when_idle: bool = True) -> None:
+        self.scheduler = scheduler
+        self.send, self.recv = send, recv
+        self.depth = 1 if overlap else 0  # steps left in flight while the next is planned
+        self.check_when_idle = check_when_idle
+        self._idle_checked = True
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[TokenOut]:
+        """Plan and send one step if there is one; then apply a result if more than `depth` steps are in
+        flight (or nothing new could be planned). Returns the outputs produced."""
+        s = self.scheduler
+        plan = s.schedule()
+        if plan is not None:
+            self.send(plan)
+            self._idle_checked = False
+        if s.steps_in_flight > self.depth or (plan is None and s.steps_in_flight):
+            outputs = s.process(self.recv())
+        else:
+            outputs = s.take_outputs()
+        if self.check_when_idle and not self._idle_checked and not s.has_work:
+            s.check_integrity()  # cheap enough once per burst of work
+            self._idle_checked = True
+        return outputs

@@ -1,0 +1,193 @@
+"""The scheduler against the model-free TokenWorker (tests/runtime/token_worker.py), which executes and
+checks every plan: page tables, modes, checkpoints, prefix sharing, overlap, plan size."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+
+from radixk3.config import preset
+from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
+from runtime.pool_layout import pool_layout
+from runtime.scheduler import Scheduler
+from runtime.server_args import ServerArgs
+from runtime.step_loop import StepLoop
+from tests.runtime.token_worker import TokenWorker, reference
+
+VOCAB = 1000
+GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+def detokenize(ids: list[int]) -> str:
+    return "".join(chr(97 + t % 26) for t in ids)
+
+
+class Harness:
+    def __init__(self, **kw: object) -> None:
+        self.args = ServerArgs(**kw)  # type: ignore[arg-type]
+        layout = pool_layout(preset("k3-tiny"), self.args)
+        self.sched = Scheduler(self.args, layout, frozenset({VOCAB - 1}), detokenize, VOCAB)
+        self.worker = TokenWorker(layout, self.args.mem_bytes, VOCAB, self.args.max_running_requests)
+        self._sent: deque[StepPlan] = deque()
+        self.loop = StepLoop(self.sched, self._sent.append, self._run, overlap=not self.args.disable_overlap_schedule)
+        self._n = 0
+
+    def _run(self) -> StepResult:
+        return self.worker.execute(self._sent.popleft())
+
+    def submit(self, prompt: list[int], sampling: dict | None = None, **kw: object) -> str:
+        rid = f"r{self._n}"
+        self._n += 1
+        self.sched.add(GenerateReq(rid, list(prompt), dict(sampling or GREEDY), **kw))  # type: ignore[arg-type]
+        return rid
+
+    def run(self) -> dict[str, list[TokenOut]]:
+        outs: dict[str, list[TokenOut]] = {}
+        while self.loop.busy:
+            for o in self.loop.step():
+                outs.setdefault(o.rid, []).append(o)
+            self.sched.check_integrity()
+        return outs
+
+    def generate(self, prompts: list[list[int]], sampling: dict | None = None) -> list[list[int]]:
+        rids = [self.submit(p, sampling) for p in prompts]
+        outs = self.run()
+        return [[t for o in outs[r] for t in o.token_ids] for r in rids]
+
+
+def rand(g: random.Random, n: int) -> list[int]:
+    return [g.randrange(VOCAB - 1) for _ in range(n)]
+
+
+def workload(seed: int = 3) -> list[list[list[int]]]:
+    g = random.Random(seed)
+    shots, system = rand(g, 48), rand(g, 20)
+    w1 = [shots + rand(g, g.randrange(3, 12)) for _ in range(8)] + [system + rand(g, g.randrange(2, 30))
+                                                                   for _ in range(6)]
+    w1 += [rand(g, g.randrange(5, 60)) for _ in range(3)] + [list(w1[0])]
+    w2 = [p + reference(p, 6, VOCAB) + rand(g, g.randrange(1, 9)) for p in w1[:8]]
+    w2 += [shots[: g.randrange(10, 48)] + rand(g, 4) for _ in range(4)]
+    return [w1, w2]
+
+
+CONFIGS = {
+    "plain": dict(),
+    "no_overlap": dict(disable_overlap_schedule=True),
+    "mixed": dict(enable_mixed_chunk=True),
+    "mixed_no_overlap": dict(enable_mixed_chunk=True, disable_overlap_schedule=True),
+    "no_radix": dict(disable_radix_cache=True),
+    "page16_chunked": dict(page_size=16, chunked_prefill_size=32),
+    "chunked": dict(chunked_prefill_size=23, decode_checkpoint_interval=4),
+    "tiny_pool": dict(mem_bytes=300_000, chunked_prefill_size=40, decode_checkpoint_interval=3),
+    "tiny_pool_no_overlap": dict(mem_bytes=300_000, chunked_prefill_size=40, disable_overlap_schedule=True),
+    "tiny_pool_page16": dict(mem_bytes=300_000, page_size=16, chunked_prefill_size=48),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_outputs_equal_reference_under_every_schedule(name: str) -> None:
+    h = Harness(**CONFIGS[name])
+    for wave in workload():
+        assert h.generate(wave) == [reference(p, 6, VOCAB) for p in wave]
+    m = h.sched.metrics
+    assert not h.sched.running and not h.sched.waiting
+    if name != "no_radix":
+        assert m.cached_tokens > 0 and m.state_hits > 0 and m.checkpoints > 0
+    if name.startswith("tiny_pool"):
+        assert m.evictions > 0 and h.sched.pool.usage().compaction_moves > 0
+    modes = {p.mode for p in h.worker.plans}
+    assert modes == {"extend", "decode"}
+    if "mixed" not in name:  # decodes never ride in an extend step (under overlap they would feed -1)
+        assert all(-1 not in p.input_ids.tolist() for p in h.worker.plans if p.mode == "extend")
+    if "no_overlap" in name:
+        assert all(-1 not in p.input_ids.tolist() for p in h.worker.plans)
+    elif name == "plain":
+        assert any(-1 in p.input_ids.tolist() for p in h.worker.plans)
+
+
+def test_overlap_and_mixed_give_identical_greedy_output() -> None:
+    results = []
+    for kw in (dict(), dict(disable_overlap_schedule=True), dict(enable_mixed_chunk=True)):
+        h = Harness(chunked_prefill_size=64, **kw)
+        results.append([h.generate(w, {**GREEDY, "max_new_tokens": 12}) for w in workload(9)])
+    assert results[0] == results[1] == results[2]
+
+
+def test_n4_on_one_prompt_computes_it_once() -> None:
+    """Four copies of a 200-token prompt: the leader computes 200 tokens and checkpoints at 199; each
+    follower then computes only its last token. Ideal: 200 + 3."""
+    for overlap in (True, False):
+        h = Harness(disable_overlap_schedule=not overlap)
+        prompt = rand(random.Random(1), 200)
+        assert h.generate([prompt] * 4) == [reference(prompt, 6, VOCAB)] * 4
+        assert h.sched.metrics.prefill_tokens_computed == 200 + 3
+
+
+def test_a_repeat_after_finish_hits_all_but_the_last_token() -> None:
+    for ps in (1, 16):
+        h = Harness(page_size=ps)
+        prompt = rand(random.Random(2), 203)
+        h.generate([prompt])
+        rid = h.submit(prompt)
+        out = h.run()[rid]
+        assert out[-1].cached_tokens == (len(prompt) - 1) // ps * ps
+
+
+def test_burst_with_a_shared_prefix_computes_it_once() -> None:
+    """32 requests of 806 shared + 68 own tokens arriving at once: ideal prefill = 806 + 32 * 68 (each token
+    once). With 16-token pages a state can only sit at a page boundary, so the followers recompute from
+    800: the page-aligned ideal is 874 + 31 * 74."""
+    g = random.Random(4)
+    shared = rand(g, 806)
+    prompts = [shared + rand(g, 68) for _ in range(32)]
+    for ps, ideal in ((1, 806 + 32 * 68), (16, 874 + 31 * 74)):
+        h = Harness(page_size=ps, mem_bytes=256 << 20)
+        assert h.generate(prompts, {**GREEDY, "max_new_tokens": 4}) == [reference(p, 4, VOCAB) for p in prompts]
+        assert ideal <= h.sched.metrics.prefill_tokens_computed <= 1.05 * ideal, ps
+
+
+def test_decode_plan_size_is_o_batch_not_o_context() -> None:
+    def decode_plan_ints(batch: int, context: int) -> int:
+        h = Harness(mem_bytes=256 << 20, chunked_prefill_size=8192, max_running_requests=batch)
+        g = random.Random(batch)
+        for _ in range(batch):
+            h.submit(rand(g, context), {**GREEDY, "max_new_tokens": 50})
+        while not (h.worker.plans and h.worker.plans[-1].mode == "decode" and len(h.worker.plans[-1].rows) == batch):
+            h.loop.step()
+        for _ in range(3):
+            h.loop.step()
+        plan = h.worker.plans[-1]
+        assert plan.mode == "decode"
+        return sum(getattr(plan, a).size for a in StepPlan.ARRAYS) + sum(len(x) for x in plan.banned)
+
+    small, long = decode_plan_ints(8, 64), decode_plan_ints(8, 2048)
+    assert small == long  # nothing grows with the context
+    assert decode_plan_ints(16, 2048) <= 2 * long + 2
+
+
+def test_retraction_under_overlap_keeps_outputs_and_logprobs() -> None:
+    h = Harness(mem_bytes=120_000, chunked_prefill_size=16, schedule_conservativeness=0.0)  # admit optimistically
+    g = random.Random(6)
+    prompts = [rand(g, 40) for _ in range(3)]
+    rids = [h.submit(p, {**GREEDY, "max_new_tokens": 150}, return_logprob=True, logprob_start_len=0,
+                     top_logprobs_num=i) for i, p in enumerate(prompts)]
+    outs = h.run()
+    assert h.sched.metrics.retractions > 0
+    for i, (rid, p) in enumerate(zip(rids, prompts, strict=True)):
+        assert [t for o in outs[rid] for t in o.token_ids] == reference(p, 150, VOCAB)
+        inp = [x for o in outs[rid] for x in o.input_logprobs]
+        assert len(inp) == 40 and inp[0] is None and None not in inp[1:]
+        assert all(len(row) == i for o in outs[rid] for row in o.top_logprobs)
+
+
+def test_stop_string_in_the_tail() -> None:
+    h = Harness()
+    prompt = rand(random.Random(7), 30)
+    ref = reference(prompt, 20, VOCAB)
+    text = detokenize(ref)
+    stop = text[5:8]
+    first = text.find(stop)
+    out = h.generate([prompt], {**GREEDY, "max_new_tokens": 20, "stop": [stop, text[15:17]]})[0]
+    assert detokenize(out).find(stop) == first and len(out) == first + 3
