@@ -191,3 +191,48 @@ def test_stop_string_in_the_tail() -> None:
     first = text.find(stop)
     out = h.generate([prompt], {**GREEDY, "max_new_tokens": 20, "stop": [stop, text[15:17]]})[0]
     assert detokenize(out).find(stop) == first and len(out) == first + 3
+
+
+def test_mixed_chunk_lets_decodes_ride_in_extend_steps() -> None:
+    h = Harness(enable_mixed_chunk=True, chunked_prefill_size=16)
+    g = random.Random(8)
+    short = rand(g, 10)
+    first = h.submit(short, {**GREEDY, "max_new_tokens": 20})
+    early = h.loop.step() + h.loop.step()  # `first` is decoding when the others arrive
+    later = [rand(g, 60) for _ in range(3)]
+    rids = [h.submit(p) for p in later]
+    outs = h.run()
+    assert [t for o in early + outs[first] for t in o.token_ids] == reference(short, 20, VOCAB)
+    for rid, p in zip(rids, later, strict=True):
+        assert [t for o in outs[rid] for t in o.token_ids] == reference(p, 6, VOCAB)
+    extend = [p for p in h.worker.plans if p.mode == "extend"]
+    assert any(-1 in p.input_ids.tolist() for p in extend)  # a decode of `first` rode along
+
+
+def test_abort_and_failed_step_under_overlap() -> None:
+    h = Harness()
+    prompt = rand(random.Random(9), 40)
+    rid = h.submit(prompt, {**GREEDY, "max_new_tokens": 50})
+    h.loop.step()
+    h.loop.step()  # two steps planned, the first processed
+    h.sched.abort(rid)
+    outs = h.run()[rid]
+    assert outs[-1].finished == "abort"
+    assert h.sched.pool.states_used == h.sched.cache.stats().cached_states  # nothing leaked
+    # A failed step: its requests end with the error and nothing it computed is cached.
+    h2 = Harness()
+    real = h2.worker.execute
+
+    def failing(plan: StepPlan) -> StepResult:
+        res = real(plan)
+        res.error = "boom"
+        return res
+
+    h2.worker.execute = failing  # type: ignore[method-assign]
+    failed = h2.submit(prompt)
+    assert h2.run()[failed][-1].finished == "error"
+    h2.worker.execute = real  # type: ignore[method-assign]
+    again = h2.submit(prompt + [5])
+    res = h2.run()[again]
+    assert res[-1].cached_tokens == 0
+    assert [t for o in res for t in o.token_ids] == reference(prompt + [5], 6, VOCAB)
