@@ -236,3 +236,15 @@ def test_abort_and_failed_step_under_overlap() -> None:
     res = h2.run()[again]
     assert res[-1].cached_tokens == 0
     assert [t for o in res for t in o.token_ids] == reference(prompt + [5], 6, VOCAB)
+
+
+def test_the_scheduler_process_imports_no_model_code() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, runtime.processes, runtime.scheduler; "
+            "bad = sorted(m for m in sys.modules if m.startswith(('radixk3.model', 'radixk3.forward_batch', "
+            "'runtime.model_worker', 'kernels.kda', 'kernels.mla', 'kernels.moe')));"
+            " print(bad); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
