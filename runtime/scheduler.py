@@ -69,6 +69,7 @@ class Scheduler:
         self.ratio = NewTokenRatio(args.schedule_conservativeness)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # requests holding pool memory and a row (finished ones until released)
+        # A request is running iff it owns a page-table row: `req.row is not None` is the O(1) membership test.
         self.metrics = SchedulerMetrics()
         self._arrivals = 0
         self._step = 0
@@ -134,7 +135,7 @@ class Scheduler:
             batch += self._decode_batch(batch)
         elif not batch:
             batch, mode = self._decode_batch([]), "decode"
-        batch = [(r, n) for r, n in batch if r in self.running]  # drop requests retracted while planning
+        batch = [(r, n) for r, n in batch if r.row is not None]  # drop requests retracted while planning
         if not batch:
             if not self._inflight:  # nothing runs and nothing will free memory: fail one request, never spin
                 if self.running:
@@ -199,7 +200,7 @@ class Scheduler:
             self.tables.mark_changed(req, self.req_cache.insert_checkpoint(req, c.pos, c.block))
             self.metrics.checkpoints += 1
         for s in rec.seqs:
-            if s.req.in_flight == 0 and not s.req.active and s.req in self.running:
+            if s.req.in_flight == 0 and not s.req.active and s.req.row is not None:
                 self._settle(s.req)
         self.metrics.steps += 1
         if rec.mode == "decode":
@@ -217,12 +218,12 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.arrival):
             if budget <= 0:
                 break
-            if req.active and not req.prefill_done and req in self.running:
+            if req.active and not req.prefill_done and req.row is not None:
                 n = min(req.known_len - req.num_computed, budget)
                 if self._grow(req, n):
                     batch.append((req, n))
                     budget -= n
-        batch = [(r, n) for r, n in batch if r in self.running]
+        batch = [(r, n) for r, n in batch if r.row is not None]
         if budget <= 0:
             return batch
         self.waiting = order_waiting(self.waiting, self.cache, self._match_ids, self.args.schedule_policy,
@@ -266,12 +267,12 @@ class Scheduler:
         in_batch = {id(r) for r, _ in taken}
         batch: list[tuple[Req, int]] = []
         for req in sorted(self.running, key=lambda r: r.arrival):
-            if (req.active and req.prefill_done and id(req) not in in_batch and req in self.running
+            if (req.active and req.prefill_done and id(req) not in in_batch and req.row is not None
                     and req.seq_len - req.num_computed == 1
                     and req.output_index < req.params.max_new_tokens):  # else it ends with the pending sample
                 if self._grow(req, 1):
                     batch.append((req, 1))
-        return [(r, n) for r, n in batch if r in self.running]
+        return [(r, n) for r, n in batch if r.row is not None]
 
     def _follow(self, req: Req, match: MatchResult, sources: list[Req]) -> bool:
         """Whether `req` should wait for a leader to checkpoint a prefix they share (in-batch prefix caching);
