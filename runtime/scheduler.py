@@ -182,8 +182,9 @@ class Scheduler:
             if s.sampled:
                 i = sample_i
                 sample_i += 1
-                if req.finished or req.aborted or req.poisoned:
+                if req.finished or req.poisoned:
                     continue  # planned before the request ended: the token is discarded
+                # An aborted request keeps its token: a step in flight may already have fed it.
                 reason = self.outputs.on_token(req, result.tokens[i], result.logprobs[i] if result.logprobs else 0.0,
                                                result.top_ids[i] if result.top_ids else [],
                                                result.top_logprobs[i] if result.top_logprobs else [])

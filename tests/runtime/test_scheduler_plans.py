@@ -219,6 +219,22 @@ def test_abort_and_failed_step_under_overlap() -> None:
     outs = h.run()[rid]
     assert outs[-1].finished == "abort"
     assert h.sched.pool.states_used == h.sched.cache.stats().cached_states  # nothing leaked
+    # Aborted between planning step 2 (which feeds step 1's token as -1) and processing step 1: the token
+    # is kept, so what is donated at release matches what the worker computed.
+    rid = h.submit(prompt + [1], {**GREEDY, "max_new_tokens": 50})
+    h.loop.step()
+    plan = h.sched.schedule()
+    assert plan is not None and plan.input_ids.tolist() == [-1]
+    h._sent.append(plan)
+    h.sched.abort(rid)
+    h.sched.process(h._run())
+    assert h.run()[rid][-1].finished == "abort"
+    # The donated state is after the fed token (42 tokens): a prompt one longer than that can use all of it.
+    longer = prompt + [1] + reference(prompt + [1], 2, VOCAB)
+    again = h.submit(longer, {**GREEDY, "max_new_tokens": 3})
+    outs = h.run()[again]
+    assert outs[-1].cached_tokens == len(prompt) + 2
+    assert [t for o in outs for t in o.token_ids] == reference(longer, 3, VOCAB)
     # A failed step: its requests end with the error and nothing it computed is cached.
     h2 = Harness()
     real = h2.worker.execute
