@@ -146,7 +146,9 @@ def engine_decode_step(batch: int, short: int, extra: int, prompt_len: int = 24,
                 engine.generate(prompts(), params(n))
                 times[n] = (time.perf_counter() - t0, engine.get_metrics()["steps"] - before)
     (t_s, steps_s), (t_l, steps_l) = times[short], times[short + extra]
-    step = (t_l - t_s) / max(steps_l - steps_s, 1)
+    # Every request decodes exactly `extra` more tokens in the long round: `extra` more decode steps. (The step
+    # counts from get_metrics are reported, not used: a metrics reply can lag behind the last step.)
+    step = (t_l - t_s) / extra
     return {"seconds_per_step": step, "output_tok_s": batch / step, "steps_short": steps_s, "steps_long": steps_l,
             "seconds_short": t_s, "seconds_long": t_l}
 

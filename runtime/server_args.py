@@ -36,7 +36,7 @@ class ServerArgs:
     schedule_conservativeness: float = 1.0  # scales the decode tokens admission reserves (0: none, retract instead)
     max_queued_requests: int = 4096  # beyond this the engine refuses new requests (HTTP 503)
     device: str = "cpu"
-    dtype: str = "auto"  # serving dtype of weights, activations and the pool: auto (the checkpoint's), bfloat16, float32
+    dtype: str = "auto"  # serving dtype of weights, activations and pool: auto (the checkpoint's), bfloat16, float32
     seed: int = BUILTIN_SEED  # weights of the built-in model
     log_level: str = "warning"
 
