@@ -1,17 +1,20 @@
-"""Kernel benchmarks: chunked vs recurrent KDA prefill (1k and 8k tokens), KDA decode step time vs batch size;
-on a GPU also Triton vs torch and vs fla-core's chunk_kda / fused_recurrent_kda.
+"""Kernel benchmarks: chunked vs recurrent KDA prefill (1k and 8k tokens), KDA decode step time vs batch size,
+the per-layer pool ops as the engine calls them (on the pool buffer's views: one KDA layer = conv + KDA, one MLA
+layer = latent store + paged attention; decode at batch 1..64, prefill chunks of 64..512 tokens after a cached
+prefix); on a GPU also Triton vs torch and vs fla-core's chunk_kda / fused_recurrent_kda.
 
 Shapes are k3-small's KDA layer (8 heads x 64). Gates are drawn as the model's initialisation makes them
 (A_log = log U(1, 16), dt_bias = softplus^-1 of a log-uniform dt in [1e-3, 0.1], raw gate ~ N(0, 1)); a
 "fast decay" row (raw gate x 3, dt_bias ~ N(0, 1)) sends chunks down the blocked path. Prefill figures are
 the best of interleaved runs, decode figures medians; ratios compare timings from the same run.
 
-    python bench/kernels.py [--json] [--quick]
+    python bench/kernels.py [--json] [--quick] [--only {kda,pool}]
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -28,10 +31,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.backend import ENV_VAR  # noqa: E402
+from kernels.conv1d_pool import conv1d_decode, conv1d_prefill  # noqa: E402
 from kernels.kda import kda_chunked, kda_gate, kda_recurrent, l2norm  # noqa: E402
 from kernels.kda_pool import kda_decode, kda_prefill  # noqa: E402
+from kernels.mla_paged import PagedKV, mla_paged_decode, mla_paged_prefill, mla_store, paged_slots  # noqa: E402
+from kernels.state_checkpoints import StateCheckpoints  # noqa: E402
+from runtime.pool_buffer import PoolBuffer  # noqa: E402
+from runtime.pool_layout import PoolLayout  # noqa: E402
 
 H, D = 8, 64
+# k3-small's MLA layer: latent 128 + rope 32, 8 heads of 64 (nope) + 32 (rope) / 64 (v)
+MLA_R, MLA_DR, MLA_H, MLA_DN, MLA_DV = 128, 32, 8, 64, 64
 
 
 def machine() -> str:
@@ -129,6 +139,121 @@ def decode_steps(batches: list[int], device: torch.device, repeats: int) -> dict
     return out
 
 
+def _skip_checks() -> dict[str, bool]:
+    """validate=False where the ops take it (the engine validates once per step, not per layer)."""
+    return {"validate": False} if "validate" in inspect.signature(kda_decode).parameters else {}
+
+
+class PoolSetup:
+    """A k3-small-shaped pool buffer (fp32, page size 16) and seeded per-layer weights."""
+
+    def __init__(self, device: torch.device) -> None:
+        layout = PoolLayout(
+            num_kda_layers=6, kda_heads=H, head_dim=D, conv_kernel=4, num_mla_layers=2, kv_dim=MLA_R + MLA_DR,
+            kv_dtype=torch.float32, page_size=16,
+        )  # fmt: skip
+        self.pb = PoolBuffer(layout, 256 << 20, device)
+        self.rec, self.conv, self.kv = self.pb.recurrent_state(1), self.pb.conv_state(1), self.pb.kv(1)
+        self.gen = torch.Generator().manual_seed(0)
+        self.device = device
+        self.conv_w = self.randn(3 * H * D, 4)
+        self.kv_b = self.randn(MLA_H * (MLA_DN + MLA_DV), MLA_R) / MLA_R**0.5
+        self.rec.copy_(self.randn(*self.rec.shape) * 0.1)
+        self.conv.copy_(self.randn(*self.conv.shape))
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen).to(self.device)
+
+    def kda(self, t: int) -> tuple[torch.Tensor, ...]:
+        q, k = (l2norm(self.randn(t, H, D)) for _ in range(2))
+        g = -torch.rand(t, H, D, generator=self.gen).to(self.device) * 0.2
+        return q, k, self.randn(t, H, D), g, torch.rand(t, H, generator=self.gen).to(self.device)
+
+    def paged(self, kv_lens: list[int]) -> PagedKV:
+        """Pages of all sequences shuffled over the bottom of the buffer, latent rows filled."""
+        per = -(-max(kv_lens) // 16)
+        table = torch.randperm(len(kv_lens) * per, generator=self.gen).view(len(kv_lens), per).to(self.device)
+        kv = PagedKV(table, torch.tensor(kv_lens, device=self.device), 16)
+        seq = torch.repeat_interleave(torch.arange(len(kv_lens)), torch.tensor(kv_lens)).to(self.device)
+        pos = torch.cat([torch.arange(n) for n in kv_lens]).to(self.device)
+        self.kv[paged_slots(table, seq, pos, 16)] = self.randn(len(seq), MLA_R + MLA_DR)
+        return kv
+
+
+def _kda_decode_layer(ps: PoolSetup, x: torch.Tensor, kda: tuple[torch.Tensor, ...], slots: torch.Tensor) -> None:
+    skip = _skip_checks()
+    conv1d_decode(x, ps.conv_w, ps.conv, slots, **skip)
+    kda_decode(*kda, ps.rec, slots, **skip)
+
+
+def _mla_decode_layer(
+    ps: PoolSetup, rows: torch.Tensor, lat: torch.Tensor, q: tuple[torch.Tensor, ...], kv: PagedKV
+) -> None:
+    skip = _skip_checks()
+    mla_store(ps.kv, rows, lat, **skip)
+    mla_paged_decode(*q, ps.kv, ps.kv_b, kv, scale=0.1, **skip)
+
+
+def _kda_prefill_layer(ps: PoolSetup, x: torch.Tensor, kda: tuple[torch.Tensor, ...], kw: dict[str, object]) -> None:
+    conv1d_prefill(x, ps.conv_w, ps.conv, **kw)  # type: ignore[arg-type]
+    kda_prefill(*kda, ps.rec, **kw)  # type: ignore[arg-type]
+
+
+def _mla_prefill_layer(
+    ps: PoolSetup, rows: torch.Tensor, lat: torch.Tensor, q: tuple[torch.Tensor, ...], kv: PagedKV, cu: torch.Tensor
+) -> None:
+    skip = _skip_checks()
+    mla_store(ps.kv, rows, lat, **skip)
+    mla_paged_prefill(*q, ps.kv, ps.kv_b, kv, cu_q=cu, scale=0.1, **skip)
+
+
+def pool_steps(device: torch.device, repeats: int) -> dict[str, float]:
+    """One KDA layer (conv + KDA) and one MLA layer (latent store + paged attention) of a step, on the pool's
+    views; decode with every sequence at 256 cached tokens, prefill of one chunk after a 512-token prefix
+    with a checkpoint at its end. Best of interleaved runs (medians on a GPU)."""
+    sync = device.type == "cuda"
+    ps = PoolSetup(device)
+    out: dict[str, float] = {}
+    print(f"pool ops per layer ({'Triton' if sync else 'torch'}, pool-buffer views, k3-small shapes), us")
+    print(f"{'step':>14} {'KDA layer':>10} {'MLA layer':>10}")
+    for n in (1, 8, 32, 64):
+        slots = torch.arange(0, 3 * n, 3, device=device)
+        kv = ps.paged([256] * n)
+        rows = paged_slots(kv.block_table, torch.arange(n, device=device), kv.kv_lens - 1, 16)
+        q = (ps.randn(n, MLA_H, MLA_DN), ps.randn(n, MLA_H, MLA_DR))
+        kda_layer = partial(_kda_decode_layer, ps, ps.randn(n, 3 * H * D), ps.kda(n), slots)
+        mla_layer = partial(_mla_decode_layer, ps, rows, ps.randn(n, MLA_R + MLA_DR), q, kv)
+        out |= _pool_row(f"decode x{n}", f"decode_batch{n}", kda_layer, mla_layer, repeats, sync)
+    prefix = 512
+    for t in (64, 256, 512):
+        cu = torch.tensor([0, t], device=device)
+        ck = StateCheckpoints(*(torch.tensor([a], device=device) for a in (0, t, 9)))
+        kw = {"state_slots": torch.tensor([5], device=device), "cu_seqlens": cu, "checkpoints": ck, **_skip_checks()}
+        kv = ps.paged([prefix + t])
+        pos = torch.arange(prefix, prefix + t, device=device)
+        rows = paged_slots(kv.block_table, torch.zeros_like(pos), pos, 16)
+        q = (ps.randn(t, MLA_H, MLA_DN), ps.randn(t, MLA_H, MLA_DR))
+        kda_layer = partial(_kda_prefill_layer, ps, ps.randn(t, 3 * H * D), ps.kda(t), kw)
+        mla_layer = partial(_mla_prefill_layer, ps, rows, ps.randn(t, MLA_R + MLA_DR), q, kv, cu)
+        out |= _pool_row(f"prefill {t}", f"prefill{t}_prefix{prefix}", kda_layer, mla_layer, repeats, sync)
+    return out
+
+
+def _pool_row(
+    label: str, tag: str, kda_layer: Callable[[], None], mla_layer: Callable[[], None], repeats: int, sync: bool
+) -> dict[str, float]:
+    kda_layer()
+    mla_layer()
+    if sync:
+        res = {"kda": (median_time(kda_layer, repeats, True), 0.0), "mla": (median_time(mla_layer, repeats, True), 0.0)}
+    else:
+        res = interleaved({"kda": kda_layer, "mla": mla_layer}, repeats)
+    kda_us, mla_us = res["kda"][0] * 1e6, res["mla"][0] * 1e6
+    print(f"{label:>14} {kda_us:>10.0f} {mla_us:>10.0f}")
+    prefix = "gpu_" if sync else ""
+    return {f"{prefix}pool_kda_layer_us_{tag}": round(kda_us, 1), f"{prefix}pool_mla_layer_us_{tag}": round(mla_us, 1)}
+
+
 def _ours(backend: str, *args: torch.Tensor, **kw: torch.Tensor) -> object:
     os.environ[ENV_VAR] = backend
     return kda_prefill(*args, **kw)
@@ -176,6 +301,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="end with one JSON object of the figures")
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
+    ap.add_argument("--only", choices=("kda", "pool"), help="run one section")
     args = ap.parse_args()
     repeats = 3 if args.quick else 5
     torch.manual_seed(0)
@@ -183,12 +309,18 @@ def main() -> None:
     figures: dict[str, object] = {"device": "cuda" if torch.cuda.is_available() else "cpu", "machine": machine()}
     with torch.inference_mode():
         os.environ[ENV_VAR] = "torch"
-        figures |= cpu_prefill([1024, 8192], repeats)
-        figures |= decode_steps([1, 8, 32, 128], torch.device("cpu"), repeats * 4)
+        if args.only != "pool":
+            figures |= cpu_prefill([1024, 8192], repeats)
+            figures |= decode_steps([1, 8, 32, 128], torch.device("cpu"), repeats * 4)
+        if args.only != "kda":
+            figures |= pool_steps(torch.device("cpu"), repeats * 2)
         os.environ.pop(ENV_VAR, None)
         if torch.cuda.is_available():
-            figures |= gpu_prefill([1024, 8192, 32768], repeats * 4)
-            figures |= {f"gpu_{k}": v for k, v in decode_steps([1, 8, 32, 128], torch.device("cuda"), 50).items()}
+            if args.only != "pool":
+                figures |= gpu_prefill([1024, 8192, 32768], repeats * 4)
+                figures |= {f"gpu_{k}": v for k, v in decode_steps([1, 8, 32, 128], torch.device("cuda"), 50).items()}
+            if args.only != "kda":
+                figures |= pool_steps(torch.device("cuda"), 50)
     if args.json:
         print(json.dumps(figures))
 

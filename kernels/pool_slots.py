@@ -1,6 +1,6 @@
 """Whole-slot gathers and scatters on pool tensors (the torch paths of the pool ops).
 
-index_select / index_copy_ move whole rows and are much cheaper on CPU than advanced indexing; both work in
+index_select / index_copy_ move whole rows and are cheaper on CPU than advanced indexing for large slots; both work in
 place on the pool buffer's strided per-layer views (a slot stride larger than a slot), and copy exactly.
 """
 
