@@ -138,13 +138,14 @@ def engine_decode_step(batch: int, short: int, extra: int, prompt_len: int = 24,
     with tempfile.TemporaryDirectory(prefix="radixk3-bench-") as tmp:
         ckpt = write_random_checkpoint(cfg, Path(tmp) / PRESET, seed=0)
         with radixk3.Engine(model=str(ckpt), **kw) as engine:
-            engine.generate(prompts()[:2], params(4))  # first-call costs
-            times = {}
-            for n in (short, short + extra):
+            engine.generate(prompts(), params(4))  # first-call costs, at the batch's own shapes
+            times: dict[int, tuple[float, int]] = {}
+            for n in (short, short + extra, short, short + extra):  # best of two rounds each: noise only adds
                 before = engine.get_metrics()["steps"]
                 t0 = time.perf_counter()
                 engine.generate(prompts(), params(n))
-                times[n] = (time.perf_counter() - t0, engine.get_metrics()["steps"] - before)
+                t = (time.perf_counter() - t0, engine.get_metrics()["steps"] - before)
+                times[n] = min(times.get(n, t), t)
     (t_s, steps_s), (t_l, steps_l) = times[short], times[short + extra]
     # Every request decodes exactly `extra` more tokens in the long round: `extra` more decode steps. (The step
     # counts from get_metrics are reported, not used: a metrics reply can lag behind the last step.)
