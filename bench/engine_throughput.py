@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from bench.machine_info import cpu_name  # noqa: E402
 from radixk3.config import preset  # noqa: E402
 from runtime.messages import GenerateReq, StepPlan, StepResult, decode, encode  # noqa: E402
 from runtime.pool_layout import PoolLayout  # noqa: E402
@@ -44,16 +45,6 @@ from runtime.scheduler import Scheduler  # noqa: E402
 from runtime.server_args import ServerArgs  # noqa: E402
 
 PRESET = "k3-small"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def git_head() -> str | None:

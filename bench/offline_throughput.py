@@ -48,6 +48,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from bench.machine_info import cpu_name  # noqa: E402
+
 if "transformers" not in sys.modules and not torch.cuda.is_available():
     # fla's Triton kernels need a GPU driver; hidden, transformers' KimiLinear takes its torch fallbacks.
     sys.modules["fla"] = None  # type: ignore[assignment]
@@ -57,16 +59,6 @@ DTYPES = ("auto", "float32", "bfloat16")
 
 
 # --- machine -------------------------------------------------------------------------------------------
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine() -> dict[str, Any]:
     try:
         import transformers

@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.machine_info import cpu_name  # noqa: E402
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, decode, encode  # noqa: E402
 from runtime.pool_layout import PoolLayout  # noqa: E402
 from runtime.scheduler import Scheduler  # noqa: E402
@@ -87,16 +88,6 @@ def load_encoder() -> tuple[Encode, str]:
         return (lambda s: list(s.encode())), "utf-8 bytes"
     tok = load_tokenizer()
     return tok.encode, f"radixk3 built-in sentencepiece ({tok.vocab_size} pieces)"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def chat(role: str, content: str) -> str:
