@@ -73,7 +73,7 @@ class ModelWorker:
                                   self._tensor(plan.ckpt_slot))
         return ForwardBatch.from_table(
             ForwardMode(plan.mode), ids, self._tensor(cu), self._tensor(prefix), self._tensor(plan.state_slots),
-            self.tables.block_table(rows, num_pages), ps, ck, self._tensor(plan.logits_index),
+            self.tables.block_table(plan.rows, num_pages), ps, ck, self._tensor(plan.logits_index),
         )
 
     @torch.inference_mode()

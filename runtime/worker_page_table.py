@@ -58,10 +58,10 @@ class WorkerPageTable:
         self._fit(row + 1, 1)
         self.histories[row] = list(history)
 
-    def block_table(self, rows: torch.Tensor, num_pages: int) -> torch.Tensor:
-        """The first `num_pages` pages of each row in `rows`: [N, num_pages]."""
-        self._fit(int(rows.max()) + 1 if rows.numel() else 0, num_pages)
-        return self.table[rows, :num_pages]
+    def block_table(self, rows: np.ndarray, num_pages: int) -> torch.Tensor:
+        """The first `num_pages` pages of each row in `rows` (host ints: sizing reads no device tensor)."""
+        self._fit(int(rows.max()) + 1 if len(rows) else 0, num_pages)
+        return self.table[torch.from_numpy(np.array(rows, dtype=np.int64)).to(self.device), :num_pages]
 
     def record_samples(self, rows: list[int], tokens: torch.Tensor, token_list: list[int]) -> None:
         """The tokens just sampled for `rows`: the next -1 input of each row, and its history."""
