@@ -19,6 +19,10 @@ def free_device_bytes(device: str) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+# Other spellings of a flag, as SGLang users type them.
+_ALIASES: dict[str, tuple[str, ...]] = {"model": ("--model-path",)}
+
+
 @dataclass
 class ServerArgs:
     model: str | None = None  # checkpoint dir; None = the built-in tiny model
@@ -39,6 +43,13 @@ class ServerArgs:
     dtype: str = "auto"  # serving dtype of weights, activations and pool: auto (the checkpoint's), bfloat16, float32
     seed: int = BUILTIN_SEED  # weights of the built-in model
     log_level: str = "warning"
+    # HTTP server (`radixk3 serve`); the offline Engine ignores these.
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None  # if set: `Authorization: Bearer KEY` on every endpoint but /health
+    max_body_bytes: int = 8 << 20  # larger request bodies get 413
+    served_model_name: str | None = None  # the model id /v1 reports; default: the model path or "k3-tiny"
+    graceful_shutdown_timeout: float = 10.0  # on SIGTERM: seconds to let in-flight requests finish, then abort
 
     def __post_init__(self) -> None:
         if self.mem_fraction is not None:
@@ -57,16 +68,22 @@ class ServerArgs:
             raise ValueError("--schedule-conservativeness must be >= 0")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
+        if not 0 <= self.port < 65536:
+            raise ValueError("--port must be in [0, 65535]")
+        if self.max_body_bytes < 1:
+            raise ValueError("--max-body-bytes must be >= 1")
+        if self.graceful_shutdown_timeout < 0:
+            raise ValueError("--graceful-shutdown-timeout must be >= 0")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(ServerArgs):
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ())]
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", default=f.default)
+                parser.add_argument(*flags, dest=f.name, action="store_true", default=f.default)
             else:
                 kind: Any = {"int": int, "float": float, "float | None": float}.get(str(f.type), str)
-                parser.add_argument(flag, type=kind, default=f.default)
+                parser.add_argument(*flags, dest=f.name, type=kind, default=f.default)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
