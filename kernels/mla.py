@@ -2,6 +2,9 @@
 
 Two mathematically equal forms: expanded (k, v materialised per head from kv_b_proj; the prefill form) and
 absorbed (the query is moved into latent space, attention is MQA over the latent; the decode form).
+
+Sequences run together, padded, in groups of similar lengths (`length_groups`): one gather of the latent rows
+and a few batched GEMMs per group instead of a loop of small ops per sequence; padding is masked out.
 """
 
 from __future__ import annotations
@@ -9,11 +12,35 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# A group may cost this much more than its sequences' own (query x key) work, plus a little slack, before a
+# sequence starts a new group: bounds padding waste whatever the length mix.
+_PAD_WASTE = 1.5
+_PAD_SLACK = 4096
+
 
 def _split_kv_b(kv_b_weight: Tensor, h: int, dn: int) -> tuple[Tensor, Tensor]:
     """kv_b_proj weight [H*(Dn+Dv), R] -> W_UK [H, Dn, R], W_UV [H, Dv, R] (per-head blocks: k rows, then v rows)."""
     w = kv_b_weight.view(h, -1, kv_b_weight.shape[-1])
     return w[:, :dn], w[:, dn:]
+
+
+def length_groups(q_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
+    """Sequence ids in groups that pad well: longest kv first, a sequence joins the current group while the
+    group's padded (count x max q x max kv) stays within _PAD_WASTE of its real work (+ slack)."""
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    work = qmax = kmax = 0
+    for i in sorted((i for i in range(len(kv_lens)) if q_lens[i] > 0), key=lambda i: (-kv_lens[i], -q_lens[i])):
+        nq, nk = max(qmax, q_lens[i]), max(kmax, kv_lens[i])
+        nwork = work + q_lens[i] * kv_lens[i]
+        if cur and (len(cur) + 1) * nq * nk > _PAD_WASTE * nwork + _PAD_SLACK:
+            groups.append(cur)
+            cur, work, nq, nk, nwork = [], 0, q_lens[i], kv_lens[i], q_lens[i] * kv_lens[i]
+        cur.append(i)
+        work, qmax, kmax = nwork, nq, nk
+    if cur:
+        groups.append(cur)
+    return groups
 
 
 def mla_attention(
@@ -26,34 +53,55 @@ def mla_attention(
     cu_kv: Tensor,
     scale: float,
     absorbed: bool = False,
+    kv_rows: Tensor | None = None,
 ) -> Tensor:
     """q_nope [T, H, Dn], q_pe [T, H, Dr], latent [L, R+Dr] -> o [T, H, Dv].
 
     Sequence i's queries are the last (cu_q[i+1]-cu_q[i]) tokens of its cu_kv segment; causal in that alignment.
+    `kv_rows` [cu_kv[-1]] (optional) names the latent row of each cached token, sequence after sequence (a
+    paged buffer's slots); without it the segments are latent[cu_kv[i]:cu_kv[i+1]].
     """
-    h, dn = q_nope.shape[1], q_nope.shape[2]
+    t, h, dn = q_nope.shape
     r = kv_b_weight.shape[-1]
     w_uk, w_uv = _split_kv_b(kv_b_weight, h, dn)
+    dev = q_nope.device
     qb, kb = cu_q.tolist(), cu_kv.tolist()
-    outs = []
-    for i in range(len(qb) - 1):
-        qn, qp = q_nope[qb[i] : qb[i + 1]], q_pe[qb[i] : qb[i + 1]]
-        lat = latent[kb[i] : kb[i + 1]]
-        c, k_pe = lat[:, :r], lat[:, r:]
-        nq, nk = qn.shape[0], lat.shape[0]
+    q_lens = [qb[i + 1] - qb[i] for i in range(len(qb) - 1)]
+    kv_lens = [kb[i + 1] - kb[i] for i in range(len(kb) - 1)]
+    # Queries in one form: absorbed, q_lat = W_UK^T q_nope, against [c | k_pe]; expanded, [q_nope | q_pe]
+    # against per-head [k_nope | k_pe].
+    q_main = torch.einsum("thd,hdr->thr", q_nope, w_uk) if absorbed else q_nope
+    q_cat = torch.cat([q_main, q_pe], dim=-1)
+    out = q_nope.new_empty(t, h, w_uv.shape[1])
+    for group in length_groups(q_lens, kv_lens):
+        idx = torch.tensor(group, device=dev)
+        nq = torch.tensor([q_lens[i] for i in group], device=dev)
+        nk = torch.tensor([kv_lens[i] for i in group], device=dev)
+        q0, k0 = cu_q[idx], cu_kv[idx]
+        qm, km = int(nq.max()), int(nk.max())
+        j, s = torch.arange(qm, device=dev), torch.arange(km, device=dev)
+        # Padded rows point at a real row of the same sequence (clamped) and are masked or dropped.
+        q_rows = q0[:, None] + torch.minimum(j[None, :], nq[:, None] - 1)  # [G, Qm]
+        k_pos = k0[:, None] + torch.minimum(s[None, :], nk[:, None] - 1)  # [G, Km]
+        k_rows = k_pos if kv_rows is None else kv_rows[k_pos]
+        lat = latent.index_select(0, k_rows.reshape(-1)).view(len(group), km, -1).to(q_nope.dtype)
+        c = lat[..., :r]
+        qg = q_cat[q_rows]  # [G, Qm, H, E]
         if absorbed:
-            q_lat = torch.einsum("thd,hdr->thr", qn, w_uk)
-            scores = torch.einsum("thr,sr->hts", q_lat, c) + torch.einsum("thd,sd->hts", qp, k_pe)
+            scores = torch.einsum("gjhe,gse->ghjs", qg, lat)
         else:
-            k_nope = torch.einsum("sr,hdr->hsd", c, w_uk)
-            scores = torch.einsum("thd,hsd->hts", qn, k_nope) + torch.einsum("thd,sd->hts", qp, k_pe)
-        # Query j sits at kv position nk - nq + j and sees kv positions <= it.
-        causal = torch.arange(nk, device=lat.device)[None, :] > (torch.arange(nq, device=lat.device) + nk - nq)[:, None]
-        probs = (scores.float() * scale).masked_fill(causal, float("-inf")).softmax(-1).to(lat.dtype)
+            k_nope = torch.einsum("gsr,hdr->gshd", c, w_uk)
+            k_pe = lat[..., None, r:].expand(-1, -1, h, -1)
+            scores = torch.einsum("gjhe,gshe->ghjs", qg, torch.cat([k_nope, k_pe], dim=-1))
+        # Query j of a sequence sits at kv position nk - nq + j and sees kv positions <= it (and < nk).
+        pos = (nk - nq)[:, None] + j[None, :]  # [G, Qm]
+        hidden = (s[None, None, :] > pos[:, :, None]) | (s[None, None, :] >= nk[:, None, None])  # [G, Qm, Km]
+        probs = (scores.float() * scale).masked_fill(hidden[:, None], float("-inf")).softmax(-1).to(q_nope.dtype)
         if absorbed:
-            o_lat = torch.einsum("hts,sr->thr", probs, c)
-            outs.append(torch.einsum("thr,hvr->thv", o_lat, w_uv))
+            o = torch.einsum("ghjr,hvr->gjhv", torch.einsum("ghjs,gsr->ghjr", probs, c), w_uv)
         else:
-            v = torch.einsum("sr,hvr->hsv", c, w_uv)
-            outs.append(torch.einsum("hts,hsv->thv", probs, v))
-    return torch.cat(outs)
+            v = torch.einsum("gsr,hvr->gshv", c, w_uv)
+            o = torch.einsum("ghjs,gshv->gjhv", probs, v)
+        real = j[None, :] < nq[:, None]  # [G, Qm]
+        out[q_rows[real]] = o[real]
+    return out

@@ -4,8 +4,8 @@ Per MLA layer the buffer is [num_kv_slots, R + Dr] (c_kv already RMS-normalised 
 A page table maps sequence positions to slots: slot(i, p) = block_table[i, p // page_size] * page_size
 + p % page_size (page_size 1: one slot per token). Sequence i holds kv_lens[i] cached tokens (its prefix and
 this step's new tokens, stored first); its queries are its last q_len tokens, causal in that alignment.
-Torch: gather then `mla.mla_attention` (prefill expanded, decode absorbed). Triton: one absorbed-form kernel
-(MQA over the latent) for both, in `mla_triton`.
+Torch: `mla.mla_attention` gathers each group's rows from the buffer (prefill expanded, decode absorbed).
+Triton: one absorbed-form kernel (MQA over the latent) for both, in `mla_triton`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from torch import Tensor
 
 from kernels.backend import kernel_backend
 from kernels.mla import mla_attention
-from kernels.pool_slots import gather_slots
 
 
 class PagedKV(NamedTuple):
@@ -96,8 +95,8 @@ def mla_paged_prefill(
 
         return mla_paged_triton(q_nope, q_pe, latent_buffer, kv_b_weight, kv, q_lens, scale)
     cu_kv = torch.cat([kv.kv_lens.new_zeros(1), torch.cumsum(kv.kv_lens, 0)])
-    lat = gather_slots(latent_buffer, sequence_slots(kv)).to(q_nope.dtype)
-    return mla_attention(q_nope, q_pe, lat, kv_b_weight, cu_q=cu_q, cu_kv=cu_kv, scale=scale, absorbed=False)
+    return mla_attention(q_nope, q_pe, latent_buffer, kv_b_weight, cu_q=cu_q, cu_kv=cu_kv, scale=scale,
+                         absorbed=False, kv_rows=sequence_slots(kv))
 
 
 def mla_paged_decode(
@@ -122,5 +121,5 @@ def mla_paged_decode(
         return mla_paged_triton(q_nope, q_pe, latent_buffer, kv_b_weight, kv, q_lens, scale)
     cu_q = torch.arange(n + 1, device=q_nope.device)
     cu_kv = torch.cat([kv.kv_lens.new_zeros(1), torch.cumsum(kv.kv_lens, 0)])
-    lat = gather_slots(latent_buffer, sequence_slots(kv)).to(q_nope.dtype)
-    return mla_attention(q_nope, q_pe, lat, kv_b_weight, cu_q=cu_q, cu_kv=cu_kv, scale=scale, absorbed=True)
+    return mla_attention(q_nope, q_pe, latent_buffer, kv_b_weight, cu_q=cu_q, cu_kv=cu_kv, scale=scale,
+                         absorbed=True, kv_rows=sequence_slots(kv))

@@ -109,6 +109,12 @@ def moe_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU = 
         from kernels.moe_triton import fused_moe_triton
 
         return fused_moe_triton(x, route, w13, w2, act)
+    if x.shape[0] == 1:
+        return _one_token_experts(x, route, w13, w2, act)
+    return _grouped_experts(x, route, w13, w2, act)
+
+
+def _grouped_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU) -> Tensor:
     t, d = x.shape
     k = route.experts.shape[1]
     inter = w2.shape[-1]
@@ -127,4 +133,17 @@ def moe_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU = 
     ys *= route.weights.reshape(-1)[groups.order, None].float()
     out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, ys)
+    return out.to(x.dtype)
+
+
+def _one_token_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU) -> Tensor:
+    """`moe_experts` for one token (batch-1 decode): the grouped path's products and fp32 sum in expert order
+    (so its bits), without sorting, gathering and scattering pairs."""
+    inter = w2.shape[-1]
+    experts, order = route.experts[0].sort(stable=True)
+    weights = route.weights[0, order].float()
+    out = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
+    for i, e in enumerate(experts.tolist()):
+        gu = x @ w13[e].t()
+        out += (act(gu[:, :inter], gu[:, inter:]) @ w2[e].t()).float() * weights[i]
     return out.to(x.dtype)

@@ -28,7 +28,12 @@ def dense(
     return o.transpose(0, 1)
 
 
-@pytest.mark.parametrize("q_lens,kv_lens", [([5, 1, 7], [5, 9, 7]), ([1, 1, 1], [1, 30, 12]), ([4], [4])])
+@pytest.mark.parametrize(
+    "q_lens,kv_lens",
+    [([5, 1, 7], [5, 9, 7]), ([1, 1, 1], [1, 30, 12]), ([4], [4]),
+     # lengths far apart: several padded groups, in an order unlike the input's
+     ([1, 3, 1, 150, 2, 1], [200, 3, 1, 150, 7, 90])],
+)
 def test_expanded_absorbed_dense_agree(q_lens: list[int], kv_lens: list[int]) -> None:
     gen = torch.Generator().manual_seed(sum(kv_lens))
     t, lkv = sum(q_lens), sum(kv_lens)
@@ -51,3 +56,16 @@ def test_expanded_absorbed_dense_agree(q_lens: list[int], kv_lens: list[int]) ->
     )
     torch.testing.assert_close(exp, ref, rtol=0, atol=1e-5)
     assert exp.shape == (t, H, DV)
+
+
+def test_length_groups_cover_every_sequence_and_bound_padding() -> None:
+    from kernels.mla import _PAD_SLACK, _PAD_WASTE, length_groups
+
+    q_lens = [1, 3, 1, 150, 2, 1, 0, 64]
+    kv_lens = [200, 3, 1, 150, 7, 90, 5, 4000]
+    groups = length_groups(q_lens, kv_lens)
+    assert sorted(i for g in groups for i in g) == [i for i, q in enumerate(q_lens) if q > 0]
+    assert len(groups) > 1
+    for g in groups:
+        padded = len(g) * max(q_lens[i] for i in g) * max(kv_lens[i] for i in g)
+        assert len(g) == 1 or padded <= _PAD_WASTE * sum(q_lens[i] * kv_lens[i] for i in g) + _PAD_SLACK

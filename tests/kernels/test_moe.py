@@ -138,3 +138,22 @@ def test_no_tokens(backend: str) -> None:
     r = MoERoute(torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.int64))
     out = moe_experts(torch.zeros(0, D), r, torch.zeros(E, 2 * INTER, D), torch.zeros(E, D, INTER))
     assert out.shape == (0, D)
+
+
+@pytest.mark.parametrize("act", [SILU, GLU("situ", beta=3.0, linear_beta=5.0)])
+def test_one_token_path_gives_the_grouped_bits(act: GLU) -> None:
+    """Batch-1 decode takes a shortcut: the same bits as the grouped path for that token, and within rounding
+    of the token's row in a batch (a GEMM of one row may round otherwise than a GEMM of several)."""
+    from kernels.moe import _grouped_experts
+
+    gen = torch.Generator().manual_seed(7)
+    e, d, inter, t = 8, 16, 12, 5
+    x = torch.randn(t, d, generator=gen)
+    w13 = torch.randn(e, 2 * inter, d, generator=gen) / d**0.5
+    w2 = torch.randn(e, d, inter, generator=gen) / inter**0.5
+    route = moe_route(torch.randn(t, e, generator=gen), top_k=3, routed_scaling_factor=2.5)
+    batched = moe_experts(x, route, w13, w2, act)
+    for i in range(t):
+        one = x[i : i + 1], MoERoute(route.weights[i : i + 1], route.experts[i : i + 1]), w13, w2, act
+        assert torch.equal(moe_experts(*one), _grouped_experts(*one))
+        torch.testing.assert_close(moe_experts(*one), batched[i : i + 1], rtol=0, atol=1e-6)
