@@ -1,153 +1,131 @@
-"""The offline API: `Engine(model=..., **server_args)`. The calling process is the tokenizer process; it
-starts the scheduler and worker processes, talks to them over ZeroMQ and watches that they stay alive.
+"""The offline API: `Engine(model=..., **server_args)`. The calling process is the tokenizer process: it
+starts the scheduler and worker processes (`EngineProcesses`) and runs a `TokenizerManager` on an event loop
+in a background thread. The sync methods wait on that loop; `async_generate` / `async_stream` run on the
+caller's own event loop, each chunk handed straight to it.
+
+A script that starts an Engine needs `if __name__ == "__main__":` around it: the children are spawned, and
+a spawned child imports the script's main module again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import itertools
-import multiprocessing as mp
-import queue
-import shutil
-import tempfile
 import threading
-import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
-from typing import Any
-
-import zmq
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import Any, TypeVar
 
 from radixk3.tokenizer import Tokenizer
-from runtime.messages import (
-    AbortReq,
-    GenerateReq,
-    MetricsOut,
-    MetricsReq,
-    Shutdown,
-    TokenOut,
-    WorkerReady,
-    decode,
-    encode,
-)
-from runtime.processes import endpoint, scheduler_main, tokenizer_for, worker_main
-from runtime.sampling_params import SamplingParams
+from runtime.engine_processes import EngineProcesses
+from runtime.errors import EngineError, EngineOverloaded
+from runtime.request_stream import StreamChunk
 from runtime.server_args import ServerArgs
+from runtime.tokenizer_manager import SHUT_DOWN, RequestHandle, TokenizerManager
 
+__all__ = ["Engine", "EngineError", "EngineOverloaded", "StreamChunk"]
 
-class EngineError(RuntimeError):
-    """The engine could not start, or a process died; pending requests fail with this."""
-
-
-@dataclass
-class _Pending:
-    queue: queue.Queue[TokenOut | EngineError] = field(default_factory=queue.Queue)
+T = TypeVar("T")
+Prompts = str | list[int] | list[str] | list[list[int]]
 
 
 class Engine:
     def __init__(self, model: str | None = None, *, startup_timeout: float = 120.0, **kwargs: Any) -> None:
         self.args = ServerArgs(model=model, **kwargs)
-        self.tokenizer: Tokenizer = tokenizer_for(self.args)
-        self._ipc_dir = tempfile.mkdtemp(prefix="radixk3-")
-        self._ctx = zmq.Context()
-        self._to_sched = self._ctx.socket(zmq.PUSH)
-        self._to_sched.setsockopt(zmq.LINGER, 0)
-        self._from_sched = self._ctx.socket(zmq.PULL)
-        self._from_sched.setsockopt(zmq.LINGER, 0)
-        self._from_sched.bind(endpoint(self._ipc_dir, "sched_out"))
-        spawn = mp.get_context("spawn")
-        self._procs = [spawn.Process(target=worker_main, args=(self.args, self._ipc_dir, 0), daemon=True,
-                                     name="radixk3-worker-0")]
-        self._procs.append(spawn.Process(target=scheduler_main, args=(self.args, self._ipc_dir, 1), daemon=True,
-                                         name="radixk3-scheduler"))
-        for p in self._procs:
-            p.start()
-        self._to_sched.connect(endpoint(self._ipc_dir, "sched_in"))
-        self._pending: dict[str, _Pending] = {}
+        self.procs = EngineProcesses(self.args, startup_timeout)
+        self.tokenizer: Tokenizer = self.procs.tokenizer
         self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
-        self._ids = itertools.count()
         self._closed = False
-        self.dead: EngineError | None = None
-        self._metrics: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._submitted: dict[str, RequestHandle] = {}  # handles of `submit`, until `wait` takes them
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="radixk3-engine-loop")
+        self._thread.start()
+        self.tm = TokenizerManager(self.args, self.procs)
         try:
-            self._wait_ready(startup_timeout)
+            self._call(self.tm.start())
         except BaseException:
             self.shutdown()
             raise
-        self._receiver = threading.Thread(target=self._receive, daemon=True, name="radixk3-receiver")
-        self._receiver.start()
         atexit.register(self.shutdown)
 
+    # --- the loop thread -------------------------------------------------------------------------------
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run `coro` on the engine's loop and wait; an interrupt while waiting cancels it (which aborts)."""
+        if self._closed:
+            coro.close()
+            raise self.tm.dead or EngineError(SHUT_DOWN)
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except BaseException:
+            fut.cancel()
+            raise
+
+    async def _on_loop(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        return fn(*args, **kw)
+
+    async def _submit_for(self, consumer: asyncio.AbstractEventLoop, prompt: str | list[int],
+                          sampling: dict[str, Any] | None, kw: dict[str, Any]) -> RequestHandle:
+        opts = {"rid": None, "return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0,
+                "return_text_in_logprobs": False, "timeout": None, "deadline": None}
+        unknown = set(kw) - set(opts)
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s): {sorted(unknown)}")
+        return self.tm._submit(prompt, sampling, consumer, **(opts | kw))
+
+    async def _submit_many(self, consumer: asyncio.AbstractEventLoop, prompts: Prompts,
+                           sampling_params: dict[str, Any] | list[dict[str, Any]] | None, kw: dict[str, Any]
+                           ) -> tuple[bool, list[RequestHandle]]:
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts)
+                                              and isinstance(prompts[0], int))
+        batch: list[Any] = [prompts] if single else list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
+        if len(params) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(params)} sampling_params")
+        rids = kw.pop("rid", None)
+        rids = [rids] if single or rids is None else list(rids)
+        if rids != [None] and len(rids) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(rids)} rids")
+        handles: list[RequestHandle] = []
+        try:
+            for i, (p, sp) in enumerate(zip(batch, params, strict=True)):
+                rid = rids[i] if rids != [None] else None
+                handles.append(await self._submit_for(consumer, p, sp, kw | {"rid": rid}))
+        except BaseException:
+            for h in handles:  # one bad prompt refuses the call: the ones already sent are aborted
+                h.abort()
+            raise
+        return single, handles
+
+    @staticmethod
+    async def _results(handles: list[RequestHandle]) -> list[dict[str, Any]]:
+        """All results; the first failure (a timeout, a cancellation) cancels the rest, which aborts them."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(h.result()) for h in handles]
+        except BaseExceptionGroup as eg:
+            raise eg.exceptions[0] from None  # the first failure, as a plain exception
+        return [r for t in tasks for r in t.result()]
+
     # --- lifecycle -------------------------------------------------------------------------------------
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        ready = 0
-        while ready < 1:
-            if self._from_sched.poll(200):
-                msg = decode(self._from_sched.recv_multipart())
-                if isinstance(msg, WorkerReady):
-                    if msg.error is not None:
-                        raise EngineError(f"startup failed: {msg.error}")
-                    ready += 1
-            if (dead := self._dead_child()) is not None:
-                if self._from_sched.poll(1000):  # a failing child says why before it exits
-                    msg = decode(self._from_sched.recv_multipart())
-                    if isinstance(msg, WorkerReady) and msg.error is not None:
-                        raise EngineError(f"startup failed: {msg.error}")
-                raise EngineError(f"startup failed: {dead}")
-            if time.monotonic() > deadline:
-                raise EngineError(f"startup timed out after {timeout:.0f}s")
-
-    def _dead_child(self) -> str | None:
-        for p in self._procs:
-            if not p.is_alive():
-                return f"process {p.name} exited with code {p.exitcode}"
-        return None
-
-    def _receive(self) -> None:
-        while not self._closed:
-            if self._from_sched.poll(100):
-                msg = decode(self._from_sched.recv_multipart())
-                if isinstance(msg, MetricsOut):
-                    self._metrics.put(msg.metrics)
-                    continue
-                with self._lock:
-                    pending = self._pending.get(msg.rid)
-                    if msg.finished is not None:
-                        self._pending.pop(msg.rid, None)
-                if pending is not None:
-                    pending.queue.put(msg)
-            elif (dead := self._dead_child()) is not None and not self._closed:
-                self.dead = EngineError(f"{dead}; pending requests failed")
-                self.shutdown()
-                return
-
-    def _fail_all(self, err: EngineError) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, {}
-        for p in pending.values():
-            p.queue.put(err)
+    @property
+    def dead(self) -> EngineError | None:
+        return self.tm.dead if hasattr(self, "tm") else self.procs.dead
 
     def shutdown(self) -> None:
-        with self._send_lock:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
+        if self._loop.is_running():
             try:
-                self._to_sched.send_multipart(encode(Shutdown()), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        grace = 1.0 if self.dead is not None else 5.0  # a dead sibling means nobody will answer
-        for p in self._procs:
-            p.join(timeout=grace)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-        self._fail_all(self.dead or EngineError("the engine was shut down"))
-        self._ctx.destroy(linger=0)
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+                asyncio.run_coroutine_threadsafe(self.tm.close(), self._loop).result(timeout=10)
+            except Exception:
+                pass  # never started, or the loop is gone: nothing is left to fail
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        self.procs.shutdown()
+        if not self._loop.is_running():
+            self._loop.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -155,113 +133,116 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    # --- requests --------------------------------------------------------------------------------------
-    def _submit(self, input_ids: list[int], sampling: dict[str, Any], **kw: Any) -> tuple[str, _Pending]:
-        SamplingParams.from_dict(sampling)  # refuse bad parameters here, with a clear message
-        rid = f"r{next(self._ids)}"
-        pending = _Pending()
-        with self._lock:  # registered before shutdown's _fail_all, or refused: never left waiting
-            if self.dead is not None or self._closed:
-                raise self.dead or EngineError("the engine is shut down")
-            self._pending[rid] = pending
-        self._send(GenerateReq(rid, input_ids, sampling, **kw))
-        return rid, pending
+    # --- sync API --------------------------------------------------------------------------------------
+    def generate(self, prompts: Prompts, sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+                 timeout: float | None = None, **kw: Any) -> dict[str, Any] | list[dict[str, Any]]:
+        """Generate for one prompt (a dict, or a list of n dicts for n > 1) or a batch (a list, n per prompt),
+        all submitted at once. `timeout` bounds the wait for each chunk; expiring aborts every request of
+        the call. `rid` (a str, or one per prompt) names the requests, so another thread can abort them."""
 
-    def _send(self, msg: Any) -> None:
-        # ZeroMQ sockets are not thread-safe; callers may be on several threads.
-        with self._send_lock:
-            if not self._closed:
-                self._to_sched.send_multipart(encode(msg))
+        async def run() -> dict[str, Any] | list[dict[str, Any]]:
+            single, handles = await self._submit_many(self._loop, prompts, sampling_params, kw | {"timeout": timeout})
+            results = await self._results(handles)
+            return results[0] if single and len(results) == 1 else results
+
+        return self._call(run())
+
+    def submit(self, prompt: str | list[int], sampling_params: dict[str, Any] | None = None, **kw: Any) -> list[str]:
+        """Send one request (n samples) and return its ids at once; `wait(ids)` collects the results."""
+        handle = self._call(self._submit_for(self._loop, prompt, sampling_params, kw))
+        self._submitted[handle.rids[0]] = handle
+        return list(handle.rids)
+
+    def wait(self, rids: list[str], timeout: float | None = None) -> list[dict[str, Any]]:
+        """The results of a `submit`, one dict per sample; `timeout` bounds the whole wait (then aborts)."""
+        handle = self._submitted.pop(rids[0])
+
+        async def run() -> list[dict[str, Any]]:
+            try:
+                async with asyncio.timeout(timeout):
+                    return await handle.result()
+            except TimeoutError:
+                raise TimeoutError(f"request {', '.join(rids)} did not finish within {timeout}s") from None
+
+        return self._call(run())
+
+    def stream(self, prompt: str | list[int], sampling_params: dict[str, Any] | None = None,
+               timeout: float | None = None, **kw: Any) -> Iterator[StreamChunk]:
+        """StreamChunks of one request (all n samples, tagged with `index`) as they are produced; each sample
+        ends with a chunk with `finished` set. Closing the iterator, or dropping it, aborts the request."""
+        handle = self._call(self._submit_for(self._loop, prompt, sampling_params, kw | {"timeout": timeout}))
+        return self._iterate(handle)
+
+    def _iterate(self, handle: RequestHandle) -> Iterator[StreamChunk]:
+        agen = handle.stream()
+
+        async def step() -> StreamChunk:
+            return await agen.__anext__()
+
+        try:
+            while True:
+                try:
+                    chunk = self._call(step())
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:
+            self._close_stream(handle, agen)
+
+    def _close_stream(self, handle: RequestHandle, agen: AsyncIterator[StreamChunk]) -> None:
+        try:
+            handle.abort()
+        except EngineError:
+            return
+        if threading.get_ident() == self._thread.ident or not self._loop.is_running():
+            return  # collected on the loop thread itself: the abort above is enough, never wait here
+        try:
+            asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop).result(timeout=5)  # type: ignore[attr-defined]
+        except Exception:
+            pass
+
+    def abort(self, rid: str) -> None:
+        """Abort a request by id (its result or stream ends with finish reason "abort")."""
+        if self._closed:
+            raise self.tm.dead or EngineError(SHUT_DOWN)
+        self.tm.abort(rid)
 
     def get_metrics(self, timeout: float = 10.0) -> dict[str, Any]:
         """The scheduler's counters: running, queued, prefill tokens computed, cached tokens, state checkpoint
         hits/misses, pool bytes per side, evictions, retractions, checkpoints."""
-        self._send(MetricsReq())
-        return self._metrics.get(timeout=timeout)
+        return self._call(self.tm.get_metrics(timeout))
 
-    def abort(self, rid: str) -> None:
-        self._send(AbortReq(rid))
+    def flush_cache(self) -> bool:
+        return self._call(self.tm.flush_cache())
 
-    def _ids_of(self, prompt: str | list[int]) -> list[int]:
-        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_bos=True)
+    def model_info(self) -> dict[str, Any]:
+        return self._call(self._on_loop(self.tm.model_info))
 
-    def stream(self, prompt: str | list[int], sampling_params: dict[str, Any] | None = None,
-               timeout: float | None = None, **kw: Any) -> Iterator[TokenOut]:
-        """TokenOut chunks of one request as they are produced; the last has `finished` set."""
-        rid, pending = self._submit(self._ids_of(prompt), dict(sampling_params or {}), **kw)
-        return self._chunks(rid, pending, timeout)
+    # --- async API (on the caller's event loop) --------------------------------------------------------
+    async def _submit_here(self, prompts: Prompts, sampling_params: Any, kw: dict[str, Any]
+                           ) -> tuple[bool, list[RequestHandle]]:
+        if self._closed:
+            raise self.tm.dead or EngineError(SHUT_DOWN)
+        here = asyncio.get_running_loop()
+        fut = asyncio.run_coroutine_threadsafe(self._submit_many(here, prompts, sampling_params, kw), self._loop)
+        return await asyncio.wrap_future(fut)
 
-    def _chunks(self, rid: str, pending: _Pending, timeout: float | None) -> Iterator[TokenOut]:
-        while True:
-            try:
-                item = pending.queue.get(timeout=timeout)
-            except queue.Empty:
-                self.abort(rid)
-                raise TimeoutError(f"request {rid} produced nothing for {timeout}s") from None
-            if isinstance(item, EngineError):
-                raise item
-            yield item
-            if item.finished is not None:
-                return
-
-    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
-                 sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
-                 timeout: float | None = None, **kw: Any) -> dict[str, Any] | list[dict[str, Any]]:
-        """Generate for one prompt (returns a dict) or a batch (returns a list), all submitted at once."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
-        batch: list[Any] = [prompts] if single else list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(batch)
-        # `n` samples of a prompt are n requests (the radix cache shares their prompt); seeds stay distinct.
-        expanded = [(p, sp | self._sample_index(sp, i)) for p, sp in zip(batch, params, strict=True)
-                    for i in range(int(sp.get("n", 1)))]
-        subs = [self._submit(self._ids_of(p), sp, **kw) for p, sp in expanded]
-        results = [self._collect(rid, pending, sp, timeout) for (rid, pending), (_, sp) in zip(subs, expanded,
-                                                                                             strict=True)]
+    async def async_generate(self, prompts: Prompts,
+                             sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+                             timeout: float | None = None, **kw: Any) -> dict[str, Any] | list[dict[str, Any]]:
+        """`generate` on the caller's event loop; cancelling the awaiting task aborts the requests."""
+        single, handles = await self._submit_here(prompts, sampling_params, kw | {"timeout": timeout})
+        results = await self._results(handles)
         return results[0] if single and len(results) == 1 else results
 
-    @staticmethod
-    def _sample_index(sp: dict[str, Any], i: int) -> dict[str, Any]:
-        out: dict[str, Any] = {"n": 1}
-        if sp.get("seed") is not None:
-            out["seed"] = sp["seed"] + i
-        return out
-
-    def _collect(self, rid: str, pending: _Pending, sampling: dict[str, Any], timeout: float | None
-                 ) -> dict[str, Any]:
-        ids: list[int] = []
-        meta: dict[str, Any] = {"output_token_logprobs": [], "input_token_logprobs": [], "output_top_logprobs": []}
-        for item in self._chunks(rid, pending, timeout):
-            ids.extend(item.token_ids)
-            meta["output_token_logprobs"].extend(item.logprobs)
-            meta["output_top_logprobs"].extend(item.top_logprobs)
-            meta["input_token_logprobs"].extend(item.input_logprobs)
-        return self._result(rid, ids, item, sampling, meta)
-
-    def _result(self, rid: str, ids: list[int], last: TokenOut, sampling: dict[str, Any], meta: dict[str, Any]
-                ) -> dict[str, Any]:
-        text = self.tokenizer.decode(ids, skip_special_tokens=sampling.get("skip_special_tokens", True))
-        if isinstance(last.matched_stop, str) and last.matched_stop in text:
-            text = text[: text.index(last.matched_stop)]
-        return {
-            "text": text,
-            "output_ids": ids,
-            "meta_info": {
-                "id": rid,
-                "finish_reason": {"type": last.finished, "matched": last.matched_stop},
-                "prompt_tokens": last.prompt_tokens,
-                "completion_tokens": len(ids),
-                "cached_tokens": last.cached_tokens,
-                "error": last.error,
-                **meta,
-            },
-        }
-
     async def async_stream(self, prompt: str | list[int], sampling_params: dict[str, Any] | None = None,
-                           **kw: Any) -> AsyncIterator[TokenOut]:
-        """Async streaming variant: yields TokenOut chunks without blocking the event loop."""
-        it = self.stream(prompt, sampling_params, **kw)
-        while True:
-            item = await asyncio.to_thread(next, it, None)
-            if item is None:
-                return
-            yield item
+                           timeout: float | None = None, **kw: Any) -> AsyncIterator[StreamChunk]:
+        """`stream` on the caller's event loop, each chunk handed straight to it; cancelling the iterating
+        task or closing the iterator aborts the request."""
+        _, (handle,) = await self._submit_here(prompt, sampling_params, kw | {"timeout": timeout})
+        inner = handle.stream()
+        try:
+            async for chunk in inner:
+                yield chunk
+        finally:
+            await inner.aclose()  # type: ignore[attr-defined]

@@ -101,7 +101,9 @@ class StepResult:
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
     input_logprobs: list[float]
-    error: str | None = None
+    error: str | None = None  # the whole step failed: no token of it is valid
+    # The step ran but sampling these sampled rows failed: (row index, error); -1 tokens stand in for them.
+    row_errors: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -117,17 +119,30 @@ class Shutdown:
 
 @dataclass
 class MetricsReq:
-    pass
+    req_id: str = ""  # echoed in the reply, so a late reply is never taken for a newer request's
 
 
 @dataclass
 class MetricsOut:
     metrics: dict[str, Any]
+    req_id: str = ""
+
+
+@dataclass
+class FlushCacheReq:
+    req_id: str = ""
+
+
+@dataclass
+class FlushCacheOut:
+    req_id: str
+    flushed: bool  # False while requests are running or queued: the cache is left as it is
 
 
 MESSAGES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (GenerateReq, AbortReq, TokenOut, StepPlan, StepResult, WorkerReady, Shutdown, MetricsReq, MetricsOut)
+    for cls in (GenerateReq, AbortReq, TokenOut, StepPlan, StepResult, WorkerReady, Shutdown, MetricsReq, MetricsOut,
+                FlushCacheReq, FlushCacheOut)
 }
 
 

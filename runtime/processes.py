@@ -2,7 +2,9 @@
 
 Sockets are `ipc://` files in a per-instance temp dir:
   tokenizer --PUSH/PULL--> scheduler (`sched_in`), scheduler --PUSH/PULL--> tokenizer (`sched_out`),
-  scheduler --PUSH/PULL--> worker (`worker_in`), worker --PUSH/PULL--> scheduler (`worker_out`).
+  scheduler --PUSH/PULL--> worker (`worker_in`), worker --PUSH/PULL--> scheduler (`worker_out`),
+  scheduler --PUSH/PULL--> the process supervisor (`ready`: startup readiness or why startup failed, so the
+  request path `sched_out` belongs to the tokenizer manager alone, on whatever event loop it runs).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from radixk3.config import BUILTIN_PRESET, ModelConfig, preset
 from radixk3.tokenizer import Tokenizer, load_tokenizer
 from runtime.messages import (
     AbortReq,
+    FlushCacheOut,
+    FlushCacheReq,
     GenerateReq,
     MetricsOut,
     MetricsReq,
@@ -100,6 +104,7 @@ def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
     ctx = zmq.Context()
     inbox = _socket(ctx, zmq.PULL, endpoint(ipc_dir, "sched_in"), bind=True)
     outbox = _socket(ctx, zmq.PUSH, endpoint(ipc_dir, "sched_out"), bind=False)
+    ready_out = _socket(ctx, zmq.PUSH, endpoint(ipc_dir, "ready"), bind=False)
     from_workers = _socket(ctx, zmq.PULL, endpoint(ipc_dir, "worker_out"), bind=True)
     to_workers = [_socket(ctx, zmq.PUSH, endpoint(ipc_dir, f"worker_in_{r}"), bind=False) for r in range(num_workers)]
     try:
@@ -109,12 +114,12 @@ def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
         stop_ids = frozenset(tok.stop_ids) | {cfg.eos_token_id}
         sched = Scheduler(args, layout, stop_ids, tok.decode, cfg.vocab_size)
     except Exception as e:
-        outbox.send_multipart(encode(WorkerReady(-1, error=f"scheduler: {type(e).__name__}: {e}")))
+        ready_out.send_multipart(encode(WorkerReady(-1, error=f"scheduler: {type(e).__name__}: {e}")))
         ctx.destroy(linger=2000)
         return
     for _ in range(num_workers):  # relay every worker's readiness (or its failure) to the tokenizer side
         ready = decode(from_workers.recv_multipart())
-        outbox.send_multipart(encode(ready))
+        ready_out.send_multipart(encode(ready))
         if ready.error is not None:
             return
 
@@ -140,7 +145,9 @@ def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
             elif isinstance(msg, AbortReq):
                 sched.abort(msg.rid)
             elif isinstance(msg, MetricsReq):
-                outbox.send_multipart(encode(MetricsOut(dataclasses.asdict(sched.metrics))))
+                outbox.send_multipart(encode(MetricsOut(dataclasses.asdict(sched.metrics_now()), msg.req_id)))
+            elif isinstance(msg, FlushCacheReq):
+                outbox.send_multipart(encode(FlushCacheOut(msg.req_id, sched.flush_cache())))
             elif isinstance(msg, Shutdown):
                 running = False
                 break

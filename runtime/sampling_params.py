@@ -1,15 +1,88 @@
-"""Per-request sampling parameters, named as SGLang names them, validated once at the door."""
+"""Per-request sampling parameters, named as SGLang names them, validated once at the door.
+
+Everything a request carries is checked here before it is sent anywhere: types (a bool is not an int, a
+float is not an int however integral), integers that fit the int64 wire format, finite floats, ranges, and
+token ids inside the model's vocabulary. A refusal is an `InvalidRequest` whose `param` names the field.
+This module imports no kernel or model code: the scheduler process uses it too.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from kernels.sampling import SamplingRow
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class InvalidRequest(ValueError):
-    """A request the engine refuses; the message says which field is wrong (HTTP 400)."""
+    """A request the engine refuses; the message says what is wrong and `param` names the field (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def check_int(name: str, value: Any, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int:
+    """An int (not a bool, not a float) in [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"{name} must be an integer, got {value!r}", param=name)
+    if not lo <= value <= hi:
+        raise InvalidRequest(f"{name} must be in [{lo}, {hi}], got {value}", param=name)
+    return value
+
+
+def check_float(name: str, value: Any, lo: float = -math.inf, hi: float = math.inf, *,
+                lo_open: bool = False) -> float:
+    """A finite real number (an int is accepted, a bool is not) in [lo, hi] ((lo, hi] with lo_open)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(f"{name} must be a number, got {value!r}", param=name)
+    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+        raise InvalidRequest(f"{name} is out of range, got {value}", param=name)
+    v = float(value)
+    if not math.isfinite(v):
+        raise InvalidRequest(f"{name} must be a finite number, got {value!r}", param=name)
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise InvalidRequest(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value!r}",
+                             param=name)
+    return v
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be a boolean, got {value!r}", param=name)
+    return value
+
+
+def check_token_ids(name: str, ids: Any, vocab_size: int | None, *, allow_empty: bool = True) -> list[int]:
+    """A list of ints in [0, vocab_size) (no negative indexing; vocab_size None: int64 only)."""
+    if not isinstance(ids, list | tuple):
+        raise InvalidRequest(f"{name} must be a list of token ids, got {type(ids).__name__}", param=name)
+    if not ids and not allow_empty:
+        raise InvalidRequest(f"{name} is empty", param=name)
+    hi = INT64_MAX if vocab_size is None else vocab_size - 1
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= hi:
+            bound = f"[0, {vocab_size})" if vocab_size is not None else "[0, 2**63)"
+            raise InvalidRequest(f"{name} holds {t!r}: token ids must be integers in {bound}", param=name)
+    return list(ids)
+
+
+@dataclass
+class WireSamplingRow:
+    """The per-row sampling fields a StepPlan carries; the same names as `kernels.sampling.SamplingRow`,
+    mirrored here so that the scheduler process need not import the kernel module."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    frequency_penalty: float
+    presence_penalty: float
+    repetition_penalty: float
+    seed: int | None
+    step: int
 
 
 @dataclass
@@ -31,53 +104,56 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        d = dict(d or {})
-        known = set(cls.__dataclass_fields__)
-        unknown = set(d) - known
+    def from_dict(cls, d: dict[str, Any] | None, vocab_size: int | None = None) -> SamplingParams:
+        """Parse and validate; `vocab_size` (the model's) bounds `stop_token_ids`."""
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise InvalidRequest(f"sampling_params must be an object, got {type(d).__name__}",
+                                 param="sampling_params")
+        d = dict(d)
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
         if unknown:
-            raise InvalidRequest(f"unknown sampling parameter(s): {sorted(unknown)}")
+            raise InvalidRequest(f"unknown sampling parameter(s): {unknown}", param=str(unknown[0]))
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
+        if d.get("stop") is None:
+            d.pop("stop", None)
+        if d.get("stop_token_ids") is None:
+            d.pop("stop_token_ids", None)
         p = cls(**d)
-        p.validate()
+        p.validate(vocab_size)
         return p
 
-    def validate(self) -> None:
-        for name, kind in (("max_new_tokens", int), ("top_k", int), ("min_new_tokens", int), ("n", int),
-                           ("temperature", float), ("top_p", float), ("min_p", float), ("frequency_penalty", float),
-                           ("presence_penalty", float), ("repetition_penalty", float), ("ignore_eos", bool),
-                           ("skip_special_tokens", bool), ("seed", int | None), ("stop", list),
-                           ("stop_token_ids", list)):
-            value = getattr(self, name)
-            ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-            if kind is float:
-                ok = isinstance(value, int | float) and not isinstance(value, bool)
-            if not ok:
-                raise InvalidRequest(f"{name} must be of type {getattr(kind, '__name__', kind)}, got {value!r}")
-        checks = [
-            (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0, "max_new_tokens must be an int >= 0"),
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (0 < self.repetition_penalty <= 2, "repetition_penalty must be in (0, 2]"),
-            (0 <= self.min_new_tokens <= max(self.max_new_tokens, 0), "min_new_tokens must be in [0, max_new_tokens]"),
-            (self.n >= 1, "n must be >= 1"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
-            (all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids must be ints"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise InvalidRequest(message)
+    def validate(self, vocab_size: int | None = None) -> None:
+        check_int("max_new_tokens", self.max_new_tokens, 0)
+        check_int("min_new_tokens", self.min_new_tokens, 0, self.max_new_tokens)
+        check_float("temperature", self.temperature, 0.0)
+        check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        check_int("top_k", self.top_k)
+        if self.top_k == 0 or self.top_k < -1:
+            raise InvalidRequest(f"top_k must be -1 (off) or >= 1, got {self.top_k}", param="top_k")
+        check_float("min_p", self.min_p, 0.0, 1.0)
+        check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
+        check_bool("ignore_eos", self.ignore_eos)
+        check_bool("skip_special_tokens", self.skip_special_tokens)
+        check_int("n", self.n, 1)
+        if self.seed is not None:
+            # Sample i of n draws with seed + i: every one of them must fit the wire's int64.
+            check_int("seed", self.seed, INT64_MIN, INT64_MAX - (self.n - 1))
+        if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequest(f"stop must be a non-empty string or a list of them, got {self.stop!r}",
+                                 param="stop")
+        self.stop = list(self.stop)
+        self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
 
-    def row(self, step: int) -> SamplingRow:
-        return SamplingRow(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, step=step,
+    def row(self, step: int) -> WireSamplingRow:
+        return WireSamplingRow(
+            temperature=float(self.temperature), top_p=float(self.top_p), top_k=self.top_k, min_p=float(self.min_p),
+            frequency_penalty=float(self.frequency_penalty), presence_penalty=float(self.presence_penalty),
+            repetition_penalty=float(self.repetition_penalty), seed=self.seed, step=step,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
 from runtime.output_processor import OutputProcessor
 from runtime.page_table import PageTables
 from runtime.plan_builder import Checkpoint, SeqEntry, StepRecord, build_plan
-from runtime.pool import UnifiedPool
+from runtime.pool import Kind, UnifiedPool
 from runtime.pool_layout import PoolLayout
 from runtime.radix_cache import HybridRadixCache, MatchResult
 from runtime.req_cache import ReqCache
@@ -79,7 +79,7 @@ class Scheduler:
     # --- requests in -----------------------------------------------------------------------------------
     def add(self, msg: GenerateReq) -> None:
         try:
-            params = SamplingParams.from_dict(msg.sampling)
+            params = SamplingParams.from_dict(msg.sampling, self.vocab_size)
             if not msg.input_ids:
                 raise InvalidRequest("the prompt is empty")
             bad = [t for t in msg.input_ids if isinstance(t, bool) or not isinstance(t, int)
@@ -413,6 +413,21 @@ class Scheduler:
             self.metrics.state_misses += 1
 
     # --- metrics and invariants ------------------------------------------------------------------------
+    def metrics_now(self) -> SchedulerMetrics:
+        """The counters as of now (an abort or a release since the last step is reflected)."""
+        self._refresh_metrics()
+        return self.metrics
+
+    def flush_cache(self) -> bool:
+        """Empty the radix cache if nothing is running, queued or in flight; return whether it was flushed."""
+        if self.waiting or self.running or self._inflight:
+            return False
+        if self.cache is not None:
+            self.cache.evict(Kind.KV, self.pool.pages_used + 1)
+            self.cache.evict(Kind.STATE, self.pool.states_used + 1)
+        self._refresh_metrics()
+        return True
+
     def _refresh_metrics(self) -> None:
         m = self.metrics
         m.running, m.queued = len(self.running), len(self.waiting)

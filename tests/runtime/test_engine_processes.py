@@ -43,28 +43,28 @@ def test_stream_and_bad_input(engine: Engine) -> None:
     assert sum(len(c.token_ids) for c in chunks) == 3 and chunks[-1].finished == "length"
     with pytest.raises(InvalidRequest, match="temperature"):
         engine.generate("x", {"temperature": -1})
-    (out,) = list(engine.stream([], {"max_new_tokens": 2}))
-    assert out.finished == "error" and "empty" in (out.error or "")
-    huge = engine.generate("x", {"max_new_tokens": 10**7})
-    assert "exceed" in huge["meta_info"]["error"]
+    with pytest.raises(InvalidRequest, match="empty") as empty:
+        engine.stream([], {"max_new_tokens": 2})
+    assert empty.value.param == "input_ids"
+    with pytest.raises(InvalidRequest, match="exceed") as huge:  # refused at the door, before it is queued
+        engine.generate("x", {"max_new_tokens": 10**7})
+    assert huge.value.param == "max_new_tokens"
 
 
 def test_worker_death_fails_pending_requests_and_shuts_down() -> None:
     eng = Engine(mem_bytes=8 << 20)
     try:
-        worker = eng._procs[0]
-        pending = eng._submit(list(range(50)), {"max_new_tokens": 5000, "ignore_eos": True})[1]
+        worker = eng.procs.procs[0]
+        chunks = eng.stream(list(range(50)), {"max_new_tokens": 5000, "ignore_eos": True}, timeout=30)
         time.sleep(0.5)
         os.kill(worker.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while True:
-            item = pending.queue.get(timeout=max(0.1, deadline - time.monotonic()))
-            if isinstance(item, EngineError):
-                break
-        assert "worker" in str(item) and "exited" in str(item)
-        eng._receiver.join(timeout=30)  # it shuts the engine down after failing the requests
-        assert not any(p.is_alive() for p in eng._procs)
-        assert not os.path.exists(eng._ipc_dir)
+        with pytest.raises(EngineError) as failed:
+            for _ in chunks:
+                pass
+        assert "worker" in str(failed.value) and "exited" in str(failed.value)
+        eng.procs.watcher.join(timeout=30)  # it shuts the processes down after failing the requests
+        assert not any(p.is_alive() for p in eng.procs.procs)
+        assert not os.path.exists(eng.procs.ipc_dir)
         with pytest.raises(EngineError):
             eng.generate("again", {"max_new_tokens": 1})
     finally:
@@ -92,7 +92,7 @@ import os, sys, time
 from runtime.engine import Engine
 if __name__ == "__main__":
     eng = Engine(mem_bytes=4 << 20)
-    print(" ".join(str(p.pid) for p in eng._procs), eng._ipc_dir, flush=True)
+    print(" ".join(str(p.pid) for p in eng.procs.procs), eng.procs.ipc_dir, flush=True)
     time.sleep(60)
 """
 
