@@ -8,7 +8,8 @@ smallest z of the shortest prefix by probability whose mass reaches top_p, min-p
 at a cut-off are kept), then a Gumbel-max draw: argmax over kept tokens of z + G, G = -log(-log u).
 u comes from a counter-based hash of (seed, step, token id), so a seeded request draws the same tokens
 whatever batch it shares and on either backend; unseeded rows get a seed from torch's global generator.
-Logprobs are of the raw (unpenalised, untempered) distribution.
+Logprobs are of the raw (unpenalised, untempered, unbanned) distribution: `banned` token ids (stop tokens
+below min_new_tokens) are excluded from the draw only, never from the reported logprobs.
 """
 
 from __future__ import annotations
@@ -160,20 +161,36 @@ def apply_penalties(logits: Tensor, rows: list[SamplingRow], history: list[list[
     return penalized(logits, p, output_counts(history, logits.shape[-1], logits.device))
 
 
+def banned_logits(logits: Tensor, banned: list[list[int]] | None) -> Tensor:
+    """`logits` with each row's banned ids at -inf (a copy if any is banned); ids must be in the vocabulary."""
+    if not banned or not any(banned):
+        return logits
+    vocab = logits.shape[1]
+    rows = [i for i, ban in enumerate(banned) for _ in ban]
+    cols = [t for ban in banned for t in ban]
+    if any(not 0 <= t < vocab for t in cols):  # negative ids would silently ban a real token
+        raise IndexError(f"banned token id outside the vocabulary [0, {vocab})")
+    out = logits.clone()
+    out[rows, cols] = float("-inf")
+    return out
+
+
 def sample(
-    logits: Tensor, rows: list[SamplingRow], history: list[list[int]] | None = None, top_logprobs_num: int = 0
+    logits: Tensor, rows: list[SamplingRow], history: list[list[int]] | None = None, top_logprobs_num: int = 0,
+    banned: list[list[int]] | None = None,
 ) -> SampleResult:
-    """logits [N, V] -> one token per row (see the module docstring)."""
+    """logits [N, V] -> one token per row (see the module docstring); `banned[i]`: ids row i may not draw."""
     n, vocab = logits.shape
     p = SamplingTensors.build(rows, logits.device)
     wants_pen = any(r.frequency_penalty or r.presence_penalty or r.repetition_penalty != 1.0 for r in rows)
     counts = output_counts(history, vocab, logits.device) if history is not None and wants_pen else None
+    drawable = banned_logits(logits, banned)
     if kernel_backend(logits.device) == "triton":
         from kernels.sampling_triton import sample_tokens_triton
 
-        tokens = sample_tokens_triton(logits, p, counts)
+        tokens = sample_tokens_triton(drawable, p, counts)
     else:
-        adjusted = penalized(logits, p, counts)
+        adjusted = penalized(drawable, p, counts)
         z = adjusted / torch.where(p.greedy, 1.0, p.temperature)[:, None]
         tokens = select_torch(z, adjusted, p, cutoffs(z, p))
     logprobs_all = logits.float().log_softmax(-1)

@@ -3,10 +3,12 @@ plan's mode through the attention backend, sample."""
 
 from __future__ import annotations
 
+import traceback
+
 import numpy as np
 import torch
 
-from kernels.sampling import SamplingRow, sample
+from kernels.sampling import SampleResult, SamplingRow, sample
 from kernels.state_checkpoints import StateCheckpoints
 from radixk3.config import BUILTIN_PRESET, preset
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
@@ -76,23 +78,27 @@ class ModelWorker:
             self.tables.block_table(plan.rows, num_pages), ps, ck, self._tensor(plan.logits_index),
         )
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step. An exception becomes a failed StepResult (the scheduler then confines it to the
+        request that caused it), never a dead worker."""
+        try:
+            return self._execute(plan)
+        except Exception:
+            return StepResult(plan.step, [], [], [], [], [], error=traceback.format_exc(limit=8))
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> StepResult:
         self.apply_plan_changes(plan)
         if plan.mode == ForwardMode.IDLE.value:
             return StepResult(step=plan.step, tokens=[], logprobs=[], top_ids=[], top_logprobs=[], input_logprobs=[])
         batch = self.forward_batch(plan)
         logits = self.model.forward_batch(batch, self.cache).float()
         n = len(plan.sample_params)
-        for row, ban in enumerate(plan.banned):
-            if ban:
-                logits[row, ban] = float("-inf")
         # Table row of each sampled logits row: sampled rows come first, one per sampled sequence.
         sampled_seqs = np.searchsorted(np.asarray(plan.cu_seqlens), np.asarray(plan.logits_index[:n]), "right") - 1
         sampled_rows = [int(plan.rows[s]) for s in sampled_seqs]
-        params = [SamplingRow(**p) for p in plan.sample_params]
         histories = [self.tables.histories.get(r, []) for r in sampled_rows]
-        res = sample(logits[:n], params, histories, plan.top_logprobs_num)
+        res, row_errors = self._sample(logits[:n], plan, histories)
         tokens = res.tokens.tolist()
         self.tables.record_samples(sampled_rows, res.tokens, tokens)
         input_lp: list[float] = []
@@ -104,4 +110,29 @@ class ModelWorker:
         return StepResult(
             step=plan.step, tokens=tokens, logprobs=res.logprobs.tolist(),
             top_ids=res.top_ids.tolist(), top_logprobs=res.top_logprobs.tolist(), input_logprobs=input_lp,
+            row_errors=row_errors,
         )
+
+    def _sample(self, logits: torch.Tensor, plan: StepPlan, histories: list[list[int]]
+                ) -> tuple[SampleResult, list[tuple[int, str]]]:
+        """Sample every row at once; if that fails, row by row, so that a row that cannot be sampled fails
+        alone (its token is a placeholder, 0, that the scheduler discards) and its batch-mates keep theirs."""
+        k = plan.top_logprobs_num
+        try:
+            params = [SamplingRow(**p) for p in plan.sample_params]
+            return sample(logits, params, histories, k, plan.banned), []
+        except Exception:
+            if not plan.sample_params:
+                raise
+        rows: list[SampleResult] = []
+        errors: list[tuple[int, str]] = []
+        for i, p in enumerate(plan.sample_params):
+            try:
+                one = sample(logits[i : i + 1], [SamplingRow(**p)], histories[i : i + 1], k, plan.banned[i : i + 1])
+                rows.append(one)
+            except Exception as e:
+                errors.append((i, f"sampling failed: {type(e).__name__}: {e}"))
+                zero = torch.zeros(1, k, device=logits.device)
+                rows.append(SampleResult(torch.zeros(1, dtype=torch.int64, device=logits.device),
+                                         torch.zeros(1, device=logits.device), zero.long(), zero))
+        return SampleResult(*(torch.cat(parts) for parts in zip(*rows, strict=True))), errors

@@ -54,6 +54,11 @@ class Req:
     aborted: bool = False
     retract_pending: bool = False  # retract once its in-flight steps are processed
     poisoned: bool = False  # a step including it failed: its state must never be cached
+    # Isolation of worker errors: a request in a failed step with others is retried (from scratch, alone
+    # until a step that samples for it succeeds), so that a failure is pinned on the request causing it.
+    retry: bool = False  # poisoned by a failed step it shared: requeue once no step in flight includes it
+    isolate: bool = False  # planned alone
+    retries: int = 0
 
     @property
     def all_ids(self) -> list[int]:

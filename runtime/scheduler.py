@@ -54,6 +54,9 @@ class SchedulerMetrics:
     kv_pool_bytes: int = 0
 
 
+MAX_STEP_RETRIES = 2  # failed steps a request may share with others before it fails itself
+
+
 class Scheduler:
     def __init__(self, args: ServerArgs, layout: PoolLayout, stop_ids: frozenset[int],
                  detokenize: Callable[[list[int]], str], vocab_size: int) -> None:
@@ -131,7 +134,7 @@ class Scheduler:
             self._settle(req)
         batch = self._extend_batch()
         mode = "extend"
-        if batch and self.args.enable_mixed_chunk:
+        if batch and self.args.enable_mixed_chunk and not batch[0][0].isolate:
             batch += self._decode_batch(batch)
         elif not batch:
             batch, mode = self._decode_batch([]), "decode"
@@ -159,6 +162,7 @@ class Scheduler:
         if result.step != rec.step:
             raise RuntimeError(f"result of step {result.step} while step {rec.step} is the oldest in flight")
         failed = result.error is not None
+        row_errors = dict(result.row_errors)
         sample_i = lp_i = 0
         for s in rec.seqs:
             req = s.req
@@ -166,9 +170,7 @@ class Scheduler:
             if s.sampled:
                 req.pending_samples -= 1
             if failed:
-                req.poisoned = True  # the forward may have advanced its state: never cache it
-                if not req.finished:
-                    self.outputs.finish(req, "error", result.error)
+                self._on_failed_step(req, len(rec.seqs) == 1, result.error)
                 continue
             if s.n == 1 and s.start >= len(req.prompt_ids):
                 self.metrics.decode_tokens += 1
@@ -184,6 +186,11 @@ class Scheduler:
                 sample_i += 1
                 if req.finished or req.poisoned:
                     continue  # planned before the request ended: the token is discarded
+                if i in row_errors:  # the worker could not sample this row: it fails alone
+                    req.poisoned = True
+                    self.outputs.finish(req, "error", row_errors[i])
+                    continue
+                req.isolate = False  # a step sampling for it succeeded: it is not the culprit
                 # An aborted request keeps its token: a step in flight may already have fed it.
                 reason = self.outputs.on_token(req, result.tokens[i], result.logprobs[i] if result.logprobs else 0.0,
                                                result.top_ids[i] if result.top_ids else [],
@@ -211,6 +218,29 @@ class Scheduler:
         self._refresh_metrics()
         return self.take_outputs()
 
+    def _on_failed_step(self, req: Req, alone: bool, error: str | None) -> None:
+        """A step including `req` failed. The forward may have advanced its state: it is never cached. Alone
+        in the step (or out of retries) it caused the failure and fails; else it is retried alone."""
+        if not req.poisoned and not req.finished and not req.aborted:  # a later step of a poisoned one proves nothing
+            if alone or req.retries >= MAX_STEP_RETRIES:
+                self.outputs.finish(req, "error", error)
+            else:
+                req.retry = True
+        req.poisoned = True
+
+    def _requeue(self, req: Req) -> None:
+        """Drop everything a failed step may have touched (nothing is donated) and queue the request again,
+        to be recomputed alone; its outputs so far came from steps that succeeded and are kept."""
+        assert req.in_flight == 0
+        self._release(req, donate=False)
+        req.num_computed = req.branch_len = 0
+        req.prefill_done = req.retract_pending = req.poisoned = req.retry = False
+        req.ckpt_points.clear()
+        req.isolate = True
+        req.retries += 1
+        self.waiting.appendleft(req)
+        self._retracted_now.add(id(req))
+
     # --- batches ---------------------------------------------------------------------------------------
     def _extend_batch(self) -> list[tuple[Req, int]]:
         """Prefill chunks: running requests' next chunks first, then new admissions, within the budget."""
@@ -220,12 +250,16 @@ class Scheduler:
             if budget <= 0:
                 break
             if req.active and not req.prefill_done and req.row is not None:
+                if req.isolate and batch:
+                    continue  # planned alone, in a step of its own
                 n = min(req.known_len - req.num_computed, budget)
                 if self._grow(req, n):
                     batch.append((req, n))
                     budget -= n
+                    if req.isolate:
+                        break
         batch = [(r, n) for r, n in batch if r.row is not None]
-        if budget <= 0:
+        if budget <= 0 or (batch and batch[0][0].isolate):
             return batch
         self.waiting = order_waiting(self.waiting, self.cache, self._match_ids, self.args.schedule_policy,
                                      self.args.lpm_max_queue)
@@ -237,7 +271,8 @@ class Scheduler:
             if id(req) in self._retracted_now:
                 deferred.append(req)
                 continue
-            if len(deferred) >= self.args.lpm_max_queue:  # bound the scan of a long queue of followers
+            if len(deferred) >= self.args.lpm_max_queue or (req.isolate and batch):
+                # Bound the scan of a long queue of followers; a request to isolate starts the next step.
                 self.waiting.appendleft(req)
                 break
             match = self.cache.match_prefix(self._match_ids(req)) if self.cache is not None else None
@@ -260,6 +295,8 @@ class Scheduler:
             sources.append(req)
             budget -= n
             reserved = reserved.plus(demand)
+            if req.isolate:
+                break
         self.waiting.extendleft(reversed(deferred))
         return batch
 
@@ -269,6 +306,7 @@ class Scheduler:
         batch: list[tuple[Req, int]] = []
         for req in sorted(self.running, key=lambda r: r.arrival):
             if (req.active and req.prefill_done and id(req) not in in_batch and req.row is not None
+                    and not req.isolate  # its first sample since the retry is in flight: wait for it
                     and req.seq_len - req.num_computed == 1
                     and req.output_index < req.params.max_new_tokens):  # else it ends with the pending sample
                 if self._grow(req, 1):
@@ -315,7 +353,9 @@ class Scheduler:
 
     def _settle(self, req: Req) -> None:
         """A request that is in no step in flight and will not be scheduled again: release or retract it."""
-        if req.finished or req.aborted or req.poisoned:
+        if req.retry and not (req.finished or req.aborted):
+            self._requeue(req)
+        elif req.finished or req.aborted or req.poisoned:
             self._release(req, donate=not req.poisoned)
             if not req.finished:
                 self.outputs.finish(req, "abort")
