@@ -3,8 +3,8 @@ starts the scheduler and worker processes (`EngineProcesses`) and runs a `Tokeni
 in a background thread. The sync methods wait on that loop; `async_generate` / `async_stream` run on the
 caller's own event loop, each chunk handed straight to it.
 
-A script that starts an Engine needs `if __name__ == "__main__":` around it: the children are spawned, and
-a spawned child imports the script's main module again.
+A script may start an Engine at top level, without `if __name__ == "__main__":`: the children are spawned
+without re-running the script (see `engine_processes._main_module_hidden`).
 """
 
 from __future__ import annotations

@@ -9,13 +9,15 @@ then watches them from a thread: a child that dies marks the engine dead, tells 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
 import shutil
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import zmq
 
@@ -25,6 +27,28 @@ from runtime.errors import EngineError
 from runtime.messages import Shutdown, WorkerReady, decode, encode
 from runtime.processes import endpoint, model_config, scheduler_main, tokenizer_for, worker_main
 from runtime.server_args import ServerArgs
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Spawn children without re-running the caller's main script in them.
+
+    A spawned child normally imports the parent's `__main__` again (to unpickle what it defines), so a script
+    that starts an Engine at top level, without `if __name__ == "__main__":`, would start one in every child.
+    The children's entry points and arguments live in `runtime.*`, so they need nothing from `__main__`:
+    while they start, `__main__` looks like an interactive session's (no `__file__`, no `__spec__`)."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 class EngineProcesses:
@@ -53,8 +77,9 @@ class EngineProcesses:
         self._control.setsockopt(zmq.LINGER, 0)
         self._control.connect(endpoint(self.ipc_dir, "sched_in"))
         try:
-            for p in self.procs:
-                p.start()
+            with _main_module_hidden():
+                for p in self.procs:
+                    p.start()
             self._wait_ready(startup_timeout)
         except BaseException:
             self.shutdown()
