@@ -1,0 +1,189 @@
+"""The asyncio engine API as the HTTP server uses it: a TokenizerManager on its own event loop (here the
+Engine's loop thread), RequestHandle streams and results, aborts by every way a consumer can go away,
+overload, flush, model info and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from runtime.engine import Engine, EngineError, EngineOverloaded
+from runtime.sampling_params import InvalidRequest
+from runtime.tokenizer_manager import TokenizerManager
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+LONG = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine():  # noqa: ANN201
+    with Engine(mem_bytes=8 << 20) as e:
+        yield e
+
+
+def on_loop(engine: Engine, coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a test coroutine on the loop the tokenizer manager runs on."""
+    return engine._call(coro)
+
+
+async def idle(tm: TokenizerManager, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = await tm.get_metrics()
+        if m["running"] == 0 and m["queued"] == 0 and tm.num_pending == 0:
+            return m
+        assert time.monotonic() < deadline, f"requests still running: {m}"
+        await asyncio.sleep(0.05)
+
+
+def test_submit_stream_and_result(engine: Engine) -> None:
+    tm = engine.tm
+
+    async def run() -> None:
+        h = tm.submit("Weng earns", GREEDY | {"n": 2, "temperature": 1.0, "seed": 5}, rid="a")
+        assert h.rids == ["a-0", "a-1"]
+        chunks = [c async for c in h.stream()]
+        assert [c.index for c in chunks if c.finished] and sorted(c.index for c in chunks if c.finished) == [0, 1]
+        again = await tm.submit("Weng earns", GREEDY | {"n": 2, "temperature": 1.0, "seed": 5}).result()
+        for i, r in enumerate(again):
+            mine = [c for c in chunks if c.index == i]
+            assert r["output_ids"] == [t for c in mine for t in c.token_ids]
+            assert r["text"] == "".join(c.text for c in mine)
+            assert mine[-1].completion_tokens == 6 and mine[-1].prompt_tokens == r["meta_info"]["prompt_tokens"]
+            assert set(r["meta_info"]) >= {"id", "finish_reason", "prompt_tokens", "completion_tokens",
+                                           "cached_tokens", "error", "output_token_logprobs",
+                                           "input_token_logprobs", "output_top_logprobs"}
+        with pytest.raises(RuntimeError, match="once"):
+            [c async for c in h.stream()]
+
+    on_loop(engine, run())
+
+
+def test_logprobs_with_text(engine: Engine) -> None:
+    tm = engine.tm
+
+    async def run() -> dict:
+        h = tm.submit([1, 500, 501, 502], GREEDY, return_logprob=True, logprob_start_len=0, top_logprobs_num=2,
+                      return_text_in_logprobs=True)
+        return (await h.result())[0]["meta_info"]
+
+    meta = on_loop(engine, run())
+    assert len(meta["output_token_logprobs"]) == 6 and len(meta["output_top_logprobs"]) == 6
+    lp, tok, text = meta["output_token_logprobs"][0]
+    assert lp <= 0 and isinstance(tok, int) and isinstance(text, str)
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == [1, 500, 501, 502]
+    assert meta["input_token_logprobs"][0][0] is None  # the first token has no context
+
+
+def test_every_way_a_consumer_leaves_aborts(engine: Engine) -> None:
+    tm = engine.tm
+
+    async def run() -> None:
+        h = tm.submit(list(range(10, 30)), LONG)  # explicit abort
+        await asyncio.sleep(0.2)
+        h.abort()
+        chunks = [c async for c in h.stream()]
+        assert chunks[-1].finished == "abort"
+        await idle(tm)
+
+        h = tm.submit(list(range(10, 30)), LONG)  # the task awaiting the result is cancelled
+        task = asyncio.create_task(h.result())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await idle(tm)
+
+        h = tm.submit(list(range(10, 30)), LONG)  # the async generator is closed after one chunk
+        agen = h.stream()
+        await agen.__anext__()
+        await agen.aclose()
+        await idle(tm)
+
+        h = tm.submit(list(range(10, 30)), LONG, timeout=1e-6)  # a per-chunk timeout
+        with pytest.raises(TimeoutError, match="produced nothing"):
+            await h.result()
+        await idle(tm)
+
+        h = tm.submit(list(range(10, 30)), LONG, deadline=0.3)  # a deadline with nobody reading
+        await asyncio.sleep(0.6)
+        await idle(tm)
+        with pytest.raises(TimeoutError, match="deadline"):
+            await h.result()
+
+        tm.submit(list(range(10, 30)), LONG)  # dropped at once: garbage-collected
+        gc.collect()
+        await idle(tm)
+
+    on_loop(engine, run())
+
+
+def test_refusals_at_the_door(engine: Engine) -> None:
+    tm = engine.tm
+
+    async def run() -> None:
+        cases = [(("",), "prompt"), (([],), "input_ids"), (([1, 4096],), "input_ids"), (([1, -1],), "input_ids"),
+                 (([1, True],), "input_ids"), ((3,), "prompt"), (("x", {"n": 0}), "n"), (("x", []), "sampling_params")]
+        for args, field in cases:
+            with pytest.raises(InvalidRequest) as e:
+                tm.submit(*args)
+            assert e.value.param == field, args
+        for kw, field in [({"rid": ""}, "rid"), ({"timeout": 0}, "timeout"), ({"deadline": float("nan")}, "deadline"),
+                          ({"top_logprobs_num": 5000}, "top_logprobs_num"), ({"return_logprob": 1}, "return_logprob"),
+                          ({"logprob_start_len": -2}, "logprob_start_len")]:
+            with pytest.raises(InvalidRequest) as e:
+                tm.submit("x", GREEDY, **kw)
+            assert e.value.param == field, kw
+        h = tm.submit("x", LONG, rid="dup")
+        with pytest.raises(InvalidRequest, match="in use") as e:
+            tm.submit("x", GREEDY, rid="dup")
+        assert e.value.param == "rid"
+        h.abort()
+        await h.result()
+        assert tm.num_pending == 0
+
+    on_loop(engine, run())
+
+
+def test_overload_flush_and_model_info(engine: Engine) -> None:
+    tm = engine.tm
+
+    async def run() -> None:
+        limit = tm.args.max_queued_requests
+        tm.args.max_queued_requests = 2
+        try:
+            handles = [tm.submit(list(range(10, 20)), LONG) for _ in range(2)]
+            with pytest.raises(EngineOverloaded):
+                tm.submit("x", GREEDY)
+            assert not await tm.flush_cache()  # requests are running: the cache stays
+        finally:
+            tm.args.max_queued_requests = limit
+        for h in handles:
+            h.abort()
+            await h.result()
+        await idle(tm)
+        assert await tm.flush_cache()
+        m = await tm.get_metrics()
+        assert m["kv_pool_bytes"] == 0 and m["state_pool_bytes"] == 0  # nothing left in the tree
+
+    on_loop(engine, run())
+    info = engine.model_info()
+    assert info["vocab_size"] == 4096 and info["context_length"] > 0 and info["page_size"] == 1
+
+
+def test_shutdown_fails_pending_requests() -> None:
+    eng = Engine(mem_bytes=4 << 20)
+    it = eng.stream(list(range(10, 30)), LONG)
+    next(it)
+    threading.Timer(0.3, eng.shutdown).start()
+    with pytest.raises(EngineError, match="shut down"):
+        for _ in it:
+            pass
+    with pytest.raises(EngineError, match="shut down"):
+        eng.submit("x", GREEDY)
