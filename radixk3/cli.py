@@ -1,4 +1,4 @@
-"""`radixk3` command line: plan, make-checkpoint, generate."""
+"""`radixk3` command line: plan, make-checkpoint, generate, serve."""
 
 from __future__ import annotations
 
@@ -76,6 +76,18 @@ def _generate(args: argparse.Namespace) -> None:
         sys.stdout.write(detok.flush() + "\n")
 
 
+def _serve(args: argparse.Namespace) -> None:
+    # Imported here: FastAPI, uvicorn and the engine only for `serve`.
+    from runtime.http_server import run_server
+    from runtime.server_args import ServerArgs
+
+    server_args = ServerArgs.from_cli_args(args)
+    if server_args.model is not None:
+        ModelConfig.from_file(server_args.model)  # a bad directory gets a one-line error before any process starts
+    if run_server(server_args) != 0:
+        raise GenerateError("the server failed to start (see the log above)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixk3", description="Serving runtime for Kimi-K3-class hybrid models")
     sub = p.add_subparsers(dest="command", required=True)
@@ -105,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     ServerArgs.add_cli_args(gen)
     gen.set_defaults(fn=_generate)
+
+    serve = sub.add_parser("serve", help="the HTTP server: native (/generate) and OpenAI-compatible (/v1) APIs",
+                           description="Starts the engine with the ServerArgs flags below (--model/--model-path "
+                                       "DIR; default: the built-in tiny model) behind FastAPI on uvicorn; "
+                                       "SIGTERM drains in-flight requests and exits.")
+    ServerArgs.add_cli_args(serve)
+    serve.set_defaults(fn=_serve)
     return p
 
 

@@ -1,0 +1,137 @@
+"""HTTP errors of the server: one OpenAI-style body for every refusal, and request bodies parsed strictly.
+
+Every error, on the native and the /v1 routes alike, is `{"error": {"message", "type", "param", "code"}}` with a
+message that names the problem, so that a client (or the `openai` package, which reads exactly this shape) can
+tell the user what to fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+M = TypeVar("M", bound=BaseModel)
+
+RETRY_AFTER_S = 1  # what a 503 tells the client to wait: the queue drains at step speed
+
+
+class OrjsonResponse(Response):
+    """JSON responses through orjson (FastAPI's ORJSONResponse is deprecated)."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+@dataclass
+class APIError(Exception):
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> OrjsonResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
+        return OrjsonResponse(self.body(), self.status, headers)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier():  # a field name, not one of pydantic's validator tags ("union[...]")
+            out += f".{part}" if out else part
+    return out
+
+
+def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """The first problem pydantic found, as `field: what is wrong`."""
+    errors = exc.errors()
+    first = errors[0]
+    loc = tuple(p for p in first.get("loc", ()) if p != "body")
+    where = _loc(loc)
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        msg = "unknown field"
+    elif first.get("type") == "missing":
+        msg = "field required"
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return bad_request(f"{where}: {msg}{more}" if where else f"{msg}{more}", where or None)
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The JSON body validated into `model`; any content type is read as JSON (curl's -d sends form type)."""
+    raw = await request.body()
+    if not raw.strip():
+        raise bad_request("the request body is empty; expected a JSON object")
+    try:
+        # orjson refuses invalid UTF-8, NaN/Infinity literals and integers beyond 64 bits, saying which.
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"malformed JSON body: {e}") from None
+    if not isinstance(obj, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """APIError, FastAPI's own validation and routing errors (404, 405) and anything unexpected, in one shape."""
+    from runtime.errors import EngineError, EngineOverloaded
+    from runtime.sampling_params import InvalidRequest
+
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(_: Request, exc: InvalidRequest) -> Response:
+        return bad_request(str(exc), exc.param).response()
+
+    @app.exception_handler(EngineOverloaded)
+    async def _overloaded(_: Request, exc: EngineOverloaded) -> Response:
+        return APIError(503, f"the server is overloaded: {exc}; retry later", "server_overloaded",
+                        code="overloaded").response()
+
+    @app.exception_handler(EngineError)
+    async def _engine(_: Request, exc: EngineError) -> Response:
+        return APIError(503, f"the engine is unavailable: {exc}", "server_error", code="engine_error").response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
+                                                                                       str(exc.detail))
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return OrjsonResponse(error_body(message, kind), exc.status_code, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        return OrjsonResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), 500)

@@ -1,0 +1,258 @@
+"""Pydantic models of the OpenAI-compatible API (requests strictly typed, responses as OpenAI shapes them).
+
+Requests are strict: a string is not an integer, 2.7 is not an integer, unknown fields are refused by name,
+non-finite floats are refused. Ranges of the sampling parameters are the engine's to check
+(`runtime.sampling_params`), so that the native and the OpenAI routes refuse the same values the same way.
+The fields beyond OpenAI's (`top_k`, `min_p`, ...) are SGLang's extras, sent with the client's `extra_body`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+Stop = NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class _SamplingFields(_Strict):
+    model: StrictStr
+    n: StrictInt = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: Stop = None
+    seed: StrictInt | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    logit_bias: dict[str, float] | None = None
+    # SGLang's extras.
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: StrictInt | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    rid: NonEmptyStr | None = None
+
+    @model_validator(mode="after")
+    def _refusals(self) -> _SamplingFields:
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    def sampling(self, max_new_tokens: int | None) -> dict[str, Any]:
+        """The engine's sampling parameters; unset fields keep the engine's defaults."""
+        sp: dict[str, Any] = {
+            "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+            "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+            "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "min_new_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens, "max_new_tokens": max_new_tokens,
+            "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+        }
+        return {k: v for k, v in sp.items() if v is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: NonEmptyStr | TokenIds | Annotated[list[NonEmptyStr], Field(min_length=1)] | Annotated[
+        list[TokenIds], Field(min_length=1)]
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
+
+    @model_validator(mode="after")
+    def _completion_refusals(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 5:
+            raise ValueError("logprobs must be in [0, 5]")
+        return self
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return p  # type: ignore[return-value]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: StrictStr | Annotated[list[TextPart], Field(min_length=1)]
+    name: NonEmptyStr | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    @model_validator(mode="after")
+    def _chat_refusals(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise ValueError("top_logprobs requires logprobs=true")
+            if not 0 <= self.top_logprobs <= 20:
+                raise ValueError("top_logprobs must be in [0, 20]")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give max_tokens or max_completion_tokens, not both")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ValueError("response_format other than {'type': 'text'} is not supported")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ValueError("tools are not supported")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# --- responses ------------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "radixk3"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

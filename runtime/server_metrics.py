@@ -1,0 +1,107 @@
+"""Prometheus metrics of the server (`GET /metrics`), with prometheus-client.
+
+Two sources: the scheduler's own counters (running, queued, pool bytes, cache, state checkpoints), fetched at
+scrape time with `get_metrics`, and what only the tokenizer process sees (token counters, TTFT, inter-token
+and end-to-end latency), observed per request by `RequestTimer`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "radixk3"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+# Scheduler counters: (key in SchedulerMetrics, exported name, help). Gauges go up and down; counters only up.
+_GAUGES = (
+    ("running", "num_running_reqs", "requests in the running batch"),
+    ("queued", "num_queued_reqs", "requests waiting to be scheduled"),
+    ("state_pool_bytes", "state_pool_used_bytes", "pool bytes held by KDA states (running and cached)"),
+    ("kv_pool_bytes", "kv_pool_used_bytes", "pool bytes held by MLA KV (running and cached)"),
+)
+_COUNTERS = (
+    ("steps", "scheduler_steps", "forward steps run"),
+    ("prefill_tokens_computed", "prefill_tokens_computed", "prompt tokens run through the model"),
+    ("cached_tokens", "cached_prompt_tokens", "prompt tokens served from the radix cache"),
+    ("state_hits", "state_checkpoint_hits", "admissions that found a KDA state checkpoint"),
+    ("state_misses", "state_checkpoint_misses", "admissions that found no KDA state checkpoint"),
+    ("evictions", "cache_evictions", "radix cache evictions"),
+    ("retractions", "retractions", "running requests retracted for memory"),
+    ("checkpoints", "state_checkpoints_written", "KDA state checkpoints written"),
+)
+
+
+class _SchedulerCollector(Collector):
+    """Exports the last scheduler snapshot the scrape handler fetched."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot
+        for key, name, doc in _GAUGES:
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(s.get(key, 0)))
+        for key, name, doc in _COUNTERS:
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(s.get(key, 0)))
+        prompt = s.get("prompt_tokens", 0)
+        yield GaugeMetricFamily(f"{PREFIX}_cache_hit_rate", "share of admitted prompt tokens found in the cache",
+                                value=s.get("cached_tokens", 0) / prompt if prompt else 0.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.scheduler = _SchedulerCollector()
+        r.register(self.scheduler)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "tokens generated", registry=r)
+        self.requests = Counter(f"{PREFIX}_requests", "finished requests (samples) by finish reason",
+                                ["finish_reason"], registry=r)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "submit to first generated token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "time between generated tokens",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "submit to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+    def render(self, scheduler_snapshot: dict[str, Any]) -> bytes:
+        self.scheduler.snapshot = scheduler_snapshot
+        return generate_latest(self.registry)
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Latency of one request's samples; `chunk` for every chunk that carries tokens, `finish` at each end."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._m = metrics
+        self._t0 = time.perf_counter()
+        self._last: dict[int, float] = {}
+
+    def chunk(self, index: int, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        now = time.perf_counter()
+        last = self._last.get(index)
+        if last is None:
+            self._m.ttft.observe(now - self._t0)
+        else:  # a chunk of k tokens: k gaps of equal share
+            for _ in range(num_tokens):
+                self._m.itl.observe((now - last) / num_tokens)
+        self._last[index] = now
+        self._m.generation_tokens.inc(num_tokens)
+
+    def finish(self, reason: str | None, prompt_tokens: int) -> None:
+        self._m.e2e.observe(time.perf_counter() - self._t0)
+        self._m.prompt_tokens.inc(prompt_tokens)
+        self._m.requests.labels(finish_reason=reason or "unknown").inc()

@@ -1,0 +1,99 @@
+"""The real HTTP server as a subprocess on a free loopback port, for the test_http_* files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen[bytes]
+    api_key: str | None = None
+
+    def client(self, **kw: object) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.url, timeout=60.0, headers=headers, **kw)  # type: ignore[arg-type]
+
+    def metrics(self) -> dict[str, float]:
+        """The /metrics samples by name (labels kept in the name), as floats."""
+        with self.client() as c:
+            r = c.get("/metrics")
+        r.raise_for_status()
+        out: dict[str, float] = {}
+        for line in r.text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+        """Metrics once nothing runs or waits (aborts and finishes have reached the scheduler)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["radixk3_num_running_reqs"] == 0 and m["radixk3_num_queued_reqs"] == 0:
+                return m
+            assert time.monotonic() < deadline, f"not idle after {timeout}s: {m}"
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+def start_server(*flags: str, api_key: str | None = None, startup_timeout: float = 180.0) -> Server:
+    port = free_port()
+    argv = [sys.executable, "-m", "radixk3.launch_server", "--port", str(port), *flags]
+    if api_key is not None:
+        argv += ["--api-key", api_key]
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env)
+    server = Server(f"http://127.0.0.1:{port}", proc, api_key)
+    deadline = time.monotonic() + startup_timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} during startup")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"the server did not start within {startup_timeout}s")
+        time.sleep(0.25)
+
+
+@contextmanager
+def running_server(*flags: str, api_key: str | None = None) -> Iterator[Server]:
+    server = start_server(*flags, api_key=api_key)
+    try:
+        yield server
+    finally:
+        server.stop()

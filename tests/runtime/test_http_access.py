@@ -1,0 +1,151 @@
+"""Access and overload on the real server: the API key on every endpoint but /health, the body-size limit,
+503 + Retry-After beyond the bounded queue with nothing accepted dropped, and SIGTERM draining in-flight
+requests to a clean exit."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from radixk3.cli import build_parser
+from runtime.server_args import ServerArgs
+from tests.runtime.http_server_proc import Server, running_server
+
+KEY = "s3cret-key"
+LIMIT = 4096
+MODEL = "k3-tiny"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    flags = ("--max-body-bytes", str(LIMIT), "--max-queued-requests", "3", "--graceful-shutdown-timeout", "60")
+    with running_server(*flags, api_key=KEY) as s:
+        yield s
+
+
+def test_serve_flags() -> None:
+    args = build_parser().parse_args(["serve", "--model-path", "ckpt", "--port", "1234", "--api-key", "k"])
+    s = ServerArgs.from_cli_args(args)
+    assert (s.model, s.port, s.api_key, s.host) == ("ckpt", 1234, "k", "127.0.0.1")
+    assert ServerArgs.from_cli_args(build_parser().parse_args(["serve"])).port == 30000
+
+
+def test_api_key(server: Server) -> None:
+    bare = httpx.Client(base_url=server.url, timeout=30)
+    assert bare.get("/health").status_code == 200  # open: load balancers probe it
+    for method, path in (("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/generate"),
+                         ("GET", "/get_model_info"), ("POST", "/v1/chat/completions"), ("POST", "/flush_cache")):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = bare.request(method, path, headers=headers, json={"text": "x"})
+            assert r.status_code == 401, (method, path, headers)
+            assert "API key" in r.json()["error"]["message"] and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    out = good.completions.create(model=MODEL, prompt="hello", max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens == 3
+
+
+def test_body_limit(server: Server) -> None:
+    with server.client() as c:
+        big = {"text": "x" * LIMIT, "sampling_params": {"max_new_tokens": 1}}
+        r = c.post("/generate", json=big)
+        assert r.status_code == 413 and f"limit of {LIMIT} bytes" in r.json()["error"]["message"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: the limit holds on the bytes received
+            data = orjson.dumps(big)
+            for i in range(0, len(data), 1000):
+                yield data[i: i + 1000]
+
+        r = c.post("/generate", content=chunks())
+        assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
+        assert c.post("/generate", json={"text": "x" * 100, "sampling_params": {"max_new_tokens": 1}}
+                      ).status_code == 200
+
+
+def test_overload_503_and_nothing_dropped(server: Server) -> None:
+    results: list[Any] = [None] * 3
+    body = {"text": "busy", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+
+    def run(i: int) -> None:
+        with server.client() as c:
+            results[i] = c.post("/generate", json=body).json()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]  # fill the queue of 3
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while (m := server.metrics())["radixk3_num_running_reqs"] + m["radixk3_num_queued_reqs"] < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with server.client() as c:
+        r = c.post("/generate", json=body)
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert "overloaded" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "busy", "max_tokens": 2})
+        assert r.status_code == 503
+    for t in threads:
+        t.join(60)
+    assert [res["meta_info"]["completion_tokens"] for res in results] == [300] * 3  # all accepted ones done
+
+
+def test_sigterm_drains_in_flight_then_exits_cleanly(server: Server) -> None:
+    """Last in this file: it stops the module's server."""
+    results: list[Any] = [None, None]
+    started = threading.Event()
+
+    def stream() -> None:
+        usage, done = None, False
+        with server.client() as c, c.stream("POST", "/v1/completions", json={
+                "model": MODEL, "prompt": "drain me", "max_tokens": 30, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                    usage = orjson.loads(line[6:]).get("usage") or usage
+                done = done or line == "data: [DONE]"
+        results[0] = (usage, done)
+
+    def full() -> None:
+        with server.client() as c:
+            results[1] = c.post("/generate", json={"text": "drain me", "sampling_params": {
+                "max_new_tokens": 30, "ignore_eos": True}}).json()
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=full)]
+    for t in threads:
+        t.start()
+    assert started.wait(60)
+    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True,
+                                               text=True).stdout.split()]
+    assert len(children) >= 2  # the scheduler and the worker
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    with pytest.raises(httpx.ConnectError):  # no longer accepting
+        httpx.get(f"{server.url}/health", timeout=5)
+    for t in threads:
+        t.join(60)
+    usage, done = results[0]
+    assert done and usage["completion_tokens"] == 30 and results[1]["meta_info"]["completion_tokens"] == 30
+    assert results[1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert server.proc.wait(60) == 0
+    time.sleep(1.0)
+    assert not [pid for pid in children if alive(pid)]  # the engine's processes went with it
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie awaiting a reaper that is not us."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

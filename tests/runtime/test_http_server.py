@@ -1,0 +1,217 @@
+"""The real server as a subprocess: native and OpenAI routes through raw HTTP (httpx) and the `openai` client,
+streaming == full responses, greedy over HTTP == `Engine.generate`, abort on disconnect, /metrics."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import orjson
+import pytest
+
+from radixk3.tokenizer import load_tokenizer
+from runtime.engine import Engine
+from tests.runtime.http_server_proc import Server, running_server
+
+PROMPTS = ["Natalia sold clips to 48 of her friends", "Weng earns $12 an hour", "Betty is saving money"]
+GREEDY = {"max_new_tokens": 12, "temperature": 0}
+MODEL = "k3-tiny"
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[dict[str, Any]]:
+    with Engine() as engine:
+        return engine.generate(PROMPTS, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def server() -> Server:
+    with running_server() as s:
+        yield s
+
+
+def sse_events(response: httpx.Response) -> list[Any]:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else orjson.loads(data))
+    return events
+
+
+def test_native_greedy_equals_engine(server: Server, reference: list[dict[str, Any]]) -> None:
+    with server.client() as c:
+        batch = c.post("/generate", json={"text": PROMPTS, "sampling_params": GREEDY}).json()
+        single = c.post("/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY}).json()
+        ids = c.post("/generate", json={"input_ids": load_tokenizer().encode(PROMPTS[1], add_bos=True),
+                                        "sampling_params": GREEDY}).json()
+    assert [r["text"] for r in batch] == [r["text"] for r in reference]
+    assert [r["output_ids"] for r in batch] == [r["output_ids"] for r in reference]
+    assert single["text"] == reference[0]["text"] and single["meta_info"]["completion_tokens"] == 12
+    assert single["meta_info"]["finish_reason"] == {"type": "length", "matched": None}
+    assert single["meta_info"]["prompt_tokens"] == reference[0]["meta_info"]["prompt_tokens"]
+    assert ids["output_ids"] == reference[1]["output_ids"]
+
+
+def test_stream_equals_full_native_with_stop_string(server: Server, reference: list[dict[str, Any]]) -> None:
+    full_text = reference[0]["text"]
+    stop = full_text[len(full_text) // 2: len(full_text) // 2 + 3]
+    params = GREEDY | {"stop": [stop], "n": 2}
+    with server.client() as c:
+        full = c.post("/generate", json={"text": PROMPTS[0], "sampling_params": params}).json()
+        with c.stream("POST", "/generate", json={"text": PROMPTS[0], "sampling_params": params, "stream": True}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    last = {e["index"]: e for e in events[:-1]}  # each event holds its sample's text so far
+    expected = full_text[: full_text.index(stop)]
+    assert [f["text"] for f in full] == [expected, expected]
+    assert [last[i]["text"] for i in (0, 1)] == [expected, expected]
+    assert not any(stop in e["text"] for e in events[:-1])  # never streamed, then taken back
+    assert last[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_openai_client(server: Server, reference: list[dict[str, Any]]) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    done = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(done.choices, key=lambda c: c.index)] == [r["text"] for r in reference]
+    assert done.usage.completion_tokens == 36 and done.choices[0].finish_reason == "length"
+    streamed = [""] * 3
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0, stream=True):
+        for ch in chunk.choices:
+            streamed[ch.index] += ch.text
+    assert streamed == [r["text"] for r in reference]
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How many clips?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, n=2, seed=1)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+    assert chat.choices[0].message.role == "assistant" and chat.usage.total_tokens == chat.usage.prompt_tokens + 20
+    text, usage = "", None
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10,
+                                                temperature=0, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+    assert text == chat.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == 10
+    # The prompt was seen before: the radix cache serves it, and usage says so.
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=MODEL, messages=messages, temperature=-1)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4", messages=messages)
+
+
+CHAT_SCHEMA = {
+    "type": "object",
+    "required": ["id", "object", "created", "model", "choices", "usage"],
+    "properties": {
+        "object": {"const": "chat.completion"},
+        "choices": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["index", "message", "finish_reason", "logprobs"],
+            "properties": {
+                "message": {"type": "object", "required": ["role", "content"],
+                            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}},
+                "finish_reason": {"enum": ["stop", "length"]},
+                "logprobs": {"type": "object", "required": ["content"], "properties": {"content": {
+                    "type": "array", "items": {"type": "object", "required": ["token", "logprob", "top_logprobs"],
+                                               "properties": {"top_logprobs": {"type": "array", "maxItems": 3}}}}}},
+            }}},
+        "usage": {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens",
+                                                  "prompt_tokens_details"]},
+    },
+}
+
+
+def test_logprobs_raw_http(server: Server) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+            "logprobs": True, "top_logprobs": 3}
+    with server.client() as c:
+        chat = c.post("/v1/chat/completions", json=body).json()
+        native = c.post("/generate", json={"text": "Weng earns", "sampling_params": {"max_new_tokens": 4,
+                        "temperature": 0}, "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0,
+                        "return_text_in_logprobs": True}).json()
+    jsonschema.validate(chat, CHAT_SCHEMA)
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(t["top_logprobs"][0]["logprob"] == t["logprob"] for t in content)  # greedy
+    meta = native["meta_info"]
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == native["output_ids"]
+    assert all(row[0][1] == t for row, t in zip(meta["output_top_logprobs"], native["output_ids"], strict=True))
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"] and meta["input_token_logprobs"][0][0] is None
+    assert "".join(p for _, _, p in meta["output_token_logprobs"]) == native["text"]
+
+
+def test_native_endpoints(server: Server) -> None:
+    with server.client() as c:
+        info = c.get("/get_model_info").json()
+        assert info["vocab_size"] > 0 and info["served_model_name"] == MODEL and info["context_length"] > 0
+        assert c.get("/get_server_info").json()["port"] == int(server.url.rsplit(":", 1)[1])
+        assert c.get("/health_generate").status_code == 200
+        server.wait_idle()
+        assert c.post("/flush_cache").json()["success"] is True
+        # Aborting by the request's id: the waiting client gets its answer at once, finish_reason abort.
+        out: dict[str, Any] = {}
+        long = {"text": "abort me", "rid": "to-abort", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+        t = threading.Thread(target=lambda: out.update(c.post("/generate", json=long).json()))
+        t.start()
+        time.sleep(1.0)
+        assert c.post("/abort_request", json={"rid": "to-abort"}).json()["aborted"] == 1
+        t.join(30)
+        assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["meta_info"]["completion_tokens"] < 4000
+
+
+def pool_bytes(m: dict[str, float]) -> float:
+    return m["radixk3_state_pool_used_bytes"] + m["radixk3_kv_pool_used_bytes"]
+
+
+def test_disconnect_aborts_and_frees_the_pool(server: Server) -> None:
+    with server.client() as c:
+        server.wait_idle()
+        assert c.post("/flush_cache").json()["success"]
+        before = server.metrics()
+        long = {"max_new_tokens": 4000, "ignore_eos": True}
+        for i in range(3):  # streaming clients that leave after two events
+            with c.stream("POST", "/generate", json={"text": f"stream {i}", "sampling_params": long,
+                                                     "stream": True}) as r:
+                it = r.iter_lines()
+                seen = [line for line in (next(it) for _ in range(4)) if line]
+                assert len(seen) == 2
+        with c.stream("POST", "/v1/chat/completions", json={"model": MODEL, "stream": True, "max_tokens": 4000,
+                      "ignore_eos": True, "messages": [{"role": "user", "content": "go"}]}) as r:
+            next(r.iter_lines())
+        with pytest.raises(httpx.ReadTimeout):  # a full-response client that gives up
+            c.post("/generate", json={"text": "full", "sampling_params": long}, timeout=1.5)
+        t0 = time.monotonic()
+        after = server.wait_idle(timeout=20)
+        assert time.monotonic() - t0 < 20  # 5 x 4000 tokens would take minutes: they were aborted
+        assert c.post("/flush_cache").json()["success"]
+        flushed = server.metrics()
+    aborted = 'radixk3_requests_total{finish_reason="abort"}'
+    assert after[aborted] - before.get(aborted, 0) == 5
+    assert pool_bytes(flushed) == pool_bytes(before)
+
+
+def test_metrics_move(server: Server) -> None:
+    server.wait_idle()
+    before = server.metrics()
+    with server.client() as c:
+        r = c.post("/generate", json={"text": "count me", "sampling_params": {"max_new_tokens": 5,
+                                                                               "ignore_eos": True}}).json()
+    after = server.metrics()
+    length = 'radixk3_requests_total{finish_reason="length"}'
+    assert after[length] - before.get(length, 0) == 1
+    assert after["radixk3_generation_tokens_total"] - before["radixk3_generation_tokens_total"] == 5
+    assert after["radixk3_prompt_tokens_total"] - before["radixk3_prompt_tokens_total"] == r["meta_info"][
+        "prompt_tokens"]
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert after[f"radixk3_{h}_count"] - before[f"radixk3_{h}_count"] == 1
+    assert after["radixk3_inter_token_latency_seconds_count"] - before["radixk3_inter_token_latency_seconds_count"] == 4
+    assert after["radixk3_prefill_tokens_computed_total"] > before["radixk3_prefill_tokens_computed_total"]
+    assert after["radixk3_scheduler_steps_total"] > before["radixk3_scheduler_steps_total"]
+    assert 0 <= after["radixk3_cache_hit_rate"] <= 1
