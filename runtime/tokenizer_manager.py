@@ -61,14 +61,10 @@ class _Sink:
         self.loop = loop
         self.queue: asyncio.Queue[StreamChunk | BaseException] = asyncio.Queue()
 
-    def put(self, item: StreamChunk | BaseException, on_loop: asyncio.AbstractEventLoop) -> None:
-        if on_loop is self.loop:
-            self.queue.put_nowait(item)
-            return
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the consumer's loop is closed: nobody is waiting any more
-            pass
+
+def _put_all(items: list[tuple[_Sink, StreamChunk | BaseException]]) -> None:
+    for sink, item in items:
+        sink.queue.put_nowait(item)
 
 
 @dataclass
@@ -176,6 +172,8 @@ class TokenizerManager:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self.dead: EngineError | None = None
+        # Chunks for consumers on other event loops, handed over once per burst of replies (one wake-up).
+        self._foreign: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, StreamChunk | BaseException]]] = {}
 
     # --- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -219,10 +217,26 @@ class TokenizerManager:
             except RuntimeError:
                 pass
 
+    def _deliver(self, sink: _Sink, item: StreamChunk | BaseException) -> None:
+        if sink.loop is self._loop:
+            sink.queue.put_nowait(item)
+            return
+        if not self._foreign:
+            self._loop.call_soon(self._hand_over)  # type: ignore[union-attr]
+        self._foreign.setdefault(sink.loop, []).append((sink, item))
+
+    def _hand_over(self) -> None:
+        foreign, self._foreign = self._foreign, {}
+        for loop, items in foreign.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the consumer's loop is closed: nobody is waiting any more
+                pass
+
     def _fail_all(self, err: EngineError) -> None:
         reqs, self._reqs = self._reqs, {}
         for entry in reqs.values():
-            entry.sink.put(err, self._loop)  # type: ignore[arg-type]
+            self._deliver(entry.sink, err)
         waiters, self._waiters = self._waiters, {}
         for fut in waiters.values():
             if not fut.done():
@@ -246,19 +260,32 @@ class TokenizerManager:
 
     # --- receiving -------------------------------------------------------------------------------------
     async def _receive(self) -> None:
-        while True:
-            msg = decode(await self._pull.recv_multipart())
-            if isinstance(msg, TokenOut):
-                entry = self._reqs.get(msg.rid)
-                if entry is None:
-                    continue  # already failed or forgotten
-                if msg.finished is not None:
-                    del self._reqs[msg.rid]
-                entry.sink.put(entry.sample.chunk(msg), self._loop)  # type: ignore[arg-type]
-            elif isinstance(msg, MetricsOut):
-                self._resolve(msg.req_id, msg.metrics)
-            elif isinstance(msg, FlushCacheOut):
-                self._resolve(msg.req_id, msg.flushed)
+        try:
+            while True:
+                self._dispatch(decode(await self._pull.recv_multipart()))
+                for _ in range(4096):  # what else has arrived, in this turn of the loop (no await yields)
+                    if not self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        break
+                    self._dispatch(decode(await self._pull.recv_multipart()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # never leave requests waiting on a receiver that is gone
+            self.dead = EngineError(f"the tokenizer manager's receiver failed: {type(e).__name__}: {e}")
+            self._fail_all(self.dead)
+            raise
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, TokenOut):
+            entry = self._reqs.get(msg.rid)
+            if entry is None:
+                return  # already failed or forgotten
+            if msg.finished is not None:
+                del self._reqs[msg.rid]
+            self._deliver(entry.sink, entry.sample.chunk(msg))
+        elif isinstance(msg, MetricsOut):
+            self._resolve(msg.req_id, msg.metrics)
+        elif isinstance(msg, FlushCacheOut):
+            self._resolve(msg.req_id, msg.flushed)
 
     def _resolve(self, req_id: str, value: Any) -> None:
         fut = self._waiters.pop(req_id, None)
@@ -339,7 +366,7 @@ class TokenizerManager:
             return
         sink = self._reqs[live[0]].sink
         self._abort_now(live)
-        sink.put(TimeoutError(f"request {', '.join(rids)} passed its deadline"), self._loop)  # type: ignore[arg-type]
+        self._deliver(sink, TimeoutError(f"request {', '.join(rids)} passed its deadline"))
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
