@@ -55,29 +55,50 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+# How pydantic tags the members of a union in an error's location; never field names here.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part.isidentifier():  # a field name, not one of pydantic's validator tags ("union[...]")
+        elif part.isidentifier() and part not in _TYPE_TAGS:  # a field name, not a validator's tag
             out += f".{part}" if out else part
     return out
 
 
+def _message(error: Any) -> str:
+    if error.get("type") == "extra_forbidden":
+        return "unknown field"
+    if error.get("type") == "missing":
+        return "field required"
+    return str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+
+
 def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
-    """The first problem pydantic found, as `field: what is wrong`."""
-    errors = exc.errors()
-    first = errors[0]
-    loc = tuple(p for p in first.get("loc", ()) if p != "body")
-    where = _loc(loc)
-    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
-    if first.get("type") == "extra_forbidden":
-        msg = "unknown field"
-    elif first.get("type") == "missing":
-        msg = "field required"
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-    return bad_request(f"{where}: {msg}{more}" if where else f"{msg}{more}", where or None)
+    """What pydantic found wrong with the first bad field, as `field: what is wrong`; a field that may take
+    several forms (a string or a list, ...) lists why each form failed."""
+    errors = [e | {"loc": tuple(p for p in e.get("loc", ()) if p != "body")} for e in exc.errors()]
+    field = errors[0]["loc"][:1]
+    same = [e for e in errors if e["loc"][:1] == field]
+    if len(same) == 1:
+        where = _loc(same[0]["loc"])
+        text = _message(same[0])
+    else:
+        common = 1
+        while all(len(e["loc"]) > common and e["loc"][common] == same[0]["loc"][common] for e in same):
+            common += 1
+        where = _loc(same[0]["loc"][:common])
+        forms = []
+        for e in same:
+            inner = _loc(e["loc"][common:])
+            forms.append(f"{inner}: {_message(e)}" if inner else _message(e))
+        text = "no accepted form matches: " + "; or ".join(dict.fromkeys(forms))
+    others = len({e["loc"][:1] for e in errors}) - 1
+    more = f" (and {others} more bad field(s))" if others else ""
+    return bad_request(f"{where}: {text}{more}" if where else f"{text}{more}", where or None)
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
