@@ -1,0 +1,68 @@
+"""Programs shared by the in-process and the live-server tests."""
+
+from __future__ import annotations
+
+import frontend_lang as sgl
+
+# Ends in "\n", a piece of its own in the built-in tokenizer: appended text never merges into it.
+PREFIX = ("Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
+          "in May. How many clips did Natalia sell altogether in April and May?\n")
+# On the built-in model the normalised and the summed logprob choose differently among these (checked).
+CHOICES = [" yes", " April", " she sold 72 clips"]
+# "is " + "no" tokenises with the prefix's trailing space merged into the choice's first token.
+MERGING_PREFIX, MERGING_CHOICES = "The answer is ", ["no", "twelve clips", "she sold 72 clips"]
+
+
+@sgl.function
+def plain_gen(s, prompt: str, stop: list[str] | None = None):  # noqa: ANN001, ANN201
+    s += prompt
+    s += sgl.gen("out", max_tokens=12, stop=stop, ignore_eos=True)
+
+
+@sgl.function
+def pick(s, prefix: str, choices: list[str], method=sgl.token_length_normalized):  # noqa: ANN001, ANN201
+    s += prefix
+    s += sgl.select("pick", choices=choices, choices_method=method)
+
+
+@sgl.function
+def chat(s, question: str):  # noqa: ANN001, ANN201
+    s += sgl.system("You answer briefly.")
+    s += sgl.user_begin()
+    s += question
+    s += sgl.user_end()
+    s += sgl.assistant(sgl.gen("answer", max_tokens=6))
+    with s.user():
+        s += "And why?"
+    s += sgl.assistant_begin() + sgl.gen("why", max_tokens=4) + sgl.assistant_end()
+
+
+@sgl.function
+def branches(s, prefix: str, n: int):  # noqa: ANN001, ANN201
+    s += prefix
+    forks = s.fork(n)
+    forks += sgl.gen("branch", max_tokens=4, ignore_eos=True)
+    forks.join()
+
+
+@sgl.function
+def fork_and_append(s, prefix: str):  # noqa: ANN001, ANN201
+    s += prefix
+    forks = s.fork(3)
+    forks += [sgl.gen("g", max_tokens=2, ignore_eos=True)] * 3
+    metas = [f.get_meta_info("g") for f in forks]
+    s.set_var("parts", [f["g"] for f in forks])
+    forks.join("concate_and_append")
+    return metas
+
+
+@sgl.function
+def numbered(s, i: int):  # noqa: ANN001, ANN201
+    s += f"Question {i}: how many clips are {i} and {i + 1}?\nAnswer:"
+    s += sgl.gen("answer", max_tokens=5, ignore_eos=True)
+
+
+@sgl.function
+def with_regex(s):  # noqa: ANN001, ANN201
+    s += "The number is "
+    s += sgl.gen("n", max_tokens=4, regex=r"[0-9]+")
