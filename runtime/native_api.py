@@ -22,7 +22,6 @@ from runtime.server_requests import (
     ClientDisconnected,
     Sample,
     collect_all,
-    merged,
     metered,
     submit_all,
     unless_disconnected,
@@ -139,7 +138,7 @@ async def _stream(st: ServerState, req: GenerateRequest, prompt_ids: list[int], 
                   ) -> AsyncIterator[bytes]:
     samples = [Sample(i) for i in range(len(handle.rids))]
     try:
-        async for _, chunk in merged([metered(handle, timer)]):
+        async for chunk in metered(handle, timer):
             s = samples[chunk.index]
             s.add(chunk)
             if chunk.finished == "error":
