@@ -23,6 +23,7 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 _GAUGES = (
     ("running", "num_running_reqs", "requests in the running batch"),
     ("queued", "num_queued_reqs", "requests waiting to be scheduled"),
+    ("pending_requests", "num_pending_reqs", "requests accepted by the server and not finished (the bounded queue)"),
     ("state_pool_bytes", "state_pool_used_bytes", "pool bytes held by KDA states (running and cached)"),
     ("kv_pool_bytes", "kv_pool_used_bytes", "pool bytes held by MLA KV (running and cached)"),
 )

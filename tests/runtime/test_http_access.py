@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -149,3 +150,40 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_sigterm_aborts_what_outlives_the_grace_period() -> None:
+    with running_server("--graceful-shutdown-timeout", "1") as server:
+        got: dict[str, Any] = {}
+
+        def stream() -> None:
+            body = {"text": "endless", "stream": True, "sampling_params": {"max_new_tokens": 100_000,
+                                                                             "ignore_eos": True}}
+            try:
+                with server.client() as c, c.stream("POST", "/generate", json=body) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            got["last"] = orjson.loads(line[6:])
+                            got.setdefault("t_first", time.monotonic())
+            except httpx.TransportError as e:  # the server closed the connection mid-stream
+                got["error"] = e
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while "t_first" not in got:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0
+        assert time.monotonic() - t0 < 20  # 1 s of grace, then the rest is aborted, not served
+        t.join(30)
+        # Cut short: the stream says so (an abort, or the engine shutting down under it), or the socket closed.
+        last = got["last"]
+        assert "error" in got or "shut down" in last.get("error", {}).get("message", "") or (
+            last["meta_info"]["finish_reason"]["type"] == "abort")
+
+
+def test_bad_model_dir_is_one_line_error(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "radixk3.launch_server", "--model-path", str(tmp_path / "none")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "radixk3 serve: error:" in r.stderr and len(r.stderr.strip().splitlines()) == 1

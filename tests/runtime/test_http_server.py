@@ -214,4 +214,4 @@ def test_metrics_move(server: Server) -> None:
     assert after["radixk3_inter_token_latency_seconds_count"] - before["radixk3_inter_token_latency_seconds_count"] == 4
     assert after["radixk3_prefill_tokens_computed_total"] > before["radixk3_prefill_tokens_computed_total"]
     assert after["radixk3_scheduler_steps_total"] > before["radixk3_scheduler_steps_total"]
-    assert 0 <= after["radixk3_cache_hit_rate"] <= 1
+    assert 0 <= after["radixk3_cache_hit_rate"] <= 1 and after["radixk3_num_pending_reqs"] == 0
