@@ -69,10 +69,6 @@ def _usage(groups: Sequence[Sequence[Sample]]) -> Usage:
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-def _finish_reason(s: Sample | StreamChunk) -> str | None:
-    return s.finished
-
-
 def _failed(groups: Sequence[Sequence[Sample]]) -> None:
     for g in groups:
         for s in g:
@@ -172,7 +168,7 @@ async def completions(request: Request) -> Response:
     groups = await _full(request, handles, timers)
     if groups is None:
         return Response(status_code=499)
-    choices = [CompletionChoice(index=i * req.n + s.index, text=s.text, finish_reason=_finish_reason(s),
+    choices = [CompletionChoice(index=i * req.n + s.index, text=s.text, finish_reason=s.finished,
                                 logprobs=_completion_logprobs(st.tokenizer, s.token_ids, s.logprobs, s.top_logprobs, 0)
                                 if want_lp else None)
                for i, g in enumerate(groups) for s in g]
@@ -220,7 +216,7 @@ async def chat_completions(request: Request) -> Response:
     groups = await _full(request, handles, timers)
     if groups is None:
         return Response(status_code=499)
-    choices = [ChatChoice(index=s.index, message=AssistantMessage(content=s.text), finish_reason=_finish_reason(s),
+    choices = [ChatChoice(index=s.index, message=AssistantMessage(content=s.text), finish_reason=s.finished,
                           logprobs=_chat_logprobs(st.tokenizer, s.token_ids, s.logprobs, s.top_logprobs)
                           if req.logprobs else None)
                for s in groups[0]]
