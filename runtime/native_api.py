@@ -3,7 +3,8 @@
 
 `/generate` takes `text` or `input_ids`, one prompt or a batch, and returns `{"text", "output_ids",
 "meta_info"}` per sample (a list for a batch or n > 1). Streamed, each event carries the sample's text so far
-(as SGLang streams it) and its `index`.
+(as SGLang streams it) and its `index` (sample j of prompt i of a batch: the samples of the prompts before
+i, plus j).
 """
 
 from __future__ import annotations
@@ -17,17 +18,20 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from starlette.responses import Response
 
 from radixk3.tokenizer import Tokenizer
-from runtime.api_errors import APIError, OrjsonResponse, bad_request, parse_body
+from runtime.api_errors import APIError, OrjsonResponse, parse_body
+from runtime.server_metrics import RequestTimer
 from runtime.server_requests import (
     ClientDisconnected,
     Sample,
     collect_all,
+    merged,
     metered,
     submit_all,
     unless_disconnected,
 )
 from runtime.server_state import ServerState, state_of
 from runtime.sse import DONE, event, sse_response
+from runtime.tokenizer_manager import RequestHandle
 
 router = APIRouter()
 
@@ -115,14 +119,12 @@ async def generate(request: Request) -> Response:
     req = await parse_body(request, GenerateRequest)
     prompts = req.prompts()
     ids = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in prompts]
-    if req.stream and req.is_batch:
-        raise bad_request("stream=true takes a single prompt; send one request per prompt", "stream")
     handles = submit_all(st.tm, st.live, ids, [dict(sp or {}) for sp in req.per_prompt("sampling_params", len(ids))],
                          req.per_prompt("rid", len(ids)), return_logprob=req.return_logprob,
                          logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num)
     timers = [st.metrics.timer() for _ in handles]
     if req.stream:
-        return sse_response(_stream(st, req, ids[0], handles[0], timers[0]))
+        return sse_response(_stream(st, req, ids, handles, timers))
     try:
         per_prompt = await unless_disconnected(request, collect_all(handles, timers))
     except ClientDisconnected:
@@ -134,17 +136,19 @@ async def generate(request: Request) -> Response:
     return OrjsonResponse(out[0] if len(out) == 1 and not req.is_batch else out)
 
 
-async def _stream(st: ServerState, req: GenerateRequest, prompt_ids: list[int], handle: Any, timer: Any
-                  ) -> AsyncIterator[bytes]:
-    samples = [Sample(i) for i in range(len(handle.rids))]
+async def _stream(st: ServerState, req: GenerateRequest, prompt_ids: list[list[int]], handles: list[RequestHandle],
+                  timers: list[RequestTimer]) -> AsyncIterator[bytes]:
+    """Events of every sample of every prompt as they come; sample j of prompt i is `index` offset_i + j."""
+    offsets = [sum(len(h.rids) for h in handles[:i]) for i in range(len(handles))]
+    samples = [[Sample(j) for j in range(len(h.rids))] for h in handles]
     try:
-        async for chunk in metered(handle, timer):
-            s = samples[chunk.index]
+        async for i, chunk in merged([metered(h, t) for h, t in zip(handles, timers, strict=True)]):
+            s = samples[i][chunk.index]
             s.add(chunk)
             if chunk.finished == "error":
                 yield event(APIError(500, f"request {s.rid} failed: {s.error}", "server_error").body())
                 continue
-            yield event(native_result(s, req, prompt_ids, st.tokenizer) | {"index": chunk.index})
+            yield event(native_result(s, req, prompt_ids[i], st.tokenizer) | {"index": offsets[i] + chunk.index})
     except Exception as e:  # the engine went away mid-stream: say so in the stream, the status is sent already
         yield event(APIError(503, f"the request failed: {type(e).__name__}: {e}", "server_error").body())
     yield DONE

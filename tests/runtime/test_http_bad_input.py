@@ -54,7 +54,7 @@ CASES: list[tuple[str, str, str, Any, int, tuple[str, ...]]] = [
      ("sampling_params", "single prompt")),
     ("rid list of the wrong length", "POST", "/generate", {"text": ["a", "b"], "rid": ["x"]}, 400, ("rid",)),
     ("stream is a string", "POST", "/generate", {"text": "hi", "stream": "yes"}, 400, ("stream",)),
-    ("batch stream", "POST", "/generate", {"text": ["a", "b"], "stream": True}, 400, ("stream", "single")),
+    ("empty rid", "POST", "/generate", {"text": "hi", "rid": ""}, 400, ("rid",)),
     ("return_logprob is 1", "POST", "/generate", {"text": "hi", "return_logprob": 1}, 400, ("return_logprob",)),
     ("negative top_logprobs_num", "POST", "/generate", {"text": "hi", "top_logprobs_num": -1}, 400,
      ("top_logprobs_num",)),

@@ -75,6 +75,16 @@ def test_stream_equals_full_native_with_stop_string(server: Server, reference: l
     assert last[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
 
+def test_batch_stream_native(server: Server, reference: list[dict[str, Any]]) -> None:
+    with server.client() as c, c.stream("POST", "/generate", json={"text": PROMPTS, "sampling_params": GREEDY,
+                                                                  "stream": True}) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    last = {e["index"]: e for e in events[:-1]}
+    assert [last[i]["text"] for i in range(3)] == [r["text"] for r in reference]
+    assert all(last[i]["meta_info"]["finish_reason"]["type"] == "length" for i in range(3))
+
+
 def test_openai_client(server: Server, reference: list[dict[str, Any]]) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == [MODEL]
