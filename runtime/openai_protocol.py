@@ -23,7 +23,6 @@ Stop = NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False
 
 
 class _SamplingFields(_Strict):

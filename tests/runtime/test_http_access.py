@@ -4,6 +4,7 @@ requests to a clean exit."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -187,3 +188,34 @@ def test_bad_model_dir_is_one_line_error(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "radixk3.launch_server", "--model-path", str(tmp_path / "none")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "radixk3 serve: error:" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_dead_engine_fails_requests_and_health() -> None:
+    with running_server() as server:
+        got: dict[str, Any] = {}
+
+        def stream() -> None:
+            body = {"text": "doomed", "stream": True, "sampling_params": {"max_new_tokens": 100_000,
+                                                                            "ignore_eos": True}}
+            with server.client() as c, c.stream("POST", "/generate", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        got["last"] = orjson.loads(line[6:])
+                    if line == "data: [DONE]":
+                        got["done"] = True
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while "last" not in got:
+            time.sleep(0.05)
+        children = subprocess.run(["pgrep", "-P", str(server.proc.pid), "-f", "spawn_main"], capture_output=True,
+                                  text=True).stdout.split()
+        os.kill(int(children[0]), signal.SIGKILL)
+        t.join(30)
+        assert got.get("done") and "exited" in got["last"]["error"]["message"]
+        with server.client() as c:
+            health = c.get("/health")
+            assert health.status_code == 503 and "exited" in health.json()["error"]["message"]
+            r = c.post("/generate", json={"text": "hi"})
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert server.stop() == 0
