@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 
 from radixk3.tokenizer import IM_ASSISTANT, IM_END, IM_MIDDLE, IM_SYSTEM, IM_USER
 
-ROLES = ("system", "user", "assistant")
-
 
 @dataclass(frozen=True)
 class ChatTemplate:
@@ -16,7 +14,6 @@ class ChatTemplate:
         "system": IM_SYSTEM, "user": IM_USER, "assistant": IM_ASSISTANT})
     middle: str = IM_MIDDLE
     end: str = IM_END
-    default_system_prompt: str | None = None
 
     def prefix(self, role: str) -> str:
         if role not in self.role_markers:

@@ -63,6 +63,12 @@ def numbered(s, i: int):  # noqa: ANN001, ANN201
 
 
 @sgl.function
+def nested_roles(s):  # noqa: ANN001, ANN201
+    s += sgl.user_begin()
+    s += sgl.assistant_begin()
+
+
+@sgl.function
 def with_regex(s):  # noqa: ANN001, ANN201
     s += "The number is "
     s += sgl.gen("n", max_tokens=4, regex=r"[0-9]+")

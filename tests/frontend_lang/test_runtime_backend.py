@@ -16,6 +16,7 @@ from tests.frontend_lang.programs import (
     branches,
     chat,
     fork_and_append,
+    nested_roles,
     numbered,
     pick,
     plain_gen,
@@ -47,8 +48,7 @@ def test_roles_follow_the_models_chat_template(runtime: sgl.Runtime) -> None:
                                                       msgs[3]["content"], state["why"]], strict=True)]
     assert state.text() == runtime.tokenizer.apply_chat_template(raw, add_generation_prompt=False)
     with pytest.raises(ValueError, match="do not nest"):
-        nested = sgl.function(lambda s: s.__iadd__(sgl.user_begin()).__iadd__(sgl.assistant_begin()))
-        nested.run(backend=runtime)
+        nested_roles.run(backend=runtime)
 
 
 @pytest.mark.parametrize(("prefix", "choices"), [(PREFIX, CHOICES), (MERGING_PREFIX, MERGING_CHOICES)])
