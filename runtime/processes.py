@@ -31,6 +31,7 @@ from runtime.messages import (
     Shutdown,
     StepPlan,
     StepResult,
+    TokenOut,
     WorkerReady,
     decode,
     encode,
@@ -141,7 +142,11 @@ def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
         while poller.poll(timeout):
             msg = decode(inbox.recv_multipart())
             if isinstance(msg, GenerateReq):
-                sched.add(msg)
+                try:
+                    sched.add(msg)
+                except Exception as e:  # a request the checks missed fails alone, never the scheduler
+                    outbox.send_multipart(encode(TokenOut(msg.rid, [], finished="error",
+                                                          error=f"{type(e).__name__}: {e}")))
             elif isinstance(msg, AbortReq):
                 sched.abort(msg.rid)
             elif isinstance(msg, MetricsReq):
