@@ -86,3 +86,30 @@ def test_logprobs_under_min_new_tokens_are_the_raw_distributions(model) -> None:
     assert [lp for _, lp in got_top] == pytest.approx([lp for _, lp in raw_top], abs=1e-4)
     second_lp = next(lp for t, lp in raw_top if t == banned[0].token_ids[0])
     assert banned[0].logprobs[0] == pytest.approx(second_lp, abs=1e-4)
+
+
+def test_a_decode_step_that_fails_once_is_retried_transparently(model) -> None:  # noqa: ANN001
+    """Mid-generation, with outputs already streamed: the retry recomputes prompt + outputs so far and goes
+    on, so every request still ends with exactly its greedy output."""
+    eng = LocalEngine(ServerArgs(), model, check=True)
+    real = eng.worker.model.forward_batch
+    decodes = {"n": 0}
+
+    def once(batch, cache):  # noqa: ANN001, ANN202
+        out = real(batch, cache)
+        if batch.mode.value == "decode":
+            decodes["n"] += 1
+            if decodes["n"] == 3:
+                raise RuntimeError("transient fault")
+        return out
+
+    eng.worker.model.forward_batch = once
+    prompts = _prompts()
+    rids = [eng.submit(p, GREEDY) for p in prompts]
+    outs = eng.run()
+    assert decodes["n"] > 3
+    for rid, p in zip(rids, prompts, strict=True):
+        assert outs[rid][-1].finished == "length" and outs[rid][-1].error is None
+        assert _tokens(outs[rid]) == greedy_reference(model, p, 5)
+    assert all(len(o.token_ids) <= 1 for rid in rids for o in outs[rid])  # streamed token by token, no repeats
+    eng.scheduler.check_integrity()
