@@ -138,7 +138,9 @@ class Engine:
                  timeout: float | None = None, **kw: Any) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (a dict, or a list of n dicts for n > 1) or a batch (a list, n per prompt),
         all submitted at once. `timeout` bounds the wait for each chunk; expiring aborts every request of
-        the call. `rid` (a str, or one per prompt) names the requests, so another thread can abort them."""
+        the call, as does `deadline` (seconds the whole request may take). `rid` (a str, or one per prompt)
+        names the requests, so another thread can abort them; also `return_logprob`, `logprob_start_len`,
+        `top_logprobs_num`, `return_text_in_logprobs` as in `TokenizerManager.submit`."""
 
         async def run() -> dict[str, Any] | list[dict[str, Any]]:
             single, handles = await self._submit_many(self._loop, prompts, sampling_params, kw | {"timeout": timeout})
@@ -155,7 +157,9 @@ class Engine:
 
     def wait(self, rids: list[str], timeout: float | None = None) -> list[dict[str, Any]]:
         """The results of a `submit`, one dict per sample; `timeout` bounds the whole wait (then aborts)."""
-        handle = self._submitted.pop(rids[0])
+        handle = self._submitted.pop(rids[0], None)
+        if handle is None or handle.rids != list(rids):
+            raise KeyError(f"no submitted request with ids {rids} (each submit is waited for once)")
 
         async def run() -> list[dict[str, Any]]:
             try:
