@@ -32,7 +32,7 @@ def on_loop(engine: Engine, coro: Coroutine[Any, Any, Any]) -> Any:
     return engine._call(coro)
 
 
-async def idle(tm: TokenizerManager, timeout: float = 20.0) -> dict:
+async def idle(tm: TokenizerManager, timeout: float = 5.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         m = await tm.get_metrics()
