@@ -77,28 +77,36 @@ def test_body_limit(server: Server) -> None:
 
 def test_overload_503_and_nothing_dropped(server: Server) -> None:
     results: list[Any] = [None] * 3
-    body = {"text": "busy", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
 
-    def run(i: int) -> None:
+    def run(i: int, tokens: int) -> None:
         with server.client() as c:
-            results[i] = c.post("/generate", json=body).json()
+            results[i] = c.post("/generate", json={"text": "busy", "rid": f"busy-{i}", "sampling_params": {
+                "max_new_tokens": tokens, "ignore_eos": True}}).json()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]  # fill the queue of 3
+    threads = [threading.Thread(target=run, args=(i, 100_000)) for i in range(3)]  # fill the queue of 3
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
-    while (m := server.metrics())["radixk3_num_running_reqs"] + m["radixk3_num_queued_reqs"] < 3:
+    while server.metrics()["radixk3_num_pending_reqs"] < 3:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     with server.client() as c:
-        r = c.post("/generate", json=body)
+        r = c.post("/generate", json={"text": "one more"})
         assert r.status_code == 503 and r.headers["Retry-After"] == "1"
         assert "overloaded" in r.json()["error"]["message"]
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "busy", "max_tokens": 2})
-        assert r.status_code == 503
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_overloaded"
+        assert c.post("/abort_request", json={"abort_all": True}).json()["aborted"] == 3
+    for t in threads:
+        t.join(30)
+    # Every accepted request was answered (here: aborted on request, with what it had generated).
+    assert [res["meta_info"]["finish_reason"]["type"] for res in results] == ["abort"] * 3
+    threads = [threading.Thread(target=run, args=(i, 20)) for i in range(3)]  # room again
+    for t in threads:
+        t.start()
     for t in threads:
         t.join(60)
-    assert [res["meta_info"]["completion_tokens"] for res in results] == [300] * 3  # all accepted ones done
+    assert [res["meta_info"]["completion_tokens"] for res in results] == [20] * 3
 
 
 def test_sigterm_drains_in_flight_then_exits_cleanly(server: Server) -> None:
