@@ -171,8 +171,10 @@ def test_native_endpoints(server: Server) -> None:
                 "sampling_params": {"max_new_tokens": 100_000, "ignore_eos": True}}
         t = threading.Thread(target=lambda: out.update(c.post("/generate", json=long).json()))
         t.start()
-        time.sleep(1.0)
-        assert c.post("/abort_request", json={"rid": "to-abort"}).json()["aborted"] == 1
+        deadline = time.monotonic() + 30
+        while c.post("/abort_request", json={"rid": "to-abort"}).json()["aborted"] != 1:  # until it is in
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
         t.join(30)
         assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["meta_info"]["completion_tokens"] < 100_000
 
