@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "EngineError", "EngineOverloaded", "InvalidRequest"]
 
 
 def __getattr__(name: str) -> Any:
@@ -13,4 +13,12 @@ def __getattr__(name: str) -> Any:
         from runtime.engine import Engine
 
         return Engine
+    if name in ("EngineError", "EngineOverloaded"):
+        import runtime.errors
+
+        return getattr(runtime.errors, name)
+    if name == "InvalidRequest":
+        from runtime.sampling_params import InvalidRequest
+
+        return InvalidRequest
     raise AttributeError(name)

@@ -75,3 +75,8 @@ def test_imports_stay_lazy() -> None:
     from runtime.engine import Engine
 
     assert radixk3.Engine is Engine and "Engine" in radixk3.__all__
+    from runtime.errors import EngineError, EngineOverloaded
+    from runtime.sampling_params import InvalidRequest
+
+    assert (radixk3.EngineError, radixk3.EngineOverloaded, radixk3.InvalidRequest) == (
+        EngineError, EngineOverloaded, InvalidRequest)
