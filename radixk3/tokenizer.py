@@ -5,7 +5,9 @@ fallback, so `decode(encode(s)) == s` for every string: stop strings and few-sho
 Decoding goes through a per-id byte table rather than sentencepiece, so that full and incremental decoding
 share one definition and a multi-byte character split over byte-fallback ids is never cut in half.
 
-Generation ends on `stop_ids`: the model's eos (`</s>`) and the chat end-of-turn marker `<|im_end|>`.
+Generation ends on `stop_ids`: the model's eos (`</s>`), the chat end-of-turn marker `<|im_end|>` and K3's
+end of message `<|end_of_msg|>`. The K3 output markup (XTML: `<|open|>`, `<|close|>`, `<|sep|>`; see
+`runtime.k3_tools`) is special too, so that the built-in model can produce it and a prompt can carry it.
 """
 
 from __future__ import annotations
@@ -27,8 +29,14 @@ IM_MIDDLE = "<|im_middle|>"
 IM_END = "<|im_end|>"
 SEPARATOR = "<|separator|>"
 CHAT_MARKERS = (IM_SYSTEM, IM_USER, IM_ASSISTANT, IM_MIDDLE, IM_END)
-# Order fixes their ids (4..10); "\n" is a symbol so that newlines never merge into other pieces.
-USER_SYMBOLS = ("\n", *CHAT_MARKERS, SEPARATOR)
+XTML_OPEN = "<|open|>"
+XTML_CLOSE = "<|close|>"
+XTML_SEP = "<|sep|>"
+END_OF_MSG = "<|end_of_msg|>"
+XTML_MARKERS = (XTML_OPEN, XTML_CLOSE, XTML_SEP, END_OF_MSG)
+# Order fixes their ids (4..10, then the XTML markers 11..14, appended so the older ids stay); "\n" is a
+# symbol so that newlines never merge into other pieces.
+USER_SYMBOLS = ("\n", *CHAT_MARKERS, SEPARATOR, *XTML_MARKERS)
 
 _ROLE_MARKERS = {"system": IM_SYSTEM, "user": IM_USER, "assistant": IM_ASSISTANT}
 # sentencepiece turns a literal U+2581 into a space on decode, so the tokenizer sends it through bytes.
@@ -46,7 +54,7 @@ class Tokenizer:
         self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
         sp = self._sp
         n = sp.get_piece_size()
-        missing = [m for m in (*CHAT_MARKERS, SEPARATOR) if sp.piece_to_id(m) == sp.unk_id()]
+        missing = [m for m in (*CHAT_MARKERS, SEPARATOR, *XTML_MARKERS) if sp.piece_to_id(m) == sp.unk_id()]
         if missing:
             raise ValueError(f"tokenizer model lacks the chat markers {missing}")
         self._space_bytes = [sp.piece_to_id(f"<0x{b:02X}>") for b in _SPACE_MARK.encode()]
@@ -63,11 +71,12 @@ class Tokenizer:
                 special.add(i)
             else:
                 table.append(piece.replace(_SPACE_MARK, " ").encode())
-        special.update(sp.piece_to_id(m) for m in CHAT_MARKERS)
+        special.update(sp.piece_to_id(m) for m in (*CHAT_MARKERS, *XTML_MARKERS))
         self._bytes = tuple(table)
         self.special_ids: frozenset[int] = frozenset(special)
         self.im_end_id: int = sp.piece_to_id(IM_END)
         self.separator_id: int = sp.piece_to_id(SEPARATOR)
+        self.end_of_msg_id: int = sp.piece_to_id(END_OF_MSG)
 
     @property
     def vocab_size(self) -> int:
@@ -87,8 +96,8 @@ class Tokenizer:
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        """Ids that end generation: eos and the end-of-turn marker."""
-        return (self.eos_id, self.im_end_id)
+        """Ids that end generation: eos, the end-of-turn marker and K3's end of message."""
+        return (self.eos_id, self.im_end_id, self.end_of_msg_id)
 
     def id_to_piece(self, token_id: int) -> str:
         self._check_id(token_id)

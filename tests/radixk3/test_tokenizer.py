@@ -15,6 +15,7 @@ from radixk3.tokenizer import (
     BUILTIN_MODEL,
     CHAT_MARKERS,
     SEPARATOR,
+    XTML_MARKERS,
     Tokenizer,
     load_tokenizer,
 )
@@ -65,8 +66,10 @@ def test_vocabulary_layout() -> None:
     assert [t.id_to_piece(i) for i in range(4)] == ["<pad>", "<unk>", "<s>", "</s>"]
     assert t.piece_to_id("\n") == 4
     assert [t.piece_to_id(m) for m in (*CHAT_MARKERS, SEPARATOR)] == list(range(5, 11))
-    assert t.stop_ids == (t.eos_id, t.piece_to_id("<|im_end|>"))
-    assert t.special_ids == frozenset({0, 1, 2, 3, *range(5, 10)})
+    # The K3 markup markers come after the older symbols so that those keep their ids.
+    assert [t.piece_to_id(m) for m in XTML_MARKERS] == list(range(11, 15))
+    assert t.stop_ids == (t.eos_id, t.piece_to_id("<|im_end|>"), t.piece_to_id("<|end_of_msg|>"))
+    assert t.special_ids == frozenset({0, 1, 2, 3, *range(5, 10), *range(11, 15)})
     with pytest.raises(IndexError, match="4096"):
         t.id_to_piece(4096)
     with pytest.raises(IndexError):
@@ -110,7 +113,7 @@ def test_digits_are_split() -> None:
     assert [t.id_to_piece(i) for i in t.encode("2024")] == ["2", "0", "2", "4"]
 
 
-@pytest.mark.parametrize("marker", [*CHAT_MARKERS, SEPARATOR])
+@pytest.mark.parametrize("marker", [*CHAT_MARKERS, SEPARATOR, *XTML_MARKERS])
 def test_markers_encode_to_single_ids(marker: str) -> None:
     t = tok()
     (mid,) = t.encode(marker)
