@@ -1,0 +1,276 @@
+"""K3 tool calling and reasoning: render -> parse round trips, streamed deltas vs the one-shot parse under any
+split, malformed markup as plain content, the conversation renderer, and forced calls under xgrammar's mask."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixk3.tokenizer import Tokenizer, load_tokenizer
+from runtime.k3_stream_parser import K3StreamParser
+from runtime.k3_tools import (
+    FORCED_PREFIX,
+    RESPONSE_PREFIX,
+    THINK_PREFIX,
+    ParsedReply,
+    RenderError,
+    ToolCall,
+    forcing_grammar,
+    parse_reply,
+    render_k3_chat,
+    render_reply,
+)
+
+HYP = settings(derandomize=True, deadline=None, max_examples=150)
+
+# Text the markup cannot carry raw: a marker head inside a value would end it.
+char = st.characters(min_codepoint=0x20, max_codepoint=0x2FF) | st.sampled_from("\n\t<|>&\"'{}")
+text = st.text(char, max_size=12).filter(lambda s: "<|" not in s)
+json_leaf = st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False,
+                                                                                 allow_infinity=False) | text
+json_value = st.recursive(json_leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner,
+                                                                                                  max_size=3),
+                          max_leaves=8)
+arg_key = st.from_regex(r"[a-z_][a-z0-9_]{0,6}", fullmatch=True)
+tool_name = st.from_regex(r"[A-Za-z_][A-Za-z0-9_-]{0,10}", fullmatch=True)
+calls = st.lists(st.tuples(tool_name, st.dictionaries(arg_key, json_value, max_size=4)), max_size=3)
+
+
+def strip_prefix(reply: str, prefix: str) -> str:
+    assert reply.startswith(prefix)
+    return reply[len(prefix):]
+
+
+def stream_parse(prefix: str, pieces: list[str], tools: bool = True) -> ParsedReply:
+    """Reassemble the streamed deltas as a client does: by tool call index, names first."""
+    p = K3StreamParser(prefix, tools=tools)
+    deltas = [p.feed(x) for x in pieces] + [p.finish()]
+    reasoning = "".join(d.reasoning for d in deltas)
+    content = "".join(d.content for d in deltas)
+    ids: dict[int, tuple[str, str]] = {}
+    args: dict[int, str] = {}
+    for d in deltas:
+        for t in d.tool_calls:
+            if t.name is not None:
+                assert t.index not in ids and t.arguments == "", "the name comes first, once"
+                ids[t.index] = (t.id or "", t.name)
+            else:
+                assert t.index in ids, "argument fragments after the name"
+                args[t.index] = args.get(t.index, "") + t.arguments
+    return ParsedReply(content or None, reasoning if reasoning or prefix == THINK_PREFIX else None,
+                       [ToolCall(*ids[i], args.get(i, "")) for i in sorted(ids)])
+
+
+def splits(s: str, cuts: list[int]) -> list[str]:
+    points = sorted({c % (len(s) + 1) for c in cuts})
+    return [s[a:b] for a, b in zip([0, *points], [*points, len(s)], strict=True)]
+
+
+@given(content=text, reasoning=st.none() | text, calls=calls)
+@HYP
+def test_render_then_parse_round_trip(content: str, reasoning: str | None, calls: list[Any]) -> None:
+    reply = render_reply(content, calls, reasoning)
+    prefix = THINK_PREFIX if reasoning is not None else RESPONSE_PREFIX
+    got = parse_reply(strip_prefix(reply, prefix), prefix)
+    assert got.content == (content or None)
+    assert got.reasoning_content == reasoning
+    assert [(c.name, orjson.loads(c.arguments)) for c in got.tool_calls] == calls
+    assert [c.id for c in got.tool_calls] == [f"functions.{n}:{i}" for i, (n, _) in enumerate(calls)]
+
+
+def test_nested_arguments_and_several_calls() -> None:
+    args = {"q": 'a "quoted" & <tag> value', "n": 3, "f": -2.5, "ok": False, "none": None,
+            "deep": {"list": [1, {"x": ["y", None, True]}], "s": "\u00e9\n"}, "empty": {}, "arr": []}
+    reply = render_reply("Let me check.", [("search", args), ("noop", {}), ("search", {"q": "again"})], "plan")
+    assert 'key="q" type="string"<|sep|>a "quoted" & <tag> value<|close|>argument' in reply
+    assert 'tool="search" index="3"' in reply and 'type="object"' in reply and 'type="null"' in reply
+    got = parse_reply(strip_prefix(reply, THINK_PREFIX), THINK_PREFIX)
+    assert got.content == "Let me check." and got.reasoning_content == "plan"
+    assert [c.name for c in got.tool_calls] == ["search", "noop", "search"]
+    assert [orjson.loads(c.arguments) for c in got.tool_calls] == [args, {}, {"q": "again"}]
+    assert got.tool_calls[1].arguments == "{}"
+
+
+def test_attribute_escapes() -> None:
+    reply = render_reply("", [("f", {'a"b&c': 1})])
+    assert 'key="a&quot;b&amp;c"' in reply
+    assert orjson.loads(parse_reply(strip_prefix(reply, RESPONSE_PREFIX)).tool_calls[0].arguments) == {'a"b&c': 1}
+
+
+@given(content=text, reasoning=st.none() | text, calls=calls, cuts=st.lists(st.integers(0, 10**6), max_size=12),
+       tail=st.sampled_from(["", "junk", "<|open|>x", "<|close|>message<|sep|>more", "<|"]))
+@HYP
+def test_stream_deltas_equal_the_full_parse(content: str, reasoning: str | None, calls: list[Any], cuts: list[int],
+                                            tail: str) -> None:
+    prefix = THINK_PREFIX if reasoning is not None else RESPONSE_PREFIX
+    body = strip_prefix(render_reply(content, calls, reasoning), prefix)
+    for s in (body, body[: len(body) // 2] + tail, body[: len(body) * 2 // 3], body + tail):
+        full = parse_reply(s, prefix)
+        assert stream_parse(prefix, splits(s, cuts)) == full
+        assert stream_parse(prefix, list(s)) == full  # character by character
+
+
+def test_token_by_token_equals_full_parse() -> None:
+    tok = load_tokenizer()
+    body = strip_prefix(render_reply("ok", [("get", {"k": "v", "n": [1, 2]}), ("put", {"x": {"y": None}})], "hm"),
+                        THINK_PREFIX)
+    ids = tok.encode(body)
+    assert tok.decode(ids, skip_special_tokens=False) == body
+    assert sum(i in tok.special_ids for i in ids) == 2 * body.count("<|sep|>") + 1  # single ids
+    dec = tok.incremental_decoder(skip_special_tokens=False)
+    assert stream_parse(THINK_PREFIX, [dec.push(i) for i in ids] + [dec.flush()]) == parse_reply(body, THINK_PREFIX)
+
+
+def test_reasoning_ends_iff_the_newest_think_marker_closes() -> None:
+    p = K3StreamParser(THINK_PREFIX)
+    assert p.feed("thinking <|close|>thi").reasoning == "thinking " and not p.reasoning_ended
+    d = p.feed("nk<|sep|><|open|>response<|sep|>hi")
+    assert p.reasoning_ended and d.content == "hi" and d.reasoning == ""
+    cut = parse_reply("still thinking", THINK_PREFIX)
+    assert cut == ParsedReply(None, "still thinking", [])
+
+
+MALFORMED = [
+    "plain text, no markup",  # after the response closed: text where only markup may stand
+    "<|open|>bogus<|sep|>x",
+    '<|open|>tools<|sep|><|open|>call tool="f"<|sep|><|open|>argument key="a" type="number"<|sep|>abc'
+    "<|close|>argument<|sep|><|close|>call<|sep|>",
+    '<|open|>tools<|sep|><|open|>call tool="f"<|sep|><|open|>argument key="a" type="float"<|sep|>1'
+    "<|close|>argument<|sep|><|close|>call<|sep|>",
+    '<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|><|open|>argument key="a" type="string"<|sep|>x',
+    '<|open|>tools<|sep|><|open|>call name="f"<|sep|><|close|>call<|sep|>',
+    "<|close|>response<|sep|>",
+    "<|open|>tools<|sep|><|close|>tool<|sep|>",
+]
+
+
+@pytest.mark.parametrize("tail", MALFORMED)
+def test_malformed_markup_is_plain_content(tail: str) -> None:
+    body = "Hello<|close|>response<|sep|>" + tail
+    got = parse_reply(body)
+    assert got.tool_calls == [] and got.reasoning_content is None
+    assert got.content == body  # nothing of the broken markup is lost
+    assert stream_parse(RESPONSE_PREFIX, list(body)) == got
+
+
+def test_calls_before_a_break_stay_calls() -> None:
+    end = "<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>"
+    good = render_reply("", [("f", {"a": 1})]).removesuffix(end)
+    body = strip_prefix(good, RESPONSE_PREFIX) + '<|open|>call tool="g"<|sep|>oops'
+    got = parse_reply(body)
+    assert [(c.name, c.arguments) for c in got.tool_calls] == [("f", '{"a":1}')]
+    assert got.content == '<|open|>call tool="g"<|sep|>oops'
+
+
+def test_tool_markup_without_tools_is_content() -> None:
+    body = strip_prefix(render_reply("x", [("f", {})]), RESPONSE_PREFIX)
+    got = parse_reply(body, tools=False)
+    assert got == ParsedReply(content=body)
+
+
+# --- the conversation ------------------------------------------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_render_conversation_with_tool_results_reordered() -> None:
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+             {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather and time?"},
+                {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "c2", "content": "12:00"},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    p = render_k3_chat(messages, TOOLS, thinking=True)
+    assert p.prefix == THINK_PREFIX and p.text.endswith("<|im_assistant|>assistant<|im_middle|><|open|>think<|sep|>")
+    assert p.text.startswith("<|im_system|>tool_declare<|im_middle|>" + orjson.dumps(TOOLS).decode() + "<|im_end|>")
+    assert ('<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>Oslo'
+            in p.text)
+    sunny = p.text.index('<|open|>result tool="get_weather" index="1"<|sep|>sunny<|close|>result<|sep|>')
+    noon = p.text.index('<|open|>result tool="get_time" index="2"<|sep|>12:00<|close|>result<|sep|>')
+    assert sunny < noon  # the results follow the order of the calls, not of the messages
+    assert "<|close|>message<|sep|><|end_of_msg|>" in p.text
+    off = render_k3_chat(messages[:2], None, thinking=False)
+    assert off.prefix == RESPONSE_PREFIX and "tool_declare" not in off.text
+    assert render_k3_chat(messages[:2], TOOLS, forced="required").prefix == FORCED_PREFIX
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([{"role": "tool", "tool_call_id": "x", "content": "r"}], "must follow"),
+    ([{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "function": {"name": "f", "arguments": "{}"}}]},
+      {"role": "tool", "tool_call_id": "b", "content": "r"}], "answers no call"),
+    ([{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "function": {"name": "f", "arguments": "[1]"}}]}], "JSON object"),
+    ([{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "function": {"name": "f", "arguments": "{nope"}}]}], "not JSON"),
+])
+def test_render_refusals(messages: list[dict[str, Any]], match: str) -> None:
+    with pytest.raises(RenderError, match=match):
+        render_k3_chat(messages)
+
+
+# --- forced calls under the grammar -------------------------------------------------------------------------
+
+FORCE_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                         "opts": {"type": "object", "properties": {"metric": {"type": "boolean"}},
+                                                  "required": ["metric"]}},
+        "required": ["city", "opts"]}}},
+    {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+@cache
+def compiler(tok: Tokenizer) -> Any:
+    import xgrammar as xgr
+
+    vocab = [tok.token_bytes(i, skip_special_tokens=True) for i in range(tok.vocab_size)]
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=tok.vocab_size, stop_token_ids=list(tok.stop_ids))
+    return xgr.GrammarCompiler(info, max_threads=1)
+
+
+def random_walk(tok: Tokenizer, grammar: str, seed: int, limit: int = 400) -> list[int]:
+    """Tokens drawn uniformly among those the grammar allows: the worst a model can do under the mask."""
+    import xgrammar as xgr
+
+    m = xgr.GrammarMatcher(compiler(tok).compile_grammar(grammar))
+    mask = xgr.allocate_token_bitmask(1, tok.vocab_size)
+    rng = np.random.default_rng(seed)
+    ids: list[int] = []
+    while not m.is_terminated() and len(ids) < limit:
+        m.fill_next_token_bitmask(mask)
+        allowed = np.flatnonzero(np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[: tok.vocab_size])
+        ids.append(int(rng.choice(allowed)))
+        assert m.accept_token(ids[-1])
+    return ids
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_calls_always_parse(choice: Any) -> None:
+    tok = load_tokenizer()
+    grammar = forcing_grammar(FORCE_TOOLS, choice, thinking=False, parallel=False)
+    for seed in range(6):
+        ids = random_walk(tok, grammar, seed)
+        assert ids[-1] in tok.stop_ids, "the grammar completes, then only a stop token is allowed"
+        text = tok.decode(ids[:-1], skip_special_tokens=False)
+        got = parse_reply(text, FORCED_PREFIX)
+        assert got.content is None and len(got.tool_calls) == 1, text
+        call = got.tool_calls[0]
+        args = orjson.loads(call.arguments)
+        if isinstance(choice, dict):
+            assert call.name == "get_weather"
+        if call.name == "get_weather":
+            assert args["city"].strip() in ("Paris", "Oslo") and isinstance(args["opts"]["metric"], bool)
+            assert set(args) <= {"city", "days", "opts"} and 1 <= args.get("days", 1) <= 7
+        else:
+            assert call.name == "noop" and args == {}
