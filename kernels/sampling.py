@@ -9,7 +9,8 @@ at a cut-off are kept), then a Gumbel-max draw: argmax over kept tokens of z + G
 u comes from a counter-based hash of (seed, step, token id), so a seeded request draws the same tokens
 whatever batch it shares and on either backend; unseeded rows get a seed from torch's global generator.
 Logprobs are of the raw (unpenalised, untempered, unbanned) distribution: `banned` token ids (stop tokens
-below min_new_tokens) are excluded from the draw only, never from the reported logprobs.
+below min_new_tokens) and the tokens a grammar `mask` disallows are excluded from the draw only (before
+penalties, temperature, top-k and top-p, for greedy and sampled rows alike), never from the reported logprobs.
 """
 
 from __future__ import annotations
@@ -47,6 +48,14 @@ class SampleResult(NamedTuple):
     logprobs: Tensor  # [N] fp32, log-softmax of the raw logits at the chosen token
     top_ids: Tensor  # [N, k] int64 (k = top_logprobs_num, may be 0)
     top_logprobs: Tensor  # [N, k] fp32
+
+
+class TokenMask(NamedTuple):
+    """Rows `rows` may draw only the tokens whose bits are set in their row of `bitmask` (int32 [M, ceil(V/32)],
+    bit t % 32 of word t // 32: token t, as xgrammar packs it)."""
+
+    rows: Tensor  # [M] int64
+    bitmask: Tensor  # [M, W] int32
 
 
 class SamplingTensors(NamedTuple):
@@ -175,16 +184,33 @@ def banned_logits(logits: Tensor, banned: list[list[int]] | None) -> Tensor:
     return out
 
 
+def masked_logits(logits: Tensor, mask: TokenMask | None) -> Tensor:
+    """`logits` with the tokens each masked row's bitmask disallows at -inf (a copy if any row is masked)."""
+    if mask is None or mask.rows.numel() == 0:
+        return logits
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (mask.bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1  # [M, W, 32]
+    allowed = bits.reshape(bits.shape[0], -1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:
+        raise ValueError(f"token bitmask covers {allowed.shape[1]} ids, the vocabulary has {vocab}")
+    rows = mask.rows.to(logits.device)
+    out = logits.clone()
+    out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
+    return out
+
+
 def sample(
     logits: Tensor, rows: list[SamplingRow], history: list[list[int]] | None = None, top_logprobs_num: int = 0,
-    banned: list[list[int]] | None = None,
+    banned: list[list[int]] | None = None, mask: TokenMask | None = None,
 ) -> SampleResult:
-    """logits [N, V] -> one token per row (see the module docstring); `banned[i]`: ids row i may not draw."""
+    """logits [N, V] -> one token per row (see the module docstring); `banned[i]`: ids row i may not draw;
+    `mask`: the grammar-constrained rows and the tokens they may draw."""
     n, vocab = logits.shape
     p = SamplingTensors.build(rows, logits.device)
     wants_pen = any(r.frequency_penalty or r.presence_penalty or r.repetition_penalty != 1.0 for r in rows)
     counts = output_counts(history, vocab, logits.device) if history is not None and wants_pen else None
-    drawable = banned_logits(logits, banned)
+    drawable = banned_logits(masked_logits(logits, mask), banned)
     if kernel_backend(logits.device) == "triton":
         from kernels.sampling_triton import sample_tokens_triton
 

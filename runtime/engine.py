@@ -70,6 +70,7 @@ class Engine:
         unknown = set(kw) - set(opts)
         if unknown:
             raise TypeError(f"unexpected keyword argument(s): {sorted(unknown)}")
+        await self.tm.check_grammars([sampling])  # parsed off this loop: other requests' chunks keep flowing
         return self.tm._submit(prompt, sampling, consumer, **(opts | kw))
 
     async def _submit_many(self, consumer: asyncio.AbstractEventLoop, prompts: Prompts,

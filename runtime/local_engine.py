@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from radixk3.model import KimiForCausalLM
+from runtime.grammar import GrammarBackend
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, decode, encode
 from runtime.model_worker import ModelWorker
 from runtime.processes import model_config, tokenizer_for
@@ -27,8 +28,9 @@ class LocalEngine:
         self.worker = ModelWorker(args, model)
         tok = tokenizer_for(args)
         cfg = model_config(args) if model is None else model.config
-        self.scheduler = Scheduler(args, self.worker.layout, frozenset(tok.stop_ids) | {cfg.eos_token_id},
-                                   tok.decode, cfg.vocab_size)
+        stop_ids = frozenset(tok.stop_ids) | {cfg.eos_token_id}
+        self.scheduler = Scheduler(args, self.worker.layout, stop_ids, tok.decode, cfg.vocab_size,
+                                   GrammarBackend(tok, cfg.vocab_size, stop_ids))
         self.wire, self.check, self.on_step = wire, check, on_step
         self._n = 0
         self._sent: deque[StepPlan] = deque()

@@ -1,7 +1,8 @@
 """Typed messages between the processes, serialised with orjson; bulk int arrays travel as raw frames.
 
 A message is a list of ZeroMQ frames: frame 0 is the orjson header (the dataclass fields that are not
-arrays, plus the message type), then one raw int64 frame per array field, in field order.
+arrays, plus the message type), then one raw frame per array field, in field order: int64, or the dtype
+the class names for it in `ARRAY_DTYPES`.
 """
 
 from __future__ import annotations
@@ -64,12 +65,17 @@ class StepPlan:
     KDA state of sequence `ckpt_seq[m]` after `ckpt_offset[m]` of its new tokens into physical slot
     `ckpt_slot[m]`. The first len(sample_params) entries of `logits_index` are the sampled rows, in
     sequence order; the rest are input-logprob rows.
+
+    Structured output: sampled row `grammar_rows[j]` may only draw the tokens whose bits are set in row j of
+    `grammar_mask`, the packed bitmask (int32 [len(grammar_rows), ceil(vocab / 32)], flattened; bit t % 32 of
+    word t // 32 is token t): O(constrained rows x vocab / 32) per step.
     """
 
     ARRAYS: ClassVar[tuple[str, ...]] = (
         "table_rows", "table_cols", "table_pages", "rows", "prefix_lens", "cu_seqlens", "state_slots",
-        "input_ids", "ckpt_seq", "ckpt_offset", "ckpt_slot", "logits_index",
+        "input_ids", "ckpt_seq", "ckpt_offset", "ckpt_slot", "logits_index", "grammar_rows", "grammar_mask",
     )
+    ARRAY_DTYPES: ClassVar[dict[str, type]] = {"grammar_mask": np.int32}
     step: int
     mode: str  # "extend" | "decode" | "verify" | "idle" (radixk3.forward_batch.ForwardMode values)
     copies: list[tuple[int, int, int]]
@@ -91,6 +97,8 @@ class StepPlan:
     reset_rows: list[tuple[int, list[int]]] = field(default_factory=list)
     top_logprobs_num: int = 0
     input_logprob_rows: list[tuple[int, int]] = field(default_factory=list)  # (logits row, token id)
+    grammar_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    grammar_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
 
 
 @dataclass
@@ -151,7 +159,9 @@ def encode(msg: Any) -> list[bytes]:
     header = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg) if f.name not in arrays}
     header["_type"] = type(msg).__name__
     frames = [orjson.dumps(header, option=orjson.OPT_SERIALIZE_NUMPY)]
-    frames.extend(np.ascontiguousarray(getattr(msg, name), dtype=np.int64).tobytes() for name in arrays)
+    dtypes = getattr(type(msg), "ARRAY_DTYPES", {})
+    frames.extend(np.ascontiguousarray(getattr(msg, name), dtype=dtypes.get(name, np.int64)).tobytes()
+                  for name in arrays)
     return frames
 
 
@@ -159,6 +169,7 @@ def decode(frames: list[bytes]) -> Any:
     header = orjson.loads(frames[0])
     cls = MESSAGES[header.pop("_type")]
     arrays = getattr(cls, "ARRAYS", ())
+    dtypes = getattr(cls, "ARRAY_DTYPES", {})
     for name, raw in zip(arrays, frames[1:], strict=True):
-        header[name] = np.frombuffer(raw, dtype=np.int64)
+        header[name] = np.frombuffer(raw, dtype=dtypes.get(name, np.int64))
     return cls(**header)

@@ -8,7 +8,7 @@ import traceback
 import numpy as np
 import torch
 
-from kernels.sampling import SampleResult, SamplingRow, sample
+from kernels.sampling import SampleResult, SamplingRow, TokenMask, sample
 from kernels.state_checkpoints import StateCheckpoints
 from radixk3.config import BUILTIN_PRESET, preset
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
@@ -118,17 +118,27 @@ class ModelWorker:
         """Sample every row at once; if that fails, row by row, so that a row that cannot be sampled fails
         alone (its token is a placeholder, 0, that the scheduler discards) and its batch-mates keep theirs."""
         k = plan.top_logprobs_num
+        masked = [int(r) for r in plan.grammar_rows]
+        mask = bitmask = None
+        if masked:
+            bitmask = torch.from_numpy(np.array(plan.grammar_mask, dtype=np.int32).reshape(len(masked), -1))
+            mask = TokenMask(torch.tensor(masked, dtype=torch.int64), bitmask)
         try:
             params = [SamplingRow(**p) for p in plan.sample_params]
-            return sample(logits, params, histories, k, plan.banned), []
+            return sample(logits, params, histories, k, plan.banned, mask), []
         except Exception:
             if not plan.sample_params:
                 raise
         rows: list[SampleResult] = []
         errors: list[tuple[int, str]] = []
         for i, p in enumerate(plan.sample_params):
+            one_mask = None
+            if bitmask is not None and i in masked:
+                j = masked.index(i)
+                one_mask = TokenMask(torch.zeros(1, dtype=torch.int64), bitmask[j : j + 1])
             try:
-                one = sample(logits[i : i + 1], [SamplingRow(**p)], histories[i : i + 1], k, plan.banned[i : i + 1])
+                one = sample(logits[i : i + 1], [SamplingRow(**p)], histories[i : i + 1], k, plan.banned[i : i + 1],
+                             one_mask)
                 rows.append(one)
             except Exception as e:
                 errors.append((i, f"sampling failed: {type(e).__name__}: {e}"))

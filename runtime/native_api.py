@@ -119,7 +119,9 @@ async def generate(request: Request) -> Response:
     req = await parse_body(request, GenerateRequest)
     prompts = req.prompts()
     ids = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in prompts]
-    handles = submit_all(st.tm, st.live, ids, [dict(sp or {}) for sp in req.per_prompt("sampling_params", len(ids))],
+    sps = [dict(sp or {}) for sp in req.per_prompt("sampling_params", len(ids))]
+    await st.tm.check_grammars(sps)  # parsed in a thread: a large grammar never stalls other requests
+    handles = submit_all(st.tm, st.live, ids, sps,
                          req.per_prompt("rid", len(ids)), return_logprob=req.return_logprob,
                          logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num)
     timers = [st.metrics.timer() for _ in handles]

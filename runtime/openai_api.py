@@ -161,6 +161,7 @@ async def completions(request: Request) -> Response:
     _check_model(st, req.model)
     prompts = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in req.prompts()]
     want_lp = req.logprobs is not None
+    await st.tm.check_grammars([req.sampling(req.max_tokens)])
     handles, timers = _submit(st, prompts, req.sampling(req.max_tokens), req.rid, want_lp, req.logprobs or 0)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
@@ -209,6 +210,7 @@ async def chat_completions(request: Request) -> Response:
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
     prompt = st.tokenizer.encode(st.tokenizer.apply_chat_template(messages), add_bos=True)
     top = req.top_logprobs or 0
+    await st.tm.check_grammars([req.sampling(req.max_new_tokens)])
     handles, timers = _submit(st, [prompt], req.sampling(req.max_new_tokens), req.rid, req.logprobs, top)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:

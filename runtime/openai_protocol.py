@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
+from runtime.grammar import ANY_JSON
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -47,6 +49,8 @@ class _SamplingFields(_Strict):
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     rid: NonEmptyStr | None = None
+    regex: StrictStr | None = None  # structured output, as SGLang's extras (OpenAI's is response_format)
+    ebnf: StrictStr | None = None
 
     @model_validator(mode="after")
     def _refusals(self) -> _SamplingFields:
@@ -65,6 +69,7 @@ class _SamplingFields(_Strict):
             "min_new_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens, "max_new_tokens": max_new_tokens,
             "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+            "regex": self.regex, "ebnf": self.ebnf,
         }
         return {k: v for k, v in sp.items() if v is not None}
 
@@ -120,13 +125,38 @@ class ChatMessage(_Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class JsonSchemaFormat(_Strict):
+    name: NonEmptyStr
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # none given: any JSON
+    strict: StrictBool | None = None  # the output always follows the schema: strict or not
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only with it")
+        return self
+
+    def grammar(self) -> dict[str, Any]:
+        """The engine's sampling parameter for it: any JSON (json_object) or the schema."""
+        if self.type == "text":
+            return {}
+        schema = self.json_schema.schema_ if self.json_schema is not None else None
+        return {"json_schema": ANY_JSON if schema is None else schema}
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
 
@@ -139,8 +169,6 @@ class ChatCompletionRequest(_SamplingFields):
                 raise ValueError("top_logprobs must be in [0, 20]")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("give max_tokens or max_completion_tokens, not both")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("response_format other than {'type': 'text'} is not supported")
         if self.tools or self.tool_choice not in (None, "none"):
             raise ValueError("tools are not supported")
         return self
@@ -148,6 +176,10 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling(self, max_new_tokens: int | None) -> dict[str, Any]:
+        sp = super().sampling(max_new_tokens)
+        return sp | (self.response_format.grammar() if self.response_format is not None else {})
 
 
 # --- responses ------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime.grammar import GrammarMatcher, fill_masks
 from runtime.messages import StepPlan
 from runtime.output_processor import OutputProcessor
 from runtime.page_table import PageTables
@@ -50,6 +51,8 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
     params: list[dict] = []
     banned: list[list[int]] = []
     lp_rows: list[tuple[int, int]] = []  # (packed row, next token)
+    grammar_rows: list[int] = []
+    matchers: list[GrammarMatcher] = []
     top_n = 0
     for s in rec.seqs:
         req = s.req
@@ -67,6 +70,11 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
             sample_rows.append(base + s.n - 1)
             params.append(req.params.row(req.output_index - 1).__dict__)  # its pending sample is counted
             banned.append(outputs.banned_at(req, req.output_index - 1))
+            if req.grammar is not None:
+                # The mask needs every earlier output accepted: no other sample of it may be in flight.
+                assert req.pending_samples == 1, f"request {req.rid}: grammar mask planned ahead of its tokens"
+                grammar_rows.append(len(sample_rows) - 1)
+                matchers.append(req.grammar)
             top_n = max(top_n, req.top_logprobs_num if req.return_logprob else 0)
     ckpt_seq = [c.seq for c in rec.ckpts]
     ckpt_offset = [c.pos - rec.seqs[c.seq].start for c in rec.ckpts]
@@ -85,4 +93,5 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
         logits_index=arr(sample_rows + [r for r, _ in lp_rows]), sample_params=params, banned=banned,
         reset_rows=resets, top_logprobs_num=top_n,
         input_logprob_rows=[(len(sample_rows) + i, tok) for i, (_, tok) in enumerate(lp_rows)],
+        grammar_rows=arr(grammar_rows), grammar_mask=fill_masks(matchers).reshape(-1),
     )

@@ -21,6 +21,7 @@ import zmq
 
 from radixk3.config import BUILTIN_PRESET, ModelConfig, preset
 from radixk3.tokenizer import Tokenizer, load_tokenizer
+from runtime.grammar import GrammarBackend
 from runtime.messages import (
     AbortReq,
     FlushCacheOut,
@@ -113,7 +114,8 @@ def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
         tok = tokenizer_for(args)
         layout = pool_layout(cfg, args)
         stop_ids = frozenset(tok.stop_ids) | {cfg.eos_token_id}
-        sched = Scheduler(args, layout, stop_ids, tok.decode, cfg.vocab_size)
+        sched = Scheduler(args, layout, stop_ids, tok.decode, cfg.vocab_size,
+                          GrammarBackend(tok, cfg.vocab_size, stop_ids))
     except Exception as e:
         ready_out.send_multipart(encode(WorkerReady(-1, error=f"scheduler: {type(e).__name__}: {e}")))
         ctx.destroy(linger=2000)

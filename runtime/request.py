@@ -4,9 +4,13 @@ steps have run), what it owns in the pool, its page-table row, and its output bo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runtime.radix_cache import Node
 from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.grammar import GrammarMatcher
 
 
 @dataclass(eq=False)
@@ -59,6 +63,8 @@ class Req:
     retry: bool = False  # poisoned by a failed step it shared: requeue once no step in flight includes it
     isolate: bool = False  # planned alone
     retries: int = 0
+    # Structured output: the matcher has accepted exactly `output_ids` (tokens are accepted as processed).
+    grammar: GrammarMatcher | None = None
 
     @property
     def all_ids(self) -> list[int]:

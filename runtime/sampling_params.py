@@ -12,7 +12,10 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+import orjson
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
 
 
 class InvalidRequest(ValueError):
@@ -102,6 +105,10 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
+    # Structured output (at most one): the output must match the grammar (runtime.grammar).
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None  # a schema (an object is serialised), or "$$ANY$$": any JSON
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None, vocab_size: int | None = None) -> SamplingParams:
@@ -148,6 +155,29 @@ class SamplingParams:
                                  param="stop")
         self.stop = list(self.stop)
         self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
+        self._validate_grammar()
+
+    def _validate_grammar(self) -> None:
+        """Types and exclusivity only; the grammar itself is parsed by runtime.grammar.check_grammar."""
+        if isinstance(self.json_schema, dict):
+            self.json_schema = orjson.dumps(self.json_schema).decode()
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        for name in given:
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                what = "a non-empty string or a JSON object" if name == "json_schema" else "a non-empty string"
+                raise InvalidRequest(f"{name} must be {what}, got {value!r}", param=name)
+        if len(given) > 1:
+            raise InvalidRequest(f"at most one of regex, json_schema, ebnf may be given, got {given}", param=given[1])
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(field, source) of the request's grammar, if it has one."""
+        for name in GRAMMAR_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     def row(self, step: int) -> WireSamplingRow:
         return WireSamplingRow(

@@ -10,16 +10,24 @@ that position and enter the tree when its result is processed.
 Results may come one step late (the overlap scheduler plans step N+1 while the worker runs step N): a
 decode planned before its input token is known feeds -1, and a request is released (its memory donated
 to the tree) only once no step in flight includes it.
+
+Structured output (SGLang's grammar queue): a request with a grammar waits in `grammar_wait` while a
+thread compiles it, then joins the waiting queue with its matcher. Its token mask needs its previous token,
+so its decode is never planned while a sample of it is in flight (`grammar_blocked` tells the step loop to
+resolve the step in flight first); a step's sampled tokens advance the matchers as they are processed.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from runtime.admission import NO_DEMAND, Admission, Demand, request_demand
+from runtime.grammar import GrammarBackend, GrammarKey
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
 from runtime.output_processor import OutputProcessor
 from runtime.page_table import PageTables
@@ -59,8 +67,11 @@ MAX_STEP_RETRIES = 2  # failed steps a request may share with others before it f
 
 class Scheduler:
     def __init__(self, args: ServerArgs, layout: PoolLayout, stop_ids: frozenset[int],
-                 detokenize: Callable[[list[int]], str], vocab_size: int) -> None:
+                 detokenize: Callable[[list[int]], str], vocab_size: int,
+                 grammar: GrammarBackend | None = None) -> None:
         self.args = args
+        self.grammar = grammar
+        self.grammar_wait: list[tuple[Req, concurrent.futures.Future[Any]]] = []  # compiling, in arrival order
         self.vocab_size = vocab_size
         self.pool = UnifiedPool(layout, args.mem_bytes)
         self.cache = None if args.disable_radix_cache else HybridRadixCache(self.pool)
@@ -97,16 +108,26 @@ class Scheduler:
             # The request alone, with its state block, must fit the pool (with one spare checkpoint block).
             if not self.pool.fits_packed(-(-need // self.ps), 2):
                 raise InvalidRequest(f"prompt + max_new_tokens = {need} tokens exceed the pool's capacity")
-            if len(self.waiting) >= self.args.max_queued_requests:
+            if len(self.waiting) + len(self.grammar_wait) >= self.args.max_queued_requests:
                 raise InvalidRequest("the queue is full, try again later")
+            if params.grammar is not None and self.grammar is None:
+                raise InvalidRequest("structured output is not available in this engine", param=params.grammar[0])
         except (InvalidRequest, TypeError) as e:
             self.outputs.outbox.append(TokenOut(msg.rid, [], finished="error", error=str(e)))
             return
         self._arrivals += 1
-        self.waiting.append(Req(msg.rid, list(msg.input_ids), params, msg.return_logprob, msg.logprob_start_len,
-                                msg.top_logprobs_num, arrival=self._arrivals))
+        req = Req(msg.rid, list(msg.input_ids), params, msg.return_logprob, msg.logprob_start_len,
+                  msg.top_logprobs_num, arrival=self._arrivals)
+        if params.grammar is not None and self.grammar is not None:
+            self.grammar_wait.append((req, self.grammar.submit(GrammarKey(*params.grammar))))
+        else:
+            self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
+        for item in list(self.grammar_wait):
+            if item[0].rid == rid:
+                self.grammar_wait.remove(item)
+                self.outputs.finish(item[0], "abort")
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
@@ -117,7 +138,33 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.outputs.outbox or self._inflight)
+        return bool(self.waiting or self.running or self.outputs.outbox or self._inflight or self.grammar_wait)
+
+    @property
+    def grammar_blocked(self) -> bool:
+        """A constrained request's next mask waits for its sample in flight: resolve that step first."""
+        return any(r.grammar is not None and r.pending_samples and r.active for r in self.running)
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block until a grammar compiling finishes, at most `timeout` s (when nothing else can be done)."""
+        if self.grammar_wait:
+            concurrent.futures.wait([f for _, f in self.grammar_wait], timeout,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is compiled join the waiting queue with a matcher; a failed one fails."""
+        still: list[tuple[Req, concurrent.futures.Future[Any]]] = []
+        for req, fut in self.grammar_wait:
+            if not fut.done():
+                still.append((req, fut))
+                continue
+            try:
+                req.grammar = self.grammar.matcher(fut.result())  # type: ignore[union-attr]
+            except Exception as e:  # InvalidRequest with xgrammar's message, or the compiler failing
+                self.outputs.finish(req, "error", str(e))
+                continue
+            self.waiting.append(req)
+        self.grammar_wait = still
 
     @property
     def steps_in_flight(self) -> int:
@@ -130,6 +177,8 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Plan the next step (results of the steps in flight may still be outstanding), or None."""
         self._retracted_now = set()  # ids of requests retracted while planning: not readmitted in this step
+        if self.grammar_wait:
+            self._admit_compiled()
         for req in [r for r in self.running if r.in_flight == 0 and not r.active]:
             self._settle(req)
         batch = self._extend_batch()
@@ -195,7 +244,15 @@ class Scheduler:
                 reason = self.outputs.on_token(req, result.tokens[i], result.logprobs[i] if result.logprobs else 0.0,
                                                result.top_ids[i] if result.top_ids else [],
                                                result.top_logprobs[i] if result.top_logprobs else [])
-                if reason is not None:
+                if req.grammar is not None:
+                    if not req.grammar.accept(result.tokens[i]):  # only if the mask left nothing to draw
+                        reason = "error"
+                    elif reason is None and req.grammar.terminated:
+                        reason = "stop"
+                if reason == "error":
+                    self.outputs.finish(req, reason, f"the grammar allows no token after {len(req.output_ids) - 1} "
+                                                     "outputs (stop tokens banned by min_new_tokens?)")
+                elif reason is not None:
                     self.outputs.finish(req, reason)
                 elif not req.aborted:
                     self.outputs.emit(req)
@@ -307,6 +364,7 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.arrival):
             if (req.active and req.prefill_done and id(req) not in in_batch and req.row is not None
                     and not req.isolate  # its first sample since the retry is in flight: wait for it
+                    and not (req.grammar is not None and req.pending_samples)  # its mask needs that sample
                     and req.seq_len - req.num_computed == 1
                     and req.output_index < req.params.max_new_tokens):  # else it ends with the pending sample
                 if self._grow(req, 1):
@@ -460,7 +518,7 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         """Empty the radix cache if nothing is running, queued or in flight; return whether it was flushed."""
-        if self.waiting or self.running or self._inflight:
+        if self.waiting or self.running or self._inflight or self.grammar_wait:
             return False
         if self.cache is not None:
             self.cache.evict(Kind.KV, self.pool.pages_used + 1)
@@ -470,7 +528,7 @@ class Scheduler:
 
     def _refresh_metrics(self) -> None:
         m = self.metrics
-        m.running, m.queued = len(self.running), len(self.waiting)
+        m.running, m.queued = len(self.running), len(self.waiting) + len(self.grammar_wait)
         u = self.pool.usage()
         m.state_pool_bytes, m.kv_pool_bytes = u.state_bytes, u.kv_bytes
         if self.cache is not None:

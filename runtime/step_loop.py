@@ -2,7 +2,9 @@
 
 With overlap (SGLang's overlap scheduler) the loop sends step N+1 before it waits for step N's result, so
 the scheduler plans while the worker computes; results are applied one step late. Without it, each plan
-waits for the previous result. Workers run plans in the order they are sent.
+waits for the previous result. Workers run plans in the order they are sent. A step with a constrained
+decode is not overlapped (as in SGLang): its grammar mask needs the token of the step in flight, so that
+step is resolved first; batches without one stay overlapped.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from collections.abc import Callable
 
 from runtime.messages import StepPlan, StepResult, TokenOut
 from runtime.scheduler import Scheduler
+
+GRAMMAR_POLL_S = 0.005  # the longest a loop with only grammars compiling waits before looking at its inbox
 
 
 class StepLoop:
@@ -30,6 +34,9 @@ class StepLoop:
         """Plan and send one step if there is one; then apply a result if more than `depth` steps are in
         flight (or nothing new could be planned). Returns the outputs produced."""
         s = self.scheduler
+        resolved: list[TokenOut] = []
+        if s.steps_in_flight and s.grammar_blocked:
+            resolved = s.process(self.recv())
         plan = s.schedule()
         if plan is not None:
             self.send(plan)
@@ -38,6 +45,9 @@ class StepLoop:
             outputs = s.process(self.recv())
         else:
             outputs = s.take_outputs()
+        outputs = resolved + outputs
+        if plan is None and not outputs and not s.steps_in_flight:
+            s.wait_for_grammars(GRAMMAR_POLL_S)  # only grammars compiling (if anything): do not spin
         if self.check_when_idle and not self._idle_checked and not s.has_work:
             s.check_integrity()  # cheap enough once per burst of work
             self._idle_checked = True

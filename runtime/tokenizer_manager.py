@@ -15,6 +15,7 @@ called from any thread.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import math
 import threading
@@ -28,6 +29,7 @@ import zmq.asyncio
 
 from runtime.engine_processes import EngineProcesses
 from runtime.errors import EngineError, EngineOverloaded
+from runtime.grammar import GrammarKey, check_grammar
 from runtime.messages import (
     AbortReq,
     FlushCacheOut,
@@ -52,6 +54,7 @@ from runtime.sampling_params import (
 from runtime.server_args import ServerArgs
 
 SHUT_DOWN = "the engine is shut down"
+CHECKED_GRAMMARS = 1024  # grammars remembered as valid, so a repeated one is not parsed again
 
 
 class _Sink:
@@ -174,6 +177,7 @@ class TokenizerManager:
         self.dead: EngineError | None = None
         # Chunks for consumers on other event loops, handed over once per burst of replies (one wake-up).
         self._foreign: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, StreamChunk | BaseException]]] = {}
+        self._grammars_ok: collections.OrderedDict[GrammarKey, None] = collections.OrderedDict()
 
     # --- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -296,6 +300,25 @@ class TokenizerManager:
         self._push.send_multipart(encode(msg), flags=zmq.NOBLOCK)
 
     # --- requests --------------------------------------------------------------------------------------
+    async def check_grammars(self, sampling_params: list[Any]) -> None:
+        """Parse the grammars (regex / json_schema / ebnf) of these sampling params in a thread, never on
+        this loop; raises InvalidRequest for a bad one. Valid ones are remembered: `submit` then skips them.
+        Params that are invalid otherwise are left for `submit` to refuse."""
+        for sp in sampling_params:
+            try:
+                grammar = SamplingParams.from_dict(sp, self.vocab_size).grammar
+            except (InvalidRequest, TypeError):
+                continue
+            if grammar is not None and GrammarKey(*grammar) not in self._grammars_ok:
+                await asyncio.to_thread(check_grammar, GrammarKey(*grammar))
+                self._grammar_ok(GrammarKey(*grammar))
+
+    def _grammar_ok(self, key: GrammarKey) -> None:
+        self._grammars_ok[key] = None
+        self._grammars_ok.move_to_end(key)
+        while len(self._grammars_ok) > CHECKED_GRAMMARS:
+            self._grammars_ok.popitem(last=False)
+
     def submit(self, prompt: str | list[int], sampling_params: dict[str, Any] | None = None, *,
                rid: str | None = None, return_logprob: bool = False, logprob_start_len: int = -1,
                top_logprobs_num: int = 0, return_text_in_logprobs: bool = False, timeout: float | None = None,
@@ -317,6 +340,10 @@ class TokenizerManager:
         self._check_alive()
         ids = self._prompt_ids(prompt)
         params = SamplingParams.from_dict(sampling_params, self.vocab_size)
+        if params.grammar is not None and GrammarKey(*params.grammar) not in self._grammars_ok:
+            # Not checked by `check_grammars` (a direct caller): parse it here; no tokenizer, so it is cheap.
+            check_grammar(GrammarKey(*params.grammar))
+            self._grammar_ok(GrammarKey(*params.grammar))
         check_bool("return_logprob", return_logprob)
         check_int("logprob_start_len", logprob_start_len, -1)
         check_int("top_logprobs_num", top_logprobs_num, 0, self.vocab_size)

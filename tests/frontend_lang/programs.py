@@ -72,3 +72,32 @@ def nested_roles(s):  # noqa: ANN001, ANN201
 def with_regex(s):  # noqa: ANN001, ANN201
     s += "The number is "
     s += sgl.gen("n", max_tokens=4, regex=r"[0-9]+")
+
+
+@sgl.function
+def constrained(s, regex=None, json_schema=None):  # noqa: ANN001, ANN201
+    s += "Question: tell me.\nAnswer: "
+    s += sgl.gen("out", max_tokens=64, regex=regex, json_schema=json_schema)
+    s += "\nQuestion: and a number?\nAnswer: "
+    s += sgl.gen("n", max_tokens=6, regex=r"[0-9]+")  # may not end in 6 tokens: every prefix is digits
+
+
+def check_constrained(backend: sgl.Backend) -> None:
+    """`constrained` for every regex and JSON schema of the structured-output tests, greedy and sampled (three
+    times): each output matches its pattern / validates against its schema."""
+    import json
+    import re
+
+    import jsonschema
+
+    from tests.runtime.grammar_cases import REGEXES, SCHEMAS
+
+    args = [{"regex": r} for r in REGEXES] + [{"json_schema": json.dumps(sc)} for sc in SCHEMAS]
+    for temperature in (0.0, 1.0, 1.0, 1.0):
+        states = constrained.run_batch(args, temperature=temperature, backend=backend)
+        for a, st in zip(args, states, strict=True):
+            if "regex" in a:
+                assert re.fullmatch(a["regex"], st["out"]), (a, st["out"])
+            else:
+                jsonschema.validate(json.loads(st["out"]), json.loads(a["json_schema"]))
+            assert re.fullmatch("[0-9]+", st["n"]), st["n"]

@@ -20,6 +20,8 @@ from tests.frontend_lang.programs import (
     MERGING_CHOICES,
     MERGING_PREFIX,
     PREFIX,
+    check_constrained,
+    constrained,
     fork_and_append,
     numbered,
     pick,
@@ -88,8 +90,9 @@ def test_server_errors_raise_with_the_servers_message(endpoint: sgl.RuntimeEndpo
     with pytest.raises(sgl.BackendError, match="temperature") as err:
         plain_gen.run(prompt="x", temperature=-1.0, backend=endpoint)
     assert err.value.status == 400
-    with pytest.raises(sgl.BackendError, match="regex"):
-        with_regex.run(backend=endpoint)
+    with pytest.raises(sgl.BackendError, match="invalid regex"):  # the grammar backend's message
+        constrained.run(regex="[0-9", backend=endpoint)
+    assert with_regex.run(backend=endpoint)["n"].isdigit()
     streamed = plain_gen.run(prompt="x", temperature=-1.0, stream=True, backend=endpoint)
     with pytest.raises(sgl.BackendError, match="temperature"):
         list(streamed.text_iter())
@@ -104,3 +107,7 @@ def test_gsm8k_against_the_server(server: Server, capsys: pytest.CaptureFixture[
                                 "--result-file", str(tmp_path / "r.jsonl")]) == 0
     out = last_json(capsys)
     assert out["cache_hit_rate"] > 0.8 and out["output_tokens"] > 0  # the server's cached_tokens per request
+
+
+def test_gen_regex_and_json_schema_outputs_match(endpoint: sgl.RuntimeEndpoint) -> None:
+    check_constrained(endpoint)

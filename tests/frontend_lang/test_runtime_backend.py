@@ -15,6 +15,8 @@ from tests.frontend_lang.programs import (
     PREFIX,
     branches,
     chat,
+    check_constrained,
+    constrained,
     fork_and_append,
     nested_roles,
     numbered,
@@ -118,9 +120,13 @@ def test_engine_errors_raise_with_the_engines_message(runtime: sgl.Runtime) -> N
     streamed = plain_gen.run(prompt="x", temperature=-1.0, stream=True, backend=runtime)
     with pytest.raises(sgl.BackendError, match="temperature"):
         list(streamed.text_iter())
-    # No grammar backend yet: regex reaches the engine as a sampling parameter, which refuses it by name.
-    with pytest.raises(sgl.BackendError, match="regex"):
-        with_regex.run(backend=runtime)
+    with pytest.raises(sgl.BackendError, match="invalid regex"):  # the grammar backend's message
+        constrained.run(regex="[0-9", backend=runtime)
+    assert with_regex.run(backend=runtime)["n"].isdigit()
     with pytest.raises(RuntimeError, match="no backend"):
         sgl.set_default_backend(None)
         numbered.run(i=1)
+
+
+def test_gen_regex_and_json_schema_outputs_match(runtime: sgl.Runtime) -> None:
+    check_constrained(runtime)
