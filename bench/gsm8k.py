@@ -40,6 +40,8 @@ REPO = Path(__file__).resolve().parent.parent
 # Run as a script, bench/ is sys.path[0] and bench/kernels.py would shadow the kernels package.
 sys.path.insert(0, str(REPO))
 
+from bench.ideal_cache import ideal_cached  # noqa: E402
+
 DATA = REPO / "bench" / "data" / "gsm8k"
 STOPS = ["Question", "Assistant:", "<|separator|>"]
 INVALID = -9999999
@@ -95,24 +97,6 @@ class Outcome:
     prompt_tokens: list[int]
     cached_tokens: list[int]
     latency: float
-
-
-def ideal_cached(prompts: Sequence[Sequence[int]]) -> int:
-    """Prompt tokens an unbounded cache would serve, prompts in order: each one's longest common prefix with
-    an earlier prompt (its last token is always computed, for its logits)."""
-    trie: dict[int, dict] = {}
-    total = 0
-    for p in prompts:
-        node, hit = trie, 0
-        for t in p:
-            if t not in node:
-                break
-            node, hit = node[t], hit + 1
-        total += min(hit, len(p) - 1)
-        node = trie
-        for t in p:
-            node = node.setdefault(t, {})
-    return total
 
 
 def summarise(w: Workload, o: Outcome) -> dict[str, Any]:

@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from bench.ideal_cache import ideal_prefill  # noqa: E402
 from bench.machine_info import cpu_name  # noqa: E402
 
 if "transformers" not in sys.modules and not torch.cuda.is_available():
@@ -117,24 +118,6 @@ def decode_batch(batch: int, prompt_len: int, new_tokens: int, vocab: int, seed:
     prompts = [[g.randrange(16, vocab) for _ in range(prompt_len)] for _ in range(batch)]
     return Workload(f"b{batch}", prompts, new_tokens,
                     f"batch {batch}: {prompt_len}-token random prompts, {new_tokens} new each")
-
-
-def ideal_prefill(prompts: Sequence[Sequence[int]]) -> int:
-    """Prefill tokens an unbounded cache that never recomputes a token would compute, in submission order
-    (the last prompt token is always computed: its logits are sampled)."""
-    trie: dict[int, dict] = {}
-    total = 0
-    for p in prompts:
-        node, hit = trie, 0
-        for t in p:
-            if t not in node:
-                break
-            node, hit = node[t], hit + 1
-        total += len(p) - min(hit, len(p) - 1)
-        node = trie
-        for t in p:
-            node = node.setdefault(t, {})
-    return total
 
 
 # --- backends ------------------------------------------------------------------------------------------
