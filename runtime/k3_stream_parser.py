@@ -118,8 +118,11 @@ def call_id(name: str, position: int) -> str:
 class K3StreamParser:
     """Feed text (markers kept, `skip_special_tokens=False`), get `Delta`s; `finish` at the end of output."""
 
-    def __init__(self, prefix: str = "", *, tools: bool = True) -> None:
+    def __init__(self, prefix: str = "", *, tools: bool = True, strip_strings: bool = False) -> None:
+        """`strip_strings`: string values lose surrounding whitespace, which the forcing grammar (xgrammar's
+        kimi_k3) allows around every value as formatting; K3's own markup writes strings raw."""
         self._tools = tools
+        self._strip = strip_strings
         self._phase = Phase.START
         self._buf = ""
         # Raw text since the last released text or call (markup, an unfinished call): content if the markup breaks.
@@ -241,7 +244,8 @@ class K3StreamParser:
             self._call.key, self._call.type, self._call.value = attrs["key"], attrs["type"], ""
         elif name == "argument":
             assert self._call is not None
-            self._call.args.append((self._call.key, _json_value(self._call.type, self._call.value)))
+            value = self._call.value.strip(" \n\r\t") if self._strip else self._call.value
+            self._call.args.append((self._call.key, _json_value(self._call.type, value)))
         elif name == "call":
             assert self._call is not None
             self._release(self._call)

@@ -191,9 +191,11 @@ def render_k3_chat(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mappin
     return K3Prompt("".join(out), prefix, thinking, forced)
 
 
-def parse_reply(text: str, prefix: str = RESPONSE_PREFIX, *, tools: bool = True) -> ParsedReply:
-    """The reply `text` (markers kept) that continues `prefix`, as OpenAI's message fields."""
-    parser = K3StreamParser(prefix, tools=tools)
+def parse_reply(text: str, prefix: str = RESPONSE_PREFIX, *, tools: bool = True, forced: bool = False
+                ) -> ParsedReply:
+    """The reply `text` (markers kept) that continues `prefix`, as OpenAI's message fields; `forced`: it was
+    written under `forcing_grammar`."""
+    parser = K3StreamParser(prefix, tools=tools, strip_strings=forced)
     d1, d2 = parser.feed(text), parser.finish()
     reasoning, content = d1.reasoning + d2.reasoning, d1.content + d2.content
     calls: dict[int, list[str]] = {}

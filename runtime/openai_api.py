@@ -17,6 +17,7 @@ from starlette.responses import Response
 
 from radixk3.tokenizer import Tokenizer
 from runtime.api_errors import APIError, OrjsonResponse, parse_body
+from runtime.k3_chat import K3Chat, K3Reply, k3_message, k3_sampling, plan_k3_chat
 from runtime.openai_protocol import (
     AssistantMessage,
     ChatChoice,
@@ -207,32 +208,52 @@ async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     req = await parse_body(request, ChatCompletionRequest)
     _check_model(st, req.model)
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
-    prompt = st.tokenizer.encode(st.tokenizer.apply_chat_template(messages), add_bos=True)
+    k3 = plan_k3_chat(req) if req.is_k3 else None  # tools or thinking: K3's markup (runtime.k3_tools)
+    prompt = st.tokenizer.encode(_chat_prompt(st.tokenizer, req, k3), add_bos=True)
     top = req.top_logprobs or 0
-    await st.tm.check_grammars([req.sampling(req.max_new_tokens)])
-    handles, timers = _submit(st, [prompt], req.sampling(req.max_new_tokens), req.rid, req.logprobs, top)
+    sampling = _chat_sampling(req, k3)
+    await st.tm.check_grammars([sampling])
+    handles, timers = _submit(st, [prompt], sampling, req.rid, req.logprobs, top)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
-        return sse_response(_chat_stream(st, req, handles, timers, cid, created))
+        return sse_response(_chat_stream(st, req, handles, timers, cid, created, k3))
     groups = await _full(request, handles, timers)
     if groups is None:
         return Response(status_code=499)
-    choices = [ChatChoice(index=s.index, message=AssistantMessage(content=s.text), finish_reason=s.finished,
-                          logprobs=_chat_logprobs(st.tokenizer, s.token_ids, s.logprobs, s.top_logprobs)
-                          if req.logprobs else None)
-               for s in groups[0]]
+    choices = [_chat_choice(st.tokenizer, req, k3, s) for s in groups[0]]
     body = ChatCompletionResponse(id=cid, created=created, model=st.model_name, choices=choices, usage=_usage(groups))
     return OrjsonResponse(body.model_dump())
 
 
+def _chat_prompt(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None) -> str:
+    if k3 is not None:
+        return k3.prompt.text
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+    return tok.apply_chat_template(messages)
+
+
+def _chat_sampling(req: ChatCompletionRequest, k3: K3Chat | None) -> dict[str, Any]:
+    sampling = req.sampling(req.max_new_tokens)
+    return sampling if k3 is None else k3_sampling(k3, sampling)
+
+
+def _chat_choice(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None, s: Sample) -> ChatChoice:
+    message, finish = AssistantMessage(content=s.text), s.finished
+    if k3 is not None:
+        message, finish = k3_message(k3, tok, s.text, s.finished, s.token_ids)
+    lp = _chat_logprobs(tok, s.token_ids, s.logprobs, s.top_logprobs) if req.logprobs else None
+    return ChatChoice(index=s.index, message=message, finish_reason=finish, logprobs=lp)
+
+
 async def _chat_stream(st: ServerState, req: ChatCompletionRequest, handles: list[RequestHandle],
-                       timers: list[RequestTimer], cid: str, created: int) -> AsyncIterator[bytes]:
+                       timers: list[RequestTimer], cid: str, created: int, k3: K3Chat | None
+                       ) -> AsyncIterator[bytes]:
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
         body = ChatCompletionChunk(id=cid, created=created, model=st.model_name, choices=choices, usage=usage)
         return event(body.model_dump(exclude_none=usage is None))
 
     groups = [[Sample(j) for j in range(req.n)]]
+    replies = [K3Reply(k3, st.tokenizer) for _ in range(req.n)] if k3 is not None else None
     try:
         # The role comes first, as OpenAI sends it, before any text.
         yield chunk([ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
@@ -244,7 +265,11 @@ async def _chat_stream(st: ServerState, req: ChatCompletionRequest, handles: lis
                 continue
             lp = _chat_logprobs(st.tokenizer, c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None
             delta = DeltaMessage(content=c.text) if c.text or c.finished is None else DeltaMessage()
-            yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=c.finished)])
+            finish = c.finished
+            if replies is not None:
+                reply = replies[c.index]
+                delta, finish = reply.push(c.text, c.finished, c.token_ids), reply.finish_reason(c.finished)
+            yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish)])
         if req.include_usage:
             yield chunk([], _usage(groups))
     except Exception as e:

@@ -116,13 +116,73 @@ class TextPart(_Strict):
     text: StrictStr
 
 
+class FunctionCall(_Strict):
+    name: NonEmptyStr
+    arguments: StrictStr  # a JSON object, as OpenAI sends it
+
+
+class ToolCallIn(_Strict):
+    id: NonEmptyStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: StrictStr | Annotated[list[TextPart], Field(min_length=1)]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: StrictStr | Annotated[list[TextPart], Field(min_length=1)] | None = None
     name: NonEmptyStr | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: NonEmptyStr | None = None
+    reasoning_content: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            raise ValueError("tool messages, and only they, carry a tool_call_id")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning_content")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    @property
+    def is_k3(self) -> bool:
+        """Needs K3's markup to render (a tool call or its result, or earlier reasoning)."""
+        return self.role == "tool" or bool(self.tool_calls) or self.reasoning_content is not None
+
+
+ToolName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionDef(_Strict):
+    name: ToolName
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: ToolName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "max"]
 
 
 class JsonSchemaFormat(_Strict):
@@ -157,8 +217,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # SGLang's: {"thinking": true} (alias enable_thinking)
 
     @model_validator(mode="after")
     def _chat_refusals(self) -> ChatCompletionRequest:
@@ -169,9 +232,43 @@ class ChatCompletionRequest(_SamplingFields):
                 raise ValueError("top_logprobs must be in [0, 20]")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("give max_tokens or max_completion_tokens, not both")
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise ValueError("tools are not supported")
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two tools have the same name")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not"
+                             " in tools")
+        kw = self.chat_template_kwargs or {}
+        unknown = sorted(set(kw) - {"thinking", "enable_thinking"})
+        if unknown:
+            raise ValueError(f"chat_template_kwargs: unsupported keys {unknown}; supported: thinking, enable_thinking")
+        if any(not isinstance(v, bool) for v in kw.values()):
+            raise ValueError("chat_template_kwargs: thinking must be a boolean")
+
+    @property
+    def thinking(self) -> bool:
+        """Thinking on: asked for in chat_template_kwargs, or a reasoning_effort other than "none"."""
+        kw = self.chat_template_kwargs or {}
+        flag = kw.get("thinking", kw.get("enable_thinking"))
+        if flag is not None:
+            return bool(flag)
+        return self.reasoning_effort not in (None, "none")
+
+    @property
+    def tools_on(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def is_k3(self) -> bool:
+        """Rendered with K3's markup and parsed for reasoning and tool calls; else the plain Kimi template."""
+        return (self.tools_on or self.reasoning_effort is not None or bool(self.chat_template_kwargs)
+                or any(m.is_k3 for m in self.messages))
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -233,9 +330,22 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -254,9 +364,18 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallOut
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

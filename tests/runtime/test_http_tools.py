@@ -1,0 +1,168 @@
+"""K3 tool calling and reasoning through the real server on the built-in model: forced calls always parse and
+validate, streamed deltas reassemble to the full response, the `openai` client sees `tool_calls` and
+`reasoning_content`, conversations with tool results render as K3, and bad tool requests are 400s."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+import openai
+import orjson
+import pytest
+
+from radixk3.tokenizer import load_tokenizer
+from runtime.k3_tools import render_k3_chat
+from tests.runtime.http_server_proc import Server, running_server
+
+MODEL = "k3-tiny"
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    "opts": {"type": "object", "properties": {"metric": {"type": "boolean"}}, "required": ["metric"]}},
+    "required": ["city", "opts"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {},
+                                                                           "additionalProperties": False}}}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+BASE = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 400}
+
+
+@pytest.fixture(scope="module")
+def server() -> Server:
+    with running_server() as s:
+        yield s
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=60.0)
+
+
+def check_call(call: Any, name: str | None = None) -> None:
+    assert call.type == "function" and call.id.startswith(f"functions.{call.function.name}:")
+    assert name is None or call.function.name == name
+    jsonschema.validate(orjson.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def sse(server: Server, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with server.client() as c, c.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
+        assert r.status_code == 200
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [orjson.loads(d) for d in data[:-1]]
+
+
+def reassemble(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The message a client builds from the deltas: text concatenated, calls by index, name first."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for e in events:
+        for ch in e["choices"]:
+            d = ch["delta"]
+            content += d.get("content") or ""
+            reasoning += d.get("reasoning_content") or ""
+            for t in d.get("tool_calls") or []:
+                if "id" in t:
+                    assert t["index"] not in calls and t["function"]["name"]
+                    calls[t["index"]] = {"id": t["id"], "type": t["type"],
+                                         "function": {"name": t["function"]["name"], "arguments": ""}}
+                calls[t["index"]]["function"]["arguments"] += t["function"].get("arguments") or ""
+            finish = ch.get("finish_reason") or finish
+    return {"content": content or None, "reasoning_content": reasoning or None,
+            "tool_calls": [calls[i] for i in sorted(calls)] or None, "finish_reason": finish}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_calls_always_parse(server: Server, choice: Any) -> None:
+    c = client(server)
+    for seed in range(3):
+        # Room for the markup spelled out in characters, should the grammar backend not pick the marker ids.
+        r = c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,  # type: ignore[arg-type]
+                                      temperature=1.0, seed=seed, n=2, max_tokens=400, parallel_tool_calls=False)
+        for ch in r.choices:
+            assert ch.finish_reason == "tool_calls", ch
+            assert ch.message.content is None and len(ch.message.tool_calls or []) == 1
+            check_call(ch.message.tool_calls[0], None if choice == "required" else "get_weather")
+
+
+def test_streamed_deltas_equal_the_full_response(server: Server) -> None:
+    cases = [BASE | {"tool_choice": "required", "temperature": 0},  # a forced call
+             BASE | {"tool_choice": "required", "parallel_tool_calls": True, "temperature": 0.8, "seed": 3},
+             BASE | {"temperature": 0, "max_tokens": 48},  # auto: whatever the random model writes
+             BASE | {"reasoning_effort": "high", "temperature": 0, "max_tokens": 24}]  # thinking
+    with server.client() as h:
+        for body in cases:
+            full = h.post("/v1/chat/completions", json=body).json()["choices"][0]
+            streamed = reassemble(sse(server, body))
+            msg = full["message"]
+            assert streamed == {"content": msg["content"], "reasoning_content": msg["reasoning_content"] or None,
+                                "tool_calls": msg["tool_calls"], "finish_reason": full["finish_reason"]}, body
+
+
+def test_reasoning_content_in_the_openai_client(server: Server) -> None:
+    c = client(server)
+    r = c.chat.completions.create(model=MODEL, messages=ASK, reasoning_effort="high", max_tokens=16, temperature=0)
+    msg = r.choices[0].message
+    # Random weights rarely close the think block within 16 tokens: the reply is all reasoning so far.
+    assert isinstance(msg.model_extra.get("reasoning_content"), str) and msg.model_extra["reasoning_content"]
+    off = c.chat.completions.create(model=MODEL, messages=ASK, reasoning_effort="none", max_tokens=8, temperature=0)
+    assert off.choices[0].message.model_extra.get("reasoning_content") is None
+    # Prompt lengths show which prefix was rendered: "<|open|>think<|sep|>" vs "<|open|>response<|sep|>".
+    tok = load_tokenizer()
+    for resp, thinking in ((r, True), (off, False)):
+        text = render_k3_chat(ASK, None, thinking=thinking).text
+        assert resp.usage.prompt_tokens == len(tok.encode(text, add_bos=True))
+
+
+def test_auto_never_fails(server: Server) -> None:
+    """Whatever the untrained model writes, markup or not, comes back as a 200 with content or calls."""
+    with server.client() as h:
+        for seed in range(3):
+            r = h.post("/v1/chat/completions", json=BASE | {"temperature": 1.0, "seed": seed, "n": 2, "max_tokens": 48})
+            assert r.status_code == 200, r.text
+            for ch in r.json()["choices"]:
+                m = ch["message"]
+                assert m["content"] is not None or m["tool_calls"], m
+                for t in m["tool_calls"] or []:
+                    orjson.loads(t["function"]["arguments"])
+
+
+def test_conversation_with_tool_results(server: Server) -> None:
+    calls = [{"id": "functions.get_weather:0", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "opts": {"metric": true}}'}},
+             {"id": "functions.noop:1", "type": "function", "function": {"name": "noop", "arguments": "{}"}}]
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "functions.noop:1", "content": "done"},
+                {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny, 21 C"}]
+    r = client(server).chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,  # type: ignore[arg-type]
+                                               max_tokens=4, temperature=0)
+    text = render_k3_chat(messages, TOOLS).text
+    assert r.usage.prompt_tokens == len(load_tokenizer().encode(text, add_bos=True))
+    assert text.index("sunny, 21 C") < text.index("done")  # results in call order
+
+
+@pytest.mark.parametrize("body, words", [
+    (BASE | {"tool_choice": {"type": "function", "function": {"name": "nope"}}}, ("nope", "not in tools")),
+    ({"model": MODEL, "messages": ASK, "tool_choice": "required"}, ("required", "needs tools")),
+    (BASE | {"messages": [{"role": "tool", "tool_call_id": "x", "content": "r"}]}, ("must follow",)),
+    (BASE | {"messages": [{"role": "tool", "content": "r"}]}, ("tool_call_id",)),
+    (BASE | {"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, ("tools",)),
+    (BASE | {"tool_choice": "required", "response_format": {"type": "json_object"}}, ("tool_choice",)),
+    (BASE | {"reasoning_effort": "extreme"}, ("reasoning_effort",)),
+])
+def test_bad_tool_requests(server: Server, body: dict[str, Any], words: tuple[str, ...]) -> None:
+    with server.client() as h:
+        r = h.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        assert all(w in r.json()["error"]["message"] for w in words), r.json()
+        good = h.post("/v1/chat/completions", json=BASE | {"max_tokens": 2})
+        assert good.status_code == 200
+
+
+def test_none_renders_no_tools(server: Server) -> None:
+    with server.client() as h:
+        r = h.post("/v1/chat/completions", json=BASE | {"tool_choice": "none", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200
+    plain = load_tokenizer().apply_chat_template(ASK)  # no tools, no thinking: the plain Kimi template
+    assert r.json()["usage"]["prompt_tokens"] == len(load_tokenizer().encode(plain, add_bos=True))
