@@ -154,9 +154,21 @@ def test_overlap_chunked_prefill_and_retraction_give_the_same_constrained_output
     check_constrained(overlapped)
     assert run_local(ServerArgs(disable_overlap_schedule=True), reqs) == overlapped
     assert run_local(ServerArgs(chunked_prefill_size=8), reqs) == overlapped
-    # A pool this small retracts running requests; each one's matcher carries on where it was.
-    retracted = run_local(ServerArgs(mem_bytes=160 << 10, schedule_conservativeness=0.0), reqs)
-    assert retracted == overlapped
+
+
+def test_retracted_requests_keep_their_grammar_state() -> None:
+    # Admission reserves no decode tokens (conservativeness 0): 150-digit outputs outgrow the pool and retract.
+    prompts = [list(range(40 * i, 40 * i + 40)) for i in range(1, 4)]
+    reqs = [(p, {"max_new_tokens": 160, "temperature": 1.0, "seed": i, "regex": "[0-9]{150}"})
+            for i, p in enumerate(prompts)]
+    free = run_local(ServerArgs(), reqs)
+    eng = LocalEngine(ServerArgs(mem_bytes=120_000, chunked_prefill_size=16, schedule_conservativeness=0.0),
+                      check=True)
+    rids = [eng.submit(p, sp) for p, sp in reqs]
+    outs = eng.run()
+    assert eng.scheduler.metrics.retractions > 0
+    assert [[t for o in outs[r] for t in o.token_ids] for r in rids] == free
+    assert all(re.fullmatch("[0-9]{150}", TOK.decode(ids)) for ids in free)
 
 
 def test_unconstrained_batches_stay_overlapped() -> None:
