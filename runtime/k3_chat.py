@@ -83,18 +83,18 @@ class K3Reply:
             d = Delta(d.reasoning + end.reasoning, d.content + end.content, d.tool_calls + end.tool_calls)
         self.content += d.content
         self.reasoning += d.reasoning
-        deltas = []
+        deltas: dict[int, DeltaToolCall] = {}  # one entry per call in a chunk, as OpenAI streams them
         for t in d.tool_calls:
             if t.name is not None:
                 self.calls[t.index] = ToolCallOut(id=t.id or "", function=FunctionCallOut(name=t.name, arguments=""))
-                deltas.append(DeltaToolCall(index=t.index, id=t.id, type="function",
-                                            function=FunctionCallOut(name=t.name, arguments="")))
-            else:
-                fn = self.calls[t.index].function
-                fn.arguments = (fn.arguments or "") + t.arguments
-                deltas.append(DeltaToolCall(index=t.index, function=FunctionCallOut(arguments=t.arguments)))
+                deltas[t.index] = DeltaToolCall(index=t.index, id=t.id, type="function",
+                                                function=FunctionCallOut(name=t.name, arguments=""))
+            fn = self.calls[t.index].function
+            fn.arguments = (fn.arguments or "") + t.arguments
+            out = deltas.setdefault(t.index, DeltaToolCall(index=t.index, function=FunctionCallOut(arguments="")))
+            out.function.arguments = (out.function.arguments or "") + t.arguments
         return DeltaMessage(content=d.content or None, reasoning_content=d.reasoning or None,
-                            tool_calls=deltas or None)
+                            tool_calls=list(deltas.values()) or None)
 
     def message(self) -> AssistantMessage:
         calls = [self.calls[i] for i in sorted(self.calls)]
