@@ -239,14 +239,16 @@ def compiler(tok: Tokenizer) -> Any:
     return xgr.GrammarCompiler(info, max_threads=1)
 
 
-def random_walk(tok: Tokenizer, grammar: str, seed: int, limit: int = 400) -> list[int]:
-    """Tokens drawn uniformly among those the grammar allows: the worst a model can do under the mask."""
+def random_walk(tok: Tokenizer, grammar: str, seed: int, limit: int = 400, start: str = "") -> list[int]:
+    """Tokens drawn uniformly among those the grammar allows: the worst a model can do under the mask
+    (after the text `start`, spelled one character a token)."""
     import xgrammar as xgr
 
     m = xgr.GrammarMatcher(compiler(tok).compile_grammar(grammar))
     mask = xgr.allocate_token_bitmask(1, tok.vocab_size)
     rng = np.random.default_rng(seed)
-    ids: list[int] = []
+    ids = [i for ch in start for i in tok.encode(ch)]
+    assert all(m.accept_token(i) for i in ids)
     while not m.is_terminated() and len(ids) < limit:
         m.fill_next_token_bitmask(mask)
         allowed = np.flatnonzero(np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[: tok.vocab_size])
@@ -274,3 +276,16 @@ def test_forced_calls_always_parse(choice: Any) -> None:
             assert set(args) <= {"city", "days", "opts"} and 1 <= args.get("days", 1) <= 7
         else:
             assert call.name == "noop" and args == {}
+
+
+def test_forced_call_after_thinking() -> None:
+    """With thinking the grammar lets the reasoning and the response run free (a real model ends them), then
+    forces the call; the walk writes those two itself, as a random model would not end them."""
+    tok = load_tokenizer()
+    grammar = forcing_grammar(FORCE_TOOLS, {"type": "function", "function": {"name": "noop"}}, thinking=True)
+    start = "hmm<|close|>think<|sep|><|open|>response<|sep|>ok<|close|>response<|sep|>"
+    for seed in range(3):
+        ids = random_walk(tok, grammar, seed, start=start)
+        got = parse_reply(tok.decode(ids[:-1], skip_special_tokens=False), THINK_PREFIX, forced=True)
+        assert got.reasoning_content == "hmm" and got.content == "ok"
+        assert [(c.name, c.arguments) for c in got.tool_calls] == [("noop", "{}")]
