@@ -3,6 +3,7 @@ is forced, a grammar); the engine's text (special tokens kept) becomes OpenAI's 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from runtime.openai_protocol import (
 )
 
 _GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema")
+_CPP_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,9 @@ def plan_k3_chat(req: ChatCompletionRequest) -> K3Chat:
         grammar = None if forced is None else forcing_grammar(tools, forced, req.thinking, req.parallel_tool_calls)
     except RenderError as e:
         raise APIError(400, str(e), "invalid_request_error", param="messages") from None
-    except ValueError as e:  # xgrammar refusing a tool's parameter schema
-        raise APIError(400, f"tools: {e}", "invalid_request_error", param="tools") from None
+    except (ValueError, RuntimeError) as e:  # xgrammar refusing a tool's parameter schema
+        message = _CPP_LOCATION.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        raise APIError(400, f"tools: {message}", "invalid_request_error", param="tools") from None
     return K3Chat(prompt, bool(tools), grammar)
 
 

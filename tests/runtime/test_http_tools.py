@@ -150,6 +150,9 @@ def test_conversation_with_tool_results(server: Server) -> None:
     (BASE | {"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, ("tools",)),
     (BASE | {"tool_choice": "required", "response_format": {"type": "json_object"}}, ("tool_choice",)),
     (BASE | {"reasoning_effort": "extreme"}, ("reasoning_effort",)),
+    (BASE | {"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "foo"}}}}}]},
+     ("tools: ", 'Unsupported type "foo"')),
 ])
 def test_bad_tool_requests(server: Server, body: dict[str, Any], words: tuple[str, ...]) -> None:
     with server.client() as h:
