@@ -68,6 +68,20 @@ def check_grammar(key: GrammarKey) -> None:
         raise _refuse(key, e) from None
 
 
+# xgrammar (0.2.9) writes a length-bounded JSON string (minLength / maxLength) as `[^"\\\r\n]{m,n}`: it lets raw
+# control characters (U+0000-U+001F) into the string, which strict JSON parsers refuse. Its unbounded strings
+# exclude them (`[^\0-\x1f"\\\r\n]`); the bounded ones get the same class here.
+_BOUNDED_STRING_CHARS = r'[^\"\\\r\n]'
+_JSON_STRING_CHARS = r'[^\0-\x1f\"\\\r\n]'
+
+
+def json_schema_grammar(schema: str) -> str:
+    """The EBNF of a JSON schema, compact (free whitespace would let an untrained model pad the output
+    forever), with bounded strings kept to JSON's characters."""
+    text = str(_xgr().Grammar.from_json_schema(schema, any_whitespace=False))
+    return text.replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS)
+
+
 class GrammarMatcher:
     """One request's position in its grammar."""
 
@@ -146,8 +160,7 @@ class GrammarBackend:
                 return c.compile_grammar(key.source)
             if key.source == ANY_JSON:
                 return c.compile_builtin_json_grammar()
-            # Compact JSON: free whitespace would let an untrained model pad the output forever.
-            return c.compile_json_schema(key.source, any_whitespace=False)
+            return c.compile_grammar(json_schema_grammar(key.source))
         except Exception as e:
             raise _refuse(key, e) from None
 

@@ -8,7 +8,7 @@ import frontend_lang as sgl
 PREFIX = ("Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
           "in May. How many clips did Natalia sell altogether in April and May?\n")
 # On the built-in model the normalised and the summed logprob choose differently among these (checked).
-CHOICES = [" yes", " April", " she sold 72 clips"]
+CHOICES = [" yes", " she sold 72 clips", " no"]
 # "is " + "no" tokenises with the prefix's trailing space merged into the choice's first token.
 MERGING_PREFIX, MERGING_CHOICES = "The answer is ", ["no", "twelve clips", "she sold 72 clips"]
 

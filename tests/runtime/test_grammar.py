@@ -215,3 +215,18 @@ def test_matcher_accepts_rolls_back_and_terminates() -> None:
     assert (fill_masks([m]) == start).all()
     assert m.accept(a[0]) and m.accept(b[0]) and not m.terminated
     assert m.accept(TOK.eos_id) and m.terminated
+
+
+@pytest.mark.parametrize("bounds", [{}, {"maxLength": 8}, {"minLength": 1, "maxLength": 8}])
+def test_json_strings_never_admit_control_characters(bounds: dict[str, int]) -> None:
+    """Strict JSON has no raw U+0000-U+001F inside strings (xgrammar 0.2.9's length-bounded strings let them
+    in; the backend narrows them): after the opening quote no allowed token holds such a byte."""
+    tok = load_tokenizer()
+    backend = GrammarBackend(tok, tok.vocab_size, tok.stop_ids)
+    m = backend.matcher(backend.compile(GrammarKey("json_schema", json.dumps({"type": "string", **bounds}))))
+    assert m.accept(tok.encode('"')[-1])
+    words = fill_masks([m])[0]
+    allowed = [t for t in range(tok.vocab_size) if (int(words[t // 32]) >> (t % 32)) & 1]
+    assert len(allowed) > 100  # letters, digits, pieces: the mask is not trivially empty
+    assert not [t for t in allowed if any(b < 0x20 for b in tok.token_bytes(t))]
+    backend.close()
