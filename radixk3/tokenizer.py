@@ -54,9 +54,12 @@ class Tokenizer:
         self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
         sp = self._sp
         n = sp.get_piece_size()
-        missing = [m for m in (*CHAT_MARKERS, SEPARATOR, *XTML_MARKERS) if sp.piece_to_id(m) == sp.unk_id()]
+        missing = [m for m in (*CHAT_MARKERS, SEPARATOR) if sp.piece_to_id(m) == sp.unk_id()]
         if missing:
             raise ValueError(f"tokenizer model lacks the chat markers {missing}")
+        # K3's markup tokens (tools, reasoning): optional, so that tokenizers trained before them still load.
+        self.has_xtml: bool = all(sp.piece_to_id(m) != sp.unk_id() for m in XTML_MARKERS)
+        xtml = XTML_MARKERS if self.has_xtml else ()
         self._space_bytes = [sp.piece_to_id(f"<0x{b:02X}>") for b in _SPACE_MARK.encode()]
         if sp.unk_id() in self._space_bytes:
             raise ValueError("tokenizer model was trained without byte fallback")
@@ -71,12 +74,12 @@ class Tokenizer:
                 special.add(i)
             else:
                 table.append(piece.replace(_SPACE_MARK, " ").encode())
-        special.update(sp.piece_to_id(m) for m in (*CHAT_MARKERS, *XTML_MARKERS))
+        special.update(sp.piece_to_id(m) for m in (*CHAT_MARKERS, *xtml))
         self._bytes = tuple(table)
         self.special_ids: frozenset[int] = frozenset(special)
         self.im_end_id: int = sp.piece_to_id(IM_END)
         self.separator_id: int = sp.piece_to_id(SEPARATOR)
-        self.end_of_msg_id: int = sp.piece_to_id(END_OF_MSG)
+        self.end_of_msg_id: int | None = sp.piece_to_id(END_OF_MSG) if self.has_xtml else None
 
     @property
     def vocab_size(self) -> int:
@@ -97,7 +100,8 @@ class Tokenizer:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         """Ids that end generation: eos, the end-of-turn marker and K3's end of message."""
-        return (self.eos_id, self.im_end_id, self.end_of_msg_id)
+        ids = (self.eos_id, self.im_end_id, self.end_of_msg_id)
+        return tuple(i for i in ids if i is not None)
 
     def id_to_piece(self, token_id: int) -> str:
         self._check_id(token_id)

@@ -208,6 +208,9 @@ async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     req = await parse_body(request, ChatCompletionRequest)
     _check_model(st, req.model)
+    if req.is_k3 and not st.tokenizer.has_xtml:
+        raise APIError(400, "tools and thinking need K3's markup tokens (<|open|>, <|close|>, <|sep|>, "
+                       "<|end_of_msg|>), which this model's tokenizer lacks", "invalid_request_error", param="tools")
     k3 = plan_k3_chat(req) if req.is_k3 else None  # tools or thinking: K3's markup (runtime.k3_tools)
     prompt = st.tokenizer.encode(_chat_prompt(st.tokenizer, req, k3), add_bos=True)
     top = req.top_logprobs or 0
