@@ -15,32 +15,17 @@ penalties, temperature, top-k and top-p, for greedy and sampled rows alike), nev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from kernels.backend import kernel_backend
+from kernels.sampling_row import SamplingRow
 
 MASK32 = 0xFFFFFFFF
 HASH_MUL1 = 0x7FEB352D  # both < 2**31: a 32-bit value times either fits an int64 exactly
 HASH_MUL2 = 0x68E31DA4
-
-
-@dataclass(frozen=True)
-class SamplingRow:
-    """One row's parameters, as SGLang names them; temperature 0 means greedy."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    step: int = 0  # tokens generated so far: a seeded request draws a fresh but reproducible number each step
 
 
 class SampleResult(NamedTuple):

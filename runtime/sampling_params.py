@@ -3,7 +3,8 @@
 Everything a request carries is checked here before it is sent anywhere: types (a bool is not an int, a
 float is not an int however integral), integers that fit the int64 wire format, finite floats, ranges, and
 token ids inside the model's vocabulary. A refusal is an `InvalidRequest` whose `param` names the field.
-This module imports no kernel or model code: the scheduler process uses it too.
+This module imports no model code and no torch (the row type comes from the leaf `kernels.sampling_row`): the
+scheduler process uses it too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import orjson
+
+from kernels.sampling_row import SamplingRow
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
@@ -70,22 +73,6 @@ def check_token_ids(name: str, ids: Any, vocab_size: int | None, *, allow_empty:
             bound = f"[0, {vocab_size})" if vocab_size is not None else "[0, 2**63)"
             raise InvalidRequest(f"{name} holds {t!r}: token ids must be integers in {bound}", param=name)
     return list(ids)
-
-
-@dataclass
-class WireSamplingRow:
-    """The per-row sampling fields a StepPlan carries; the same names as `kernels.sampling.SamplingRow`,
-    mirrored here so that the scheduler process need not import the kernel module."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    frequency_penalty: float
-    presence_penalty: float
-    repetition_penalty: float
-    seed: int | None
-    step: int
 
 
 @dataclass
@@ -179,8 +166,8 @@ class SamplingParams:
                 return name, value
         return None
 
-    def row(self, step: int) -> WireSamplingRow:
-        return WireSamplingRow(
+    def row(self, step: int) -> SamplingRow:
+        return SamplingRow(
             temperature=float(self.temperature), top_p=float(self.top_p), top_k=self.top_k, min_p=float(self.min_p),
             frequency_penalty=float(self.frequency_penalty), presence_penalty=float(self.presence_penalty),
             repetition_penalty=float(self.repetition_penalty), seed=self.seed, step=step,
