@@ -20,6 +20,7 @@ tokens, from the server's per-request meta_info), appends a JSON line to `--resu
 ends with one JSON object of the figures.
 
     python bench/gsm8k.py --backend engine --num-questions 200 [--disable-radix-cache] [--json]
+    python bench/gsm8k.py --compare --preset k3-small [--json]     # radix on, radix off, transformers: one run
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import re
 import sys
 import tempfile
@@ -222,6 +224,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--mem-mib", type=int, default=512, help="engine: pool per rank, MiB")
     ap.add_argument("--max-running-requests", type=int, default=64, help="engine")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    ap.add_argument("--compare", action="store_true", help="one run: the engine with radix on, with radix off, "
+                    "and transformers on the same checkpoint, with their throughput ratios")
     a = ap.parse_args(argv)
     if a.train_path is None:
         a.train_path = a.data_path.parent / "train.jsonl"
@@ -264,9 +268,48 @@ def run(a: argparse.Namespace, w: Workload, tmp: Path) -> tuple[Outcome, str, An
         return run_frontend(w, rt, a), f"radixk3 Engine in process on {what}, radix cache {radix}", rt.tokenizer
 
 
+COMPARED = (("radix_on", "engine", False), ("radix_off", "engine", True), ("transformers", "transformers", False))
+
+
+def compare(a: argparse.Namespace, w: Workload) -> int:
+    """`--compare`: the three baselines of SGLang's gsm8k comparison measured in this run, on one checkpoint."""
+    from bench.machine_info import cpu_name
+
+    rows: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="radixk3-gsm8k-") as tmp:
+        ckpt = a.model
+        if ckpt is None:
+            from radixk3.checkpoint import write_random_checkpoint
+            from radixk3.config import preset
+
+            ckpt = write_random_checkpoint(preset(a.preset), Path(tmp) / a.preset, seed=0)
+        for name, backend, off in COMPARED:
+            sub = argparse.Namespace(**(vars(a) | {"backend": backend, "disable_radix_cache": off, "model": ckpt}))
+            outcome, served, _ = run(sub, w, Path(tmp))
+            rows[name] = summarise(w, outcome) | {"served_by": served}
+            r = rows[name]
+            print(f"{name:<13} {r['output_throughput']:9.1f} tok/s  latency {r['latency']:7.1f} s  "
+                  f"cache hit rate {r['cache_hit_rate']:.3f}", flush=True)
+    what = f"random {a.preset} (seed 0)" if a.model is None else a.model.name
+    print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs; {what}; {a.num_questions} questions, {a.num_shots} shots, "
+          f"parallel {a.parallel}, max new tokens {a.max_new_tokens}")
+    base = rows["transformers"]["output_throughput"]
+    ratios = {f"ratio_{k}_vs_transformers": rows[k]["output_throughput"] / base for k in ("radix_on", "radix_off")}
+    ratios["ratio_radix_on_vs_off"] = rows["radix_on"]["output_throughput"] / rows["radix_off"]["output_throughput"]
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    print(RANDOM_WEIGHTS_NOTE)
+    if a.json:
+        print(json.dumps({k: rows["radix_on"][k] for k in ("accuracy", "invalid", "latency", "output_throughput",
+                                                           "cache_hit_rate")} | ratios | {"runs": rows}))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse(argv)
     w = workload(a.data_path, a.train_path, a.num_shots, a.num_questions)
+    if a.compare:
+        return compare(a, w)
     with tempfile.TemporaryDirectory(prefix="radixk3-gsm8k-") as tmp:
         outcome, served, tokenizer = run(a, w, Path(tmp))
     res = summarise(w, outcome)

@@ -83,3 +83,15 @@ def test_finish_cuts_at_a_stop_string() -> None:
     assert "Question" in tok.decode(ids[:n]) and "Question" not in tok.decode(ids[: n - 1])
     assert m.finish(tok, tok.encode("no stop at all")) == ("no stop at all", len(tok.encode("no stop at all")))
     assert m.finish(tok, [*tok.encode("4"), tok.eos_id, *tok.encode("more")]) == ("4", len(tok.encode("4")) + 1)
+
+
+def test_compare_runs_the_three_backends_in_one_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    m = bench("gsm8k")
+    assert m.main(["--compare", "--num-questions", "4", "--parallel", "4", "--max-new-tokens", "2", "--mem-mib",
+                   "128", "--json", "--no-progress", "--result-file", str(tmp_path / "r.jsonl")]) == 0
+    out = last_json(capsys)
+    assert set(out["runs"]) == {"radix_on", "radix_off", "transformers"}
+    assert all(isinstance(out[k], float) for k in KEYS)
+    assert out["runs"]["radix_on"]["cache_hit_rate"] > 0.5 and out["runs"]["radix_off"]["cache_hit_rate"] == 0
+    assert out["ratio_radix_on_vs_off"] == pytest.approx(
+        out["runs"]["radix_on"]["output_throughput"] / out["runs"]["radix_off"]["output_throughput"])
