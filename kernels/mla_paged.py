@@ -83,10 +83,12 @@ def mla_paged_prefill(
     cu_q: Tensor,
     scale: float,
     validate: bool = True,
+    kv_rows: Tensor | None = None,
 ) -> Tensor:
     """New tokens' attention over cached prefix + new tokens. q_nope [T, H, Dn], q_pe [T, H, Dr], cu_q [N+1]
     -> o [T, H, Dv]. The new tokens' latent must already be stored (`mla_store`).
-    `validate=False` skips `check_paged`."""
+    `validate=False` skips `check_paged`; `kv_rows` is `sequence_slots(kv)` when the caller has it already
+    (every MLA layer of a step shares it; the torch path needs it, the Triton one does not)."""
     q_lens = cu_q[1:] - cu_q[:-1]
     if validate:
         check_paged(kv, q_lens)
@@ -96,7 +98,7 @@ def mla_paged_prefill(
         return mla_paged_triton(q_nope, q_pe, latent_buffer, kv_b_weight, kv, q_lens, scale)
     cu_kv = torch.cat([kv.kv_lens.new_zeros(1), torch.cumsum(kv.kv_lens, 0)])
     return mla_attention(q_nope, q_pe, latent_buffer, kv_b_weight, cu_q=cu_q, cu_kv=cu_kv, scale=scale,
-                         absorbed=False, kv_rows=sequence_slots(kv))
+                         absorbed=False, kv_rows=sequence_slots(kv) if kv_rows is None else kv_rows)
 
 
 def mla_paged_decode(
@@ -108,9 +110,10 @@ def mla_paged_decode(
     *,
     scale: float,
     validate: bool = True,
+    kv_rows: Tensor | None = None,
 ) -> Tensor:
     """One query token per sequence (the last of its kv_lens), absorbed form: [N, H, Dn|Dr] -> [N, H, Dv].
-    `validate=False` skips `check_paged`."""
+    `validate=False` skips `check_paged`; `kv_rows` as for `mla_paged_prefill`."""
     n = q_nope.shape[0]
     q_lens = torch.ones(n, dtype=torch.int64, device=q_nope.device)
     if validate:
@@ -122,4 +125,4 @@ def mla_paged_decode(
     cu_q = torch.arange(n + 1, device=q_nope.device)
     cu_kv = torch.cat([kv.kv_lens.new_zeros(1), torch.cumsum(kv.kv_lens, 0)])
     return mla_attention(q_nope, q_pe, latent_buffer, kv_b_weight, cu_q=cu_q, cu_kv=cu_kv, scale=scale,
-                         absorbed=True, kv_rows=sequence_slots(kv))
+                         absorbed=True, kv_rows=sequence_slots(kv) if kv_rows is None else kv_rows)

@@ -17,9 +17,18 @@ from collections.abc import Callable
 
 from torch import Tensor
 
+from kernels.backend import kernel_backend
 from kernels.conv1d_pool import conv1d_decode, conv1d_prefill
 from kernels.kda_pool import kda_decode, kda_prefill
-from kernels.mla_paged import PagedKV, check_paged, check_store_slots, mla_paged_decode, mla_paged_prefill, mla_store
+from kernels.mla_paged import (
+    PagedKV,
+    check_paged,
+    check_store_slots,
+    mla_paged_decode,
+    mla_paged_prefill,
+    mla_store,
+    sequence_slots,
+)
 from kernels.state_checkpoints import StateCheckpoints, check_slots
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 
@@ -31,6 +40,7 @@ class AttentionBackend:
         self.decode = batch.mode is ForwardMode.DECODE
         self.has_state = batch.prefix_lens > 0
         self.paged = PagedKV(batch.block_table, batch.seq_lens, batch.page_size)
+        self._kv_rows: Tensor | None = None  # every cached token's KV slot (torch MLA), built by the first layer
         ck = batch.checkpoints
         self.checkpoints = ck if ck is not None and len(ck.slot) else None
         self._validate()
@@ -95,10 +105,13 @@ class AttentionBackend:
         """Store the new tokens' latent of MLA layer `layer`, then attend over each sequence's paged KV."""
         buf = self.cache.latent[layer]
         mla_store(buf, self.batch.kv_slots, latent, validate=False)
+        if self._kv_rows is None and kernel_backend(buf.device) != "triton":
+            self._kv_rows = sequence_slots(self.paged)  # the same for every MLA layer of the step
         if self.decode:
-            return mla_paged_decode(q_nope, q_pe, buf, kv_b_weight, self.paged, scale=scale, validate=False)
+            return mla_paged_decode(q_nope, q_pe, buf, kv_b_weight, self.paged, scale=scale, validate=False,
+                                    kv_rows=self._kv_rows)
         return mla_paged_prefill(q_nope, q_pe, buf, kv_b_weight, self.paged, cu_q=self.batch.cu_seqlens,
-                                 scale=scale, validate=False)
+                                 scale=scale, validate=False, kv_rows=self._kv_rows)
 
 
 def attach_backend(batch: ForwardBatch, cache: HybridCache) -> ForwardBatch:
