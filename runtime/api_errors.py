@@ -55,6 +55,16 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def request_failed(rid: str, error: str | None) -> APIError:
+    """A sample the engine finished with an error."""
+    return APIError(500, f"request {rid} failed: {error or 'unknown error'}", "server_error")
+
+
+def stream_failed(e: BaseException) -> APIError:
+    """The engine went away mid-stream: said in the stream, as its status line is sent already."""
+    return APIError(503, f"the request failed: {type(e).__name__}: {e}", "server_error")
+
+
 # How pydantic tags the members of a union in an error's location; never field names here.
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 

@@ -18,15 +18,17 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from starlette.responses import Response
 
 from radixk3.tokenizer import Tokenizer
-from runtime.api_errors import APIError, OrjsonResponse, parse_body
+from runtime.api_errors import APIError, OrjsonResponse, parse_body, request_failed, stream_failed
 from runtime.server_metrics import RequestTimer
 from runtime.server_requests import (
     ClientDisconnected,
     Sample,
     collect_all,
+    failed,
     merged,
     metered,
     submit_all,
+    token_text,
     unless_disconnected,
 )
 from runtime.server_state import ServerState, state_of
@@ -78,12 +80,8 @@ class GenerateRequest(BaseModel):
         return list(value) if isinstance(value, list) else [value] * n
 
 
-def _piece(tok: Tokenizer, t: int) -> str:
-    return tok.decode([t], skip_special_tokens=False)
-
-
 def _with_text(tok: Tokenizer, pairs: list[tuple[float | None, int]], text: bool) -> list[list[Any]]:
-    return [[lp, t, _piece(tok, t) if text else None] for lp, t in pairs]
+    return [[lp, t, token_text(tok, t) if text else None] for lp, t in pairs]
 
 
 def native_result(s: Sample, req: GenerateRequest, prompt_ids: list[int], tok: Tokenizer) -> dict[str, Any]:
@@ -104,13 +102,6 @@ def native_result(s: Sample, req: GenerateRequest, prompt_ids: list[int], tok: T
         meta["input_token_logprobs"] = _with_text(tok, list(zip(s.input_logprobs, prompt_ids[first:], strict=True)),
                                                   text)
     return {"text": s.text, "output_ids": list(s.token_ids), "meta_info": meta}
-
-
-def failed(samples: list[Sample]) -> APIError | None:
-    bad = next((s for s in samples if s.finished == "error"), None)
-    if bad is None:
-        return None
-    return APIError(500, f"request {bad.rid} failed: {bad.error or 'unknown error'}", "server_error")
 
 
 @router.post("/generate")
@@ -148,11 +139,11 @@ async def _stream(st: ServerState, req: GenerateRequest, prompt_ids: list[list[i
             s = samples[i][chunk.index]
             s.add(chunk)
             if chunk.finished == "error":
-                yield event(APIError(500, f"request {s.rid} failed: {s.error}", "server_error").body())
+                yield event(request_failed(s.rid, s.error).body())
                 continue
             yield event(native_result(s, req, prompt_ids[i], st.tokenizer) | {"index": offsets[i] + chunk.index})
     except Exception as e:  # the engine went away mid-stream: say so in the stream, the status is sent already
-        yield event(APIError(503, f"the request failed: {type(e).__name__}: {e}", "server_error").body())
+        yield event(stream_failed(e).body())
     yield DONE
 
 

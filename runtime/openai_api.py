@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from radixk3.tokenizer import Tokenizer
-from runtime.api_errors import APIError, OrjsonResponse, parse_body
+from runtime.api_errors import APIError, OrjsonResponse, parse_body, request_failed, stream_failed
 from runtime.k3_chat import K3Chat, K3Reply, k3_message, k3_sampling, plan_k3_chat
 from runtime.openai_protocol import (
     AssistantMessage,
@@ -44,9 +44,11 @@ from runtime.server_requests import (
     ClientDisconnected,
     Sample,
     collect_all,
+    failed,
     merged,
     metered,
     submit_all,
+    token_text,
     unless_disconnected,
 )
 from runtime.server_state import ServerState, state_of
@@ -70,26 +72,15 @@ def _usage(groups: Sequence[Sequence[Sample]]) -> Usage:
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-def _failed(groups: Sequence[Sequence[Sample]]) -> None:
-    for g in groups:
-        for s in g:
-            if s.finished == "error":
-                raise APIError(500, f"request {s.rid} failed: {s.error or 'unknown error'}", "server_error")
-
-
 # --- logprobs ------------------------------------------------------------------------------------------
-
-
-def _piece(tok: Tokenizer, t: int) -> str:
-    return tok.decode([t], skip_special_tokens=False)
 
 
 def _chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float], tops: list[list[Any]]) -> ChoiceLogprobs:
     content = []
     for k, (t, lp) in enumerate(zip(ids, lps, strict=False)):
-        top = [TopLogprob(token=_piece(tok, i), logprob=v, bytes=list(tok.token_bytes(i, False)))
+        top = [TopLogprob(token=token_text(tok, i), logprob=v, bytes=list(tok.token_bytes(i, False)))
                for i, v in (tops[k] if k < len(tops) else [])]
-        content.append(TokenLogprob(token=_piece(tok, t), logprob=lp, bytes=list(tok.token_bytes(t, False)),
+        content.append(TokenLogprob(token=token_text(tok, t), logprob=lp, bytes=list(tok.token_bytes(t, False)),
                                     top_logprobs=top))
     return ChoiceLogprobs(content=content)
 
@@ -98,10 +89,10 @@ def _completion_logprobs(tok: Tokenizer, ids: list[int], lps: list[float], tops:
                          offset: int) -> CompletionLogprobs:
     out = CompletionLogprobs()
     for k, (t, lp) in enumerate(zip(ids, lps, strict=False)):
-        piece = _piece(tok, t)
+        piece = token_text(tok, t)
         out.tokens.append(piece)
         out.token_logprobs.append(lp)
-        out.top_logprobs.append({_piece(tok, i): v for i, v in tops[k]} if k < len(tops) else None)
+        out.top_logprobs.append({token_text(tok, i): v for i, v in tops[k]} if k < len(tops) else None)
         out.text_offset.append(offset)
         offset += len(piece)
     return out
@@ -125,7 +116,8 @@ async def _full(request: Request, handles: list[RequestHandle], timers: list[Req
         groups = await unless_disconnected(request, collect_all(handles, timers))
     except ClientDisconnected:
         return None
-    _failed(groups)
+    if (err := failed(s for g in groups for s in g)) is not None:
+        raise err
     return groups
 
 
@@ -137,11 +129,11 @@ async def _chunks(handles: list[RequestHandle], timers: list[RequestTimer], n: i
 
 
 def _stream_error(e: BaseException) -> bytes:
-    return event(APIError(503, f"the request failed: {type(e).__name__}: {e}", "server_error").body())
+    return event(stream_failed(e).body())
 
 
 def _chunk_error(c: StreamChunk) -> bytes:
-    return event(APIError(500, f"request {c.rid} failed: {c.error or 'unknown error'}", "server_error").body())
+    return event(request_failed(c.rid, c.error).body())
 
 
 # --- routes --------------------------------------------------------------------------------------------
@@ -162,8 +154,9 @@ async def completions(request: Request) -> Response:
     _check_model(st, req.model)
     prompts = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in req.prompts()]
     want_lp = req.logprobs is not None
-    await st.tm.check_grammars([req.sampling(req.max_tokens)])
-    handles, timers = _submit(st, prompts, req.sampling(req.max_tokens), req.rid, want_lp, req.logprobs or 0)
+    sampling = req.sampling(req.max_tokens)
+    await st.tm.check_grammars([sampling])
+    handles, timers = _submit(st, prompts, sampling, req.rid, want_lp, req.logprobs or 0)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         return sse_response(_completion_stream(st, req, handles, timers, cid, created))

@@ -97,8 +97,9 @@ class RequestTimer:
         if last is None:
             self._m.ttft.observe(now - self._t0)
         else:  # a chunk of k tokens: k gaps of equal share
+            gap = (now - last) / num_tokens
             for _ in range(num_tokens):
-                self._m.itl.observe((now - last) / num_tokens)
+                self._m.itl.observe(gap)
         self._last[index] = now
         self._m.generation_tokens.inc(num_tokens)
 

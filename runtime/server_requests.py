@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from radixk3.tokenizer import Tokenizer
+from runtime.api_errors import APIError, request_failed
 from runtime.request_stream import StreamChunk
 from runtime.server_metrics import RequestTimer
 from runtime.tokenizer_manager import RequestHandle, TokenizerManager
@@ -48,6 +50,17 @@ class Sample:
         self.cached_tokens = c.cached_tokens or self.cached_tokens
         if c.finished is not None:
             self.finished, self.matched_stop, self.error = c.finished, c.matched_stop, c.error
+
+
+def failed(samples: Iterable[Sample]) -> APIError | None:
+    """The error of the first sample that failed, if one did."""
+    bad = next((s for s in samples if s.finished == "error"), None)
+    return None if bad is None else request_failed(bad.rid, bad.error)
+
+
+def token_text(tok: Tokenizer, t: int) -> str:
+    """One token's text, special tokens included (the logprobs' `token`)."""
+    return tok.decode([t], skip_special_tokens=False)
 
 
 async def metered(handle: RequestHandle, timer: RequestTimer) -> AsyncIterator[StreamChunk]:
