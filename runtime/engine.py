@@ -48,11 +48,15 @@ class Engine:
         atexit.register(self.shutdown)
 
     # --- the loop thread -------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise self.tm.dead or EngineError(SHUT_DOWN)
+
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run `coro` on the engine's loop and wait; an interrupt while waiting cancels it (which aborts)."""
         if self._closed:
             coro.close()
-            raise self.tm.dead or EngineError(SHUT_DOWN)
+            self._check_open()
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return fut.result(timeout)
@@ -98,14 +102,16 @@ class Engine:
         return single, handles
 
     @staticmethod
-    async def _results(handles: list[RequestHandle]) -> list[dict[str, Any]]:
-        """All results; the first failure (a timeout, a cancellation) cancels the rest, which aborts them."""
+    async def _results(single: bool, handles: list[RequestHandle]) -> dict[str, Any] | list[dict[str, Any]]:
+        """All results (one dict for a single prompt of one sample); the first failure (a timeout, a
+        cancellation) cancels the rest, which aborts them."""
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(h.result()) for h in handles]
         except BaseExceptionGroup as eg:
             raise eg.exceptions[0] from None  # the first failure, as a plain exception
-        return [r for t in tasks for r in t.result()]
+        results = [r for t in tasks for r in t.result()]
+        return results[0] if single and len(results) == 1 else results
 
     # --- lifecycle -------------------------------------------------------------------------------------
     @property
@@ -145,8 +151,7 @@ class Engine:
 
         async def run() -> dict[str, Any] | list[dict[str, Any]]:
             single, handles = await self._submit_many(self._loop, prompts, sampling_params, kw | {"timeout": timeout})
-            results = await self._results(handles)
-            return results[0] if single and len(results) == 1 else results
+            return await self._results(single, handles)
 
         return self._call(run())
 
@@ -208,8 +213,7 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """Abort a request by id (its result or stream ends with finish reason "abort")."""
-        if self._closed:
-            raise self.tm.dead or EngineError(SHUT_DOWN)
+        self._check_open()
         self.tm.abort(rid)
 
     def get_metrics(self, timeout: float = 10.0) -> dict[str, Any]:
@@ -226,8 +230,7 @@ class Engine:
     # --- async API (on the caller's event loop) --------------------------------------------------------
     async def _submit_here(self, prompts: Prompts, sampling_params: Any, kw: dict[str, Any]
                            ) -> tuple[bool, list[RequestHandle]]:
-        if self._closed:
-            raise self.tm.dead or EngineError(SHUT_DOWN)
+        self._check_open()
         here = asyncio.get_running_loop()
         fut = asyncio.run_coroutine_threadsafe(self._submit_many(here, prompts, sampling_params, kw), self._loop)
         return await asyncio.wrap_future(fut)
@@ -237,8 +240,7 @@ class Engine:
                              timeout: float | None = None, **kw: Any) -> dict[str, Any] | list[dict[str, Any]]:
         """`generate` on the caller's event loop; cancelling the awaiting task aborts the requests."""
         single, handles = await self._submit_here(prompts, sampling_params, kw | {"timeout": timeout})
-        results = await self._results(handles)
-        return results[0] if single and len(results) == 1 else results
+        return await self._results(single, handles)
 
     async def async_stream(self, prompt: str | list[int], sampling_params: dict[str, Any] | None = None,
                            timeout: float | None = None, **kw: Any) -> AsyncIterator[StreamChunk]:

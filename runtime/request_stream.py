@@ -89,11 +89,12 @@ class SampleStream:
         self.pieces.append(text)
         self.ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs)
-        self.top_logprobs.extend([(int(i), float(v)) for i, v in row] for row in out.top_logprobs)
+        top = [[(int(i), float(v)) for i, v in row] for row in out.top_logprobs]  # converted once per chunk
+        self.top_logprobs.extend(top)
         self.input_logprobs.extend(out.input_logprobs)
         self.last = StreamChunk(
             rid=self.rid, index=self.index, text=text, token_ids=list(out.token_ids), logprobs=list(out.logprobs),
-            top_logprobs=[[(int(i), float(v)) for i, v in row] for row in out.top_logprobs],
+            top_logprobs=top,
             input_logprobs=list(out.input_logprobs), finished=out.finished, matched_stop=out.matched_stop,
             prompt_tokens=out.prompt_tokens, completion_tokens=len(self.ids), cached_tokens=out.cached_tokens,
             error=out.error,

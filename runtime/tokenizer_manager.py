@@ -309,9 +309,9 @@ class TokenizerManager:
                 grammar = SamplingParams.from_dict(sp, self.vocab_size).grammar
             except (InvalidRequest, TypeError):
                 continue
-            if grammar is not None and GrammarKey(*grammar) not in self._grammars_ok:
-                await asyncio.to_thread(check_grammar, GrammarKey(*grammar))
-                self._grammar_ok(GrammarKey(*grammar))
+            if grammar is not None and (key := GrammarKey(*grammar)) not in self._grammars_ok:
+                await asyncio.to_thread(check_grammar, key)
+                self._grammar_ok(key)
 
     def _grammar_ok(self, key: GrammarKey) -> None:
         self._grammars_ok[key] = None
@@ -340,10 +340,10 @@ class TokenizerManager:
         self._check_alive()
         ids = self._prompt_ids(prompt)
         params = SamplingParams.from_dict(sampling_params, self.vocab_size)
-        if params.grammar is not None and GrammarKey(*params.grammar) not in self._grammars_ok:
+        if params.grammar is not None and (key := GrammarKey(*params.grammar)) not in self._grammars_ok:
             # Not checked by `check_grammars` (a direct caller): parse it here; no tokenizer, so it is cheap.
-            check_grammar(GrammarKey(*params.grammar))
-            self._grammar_ok(GrammarKey(*params.grammar))
+            check_grammar(key)
+            self._grammar_ok(key)
         check_bool("return_logprob", return_logprob)
         check_int("logprob_start_len", logprob_start_len, -1)
         check_int("top_logprobs_num", top_logprobs_num, 0, self.vocab_size)
