@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from frontend_lang.executor import StreamExecutor
-from frontend_lang.ir import CommitPrefix, Expr, ExprList, Join, RoleBegin, RoleEnd, as_expr
+from frontend_lang.ir import CommitPrefix, Expr, Join, RoleBegin, RoleEnd, _role, as_expr
 
 
 class ProgramState:
@@ -52,7 +52,7 @@ class ProgramState:
     # --- roles -----------------------------------------------------------------------------------------
     def _role(self, role: str, expr: Expr | str | None) -> Any:  # noqa: ANN401
         if expr is not None:
-            self += ExprList([RoleBegin(role), as_expr(expr), RoleEnd(role)])
+            self += _role(role, expr)
             return None
         return self._role_scope(role)
 

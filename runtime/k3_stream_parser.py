@@ -93,9 +93,6 @@ class Delta:
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.tool_calls)
-
 
 @dataclass
 class _Call:
@@ -133,10 +130,6 @@ class K3StreamParser:
         self.reasoning_ended = False
         self.feed(prefix)  # the prompt's own markup: it moves the phase, its output is not the model's
         self._out, self._pending = Delta(), ""
-
-    @property
-    def phase(self) -> Phase:
-        return self._phase
 
     def feed(self, text: str) -> Delta:
         self._buf += text

@@ -23,19 +23,19 @@ from typing import Any
 import orjson
 
 from radixk3.tokenizer import (
+    _ROLE_MARKERS,
     END_OF_MSG,
     IM_ASSISTANT,
     IM_END,
     IM_MIDDLE,
     IM_SYSTEM,
-    IM_USER,
     XTML_CLOSE,
     XTML_OPEN,
     XTML_SEP,
 )
 from runtime.k3_stream_parser import K3StreamParser
 
-_ROLES = {"system": IM_SYSTEM, "user": IM_USER, "assistant": IM_ASSISTANT, "tool": IM_SYSTEM}
+_ROLES = {**_ROLE_MARKERS, "tool": IM_SYSTEM}  # the tokenizer's chat roles; tool results are system turns
 THINK_PREFIX = f"{XTML_OPEN}think{XTML_SEP}"
 RESPONSE_PREFIX = f"{XTML_OPEN}response{XTML_SEP}"
 MESSAGE_END = f"{XTML_CLOSE}message{XTML_SEP}{END_OF_MSG}"
