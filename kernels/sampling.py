@@ -155,8 +155,9 @@ def apply_penalties(logits: Tensor, rows: list[SamplingRow], history: list[list[
     return penalized(logits, p, output_counts(history, logits.shape[-1], logits.device))
 
 
-def banned_logits(logits: Tensor, banned: list[list[int]] | None) -> Tensor:
-    """`logits` with each row's banned ids at -inf (a copy if any is banned); ids must be in the vocabulary."""
+def banned_logits(logits: Tensor, banned: list[list[int]] | None, copy: bool = True) -> Tensor:
+    """`logits` with each row's banned ids at -inf (a copy if any is banned, unless `copy` is False: then in
+    place); ids must be in the vocabulary."""
     if not banned or not any(banned):
         return logits
     vocab = logits.shape[1]
@@ -164,7 +165,7 @@ def banned_logits(logits: Tensor, banned: list[list[int]] | None) -> Tensor:
     cols = [t for ban in banned for t in ban]
     if any(not 0 <= t < vocab for t in cols):  # negative ids would silently ban a real token
         raise IndexError(f"banned token id outside the vocabulary [0, {vocab})")
-    out = logits.clone()
+    out = logits.clone() if copy else logits
     out[rows, cols] = float("-inf")
     return out
 
@@ -195,7 +196,8 @@ def sample(
     p = SamplingTensors.build(rows, logits.device)
     wants_pen = any(r.frequency_penalty or r.presence_penalty or r.repetition_penalty != 1.0 for r in rows)
     counts = output_counts(history, vocab, logits.device) if history is not None and wants_pen else None
-    drawable = banned_logits(masked_logits(logits, mask), banned)
+    masked = masked_logits(logits, mask)
+    drawable = banned_logits(masked, banned, copy=masked is logits)  # one [N, V] copy for both, not two
     if kernel_backend(logits.device) == "triton":
         from kernels.sampling_triton import sample_tokens_triton
 
