@@ -54,10 +54,12 @@ def mla_attention(
     scale: float,
     absorbed: bool = False,
     kv_rows: Tensor | None = None,
+    causal: bool = True,
 ) -> Tensor:
     """q_nope [T, H, Dn], q_pe [T, H, Dr], latent [L, R+Dr] -> o [T, H, Dv].
 
-    Sequence i's queries are the last (cu_q[i+1]-cu_q[i]) tokens of its cu_kv segment; causal in that alignment.
+    Sequence i's queries are the last (cu_q[i+1]-cu_q[i]) tokens of its cu_kv segment; causal in that alignment
+    (`causal=False`: every query sees the whole segment, as DSpark's draft block sees itself).
     `kv_rows` [cu_kv[-1]] (optional) names the latent row of each cached token, sequence after sequence (a
     paged buffer's slots); without it the segments are latent[cu_kv[i]:cu_kv[i+1]].
     """
@@ -95,7 +97,9 @@ def mla_attention(
             scores = torch.einsum("gjhe,gshe->ghjs", qg, torch.cat([k_nope, k_pe], dim=-1))
         # Query j of a sequence sits at kv position nk - nq + j and sees kv positions <= it (and < nk).
         pos = (nk - nq)[:, None] + j[None, :]  # [G, Qm]
-        hidden = (s[None, None, :] > pos[:, :, None]) | (s[None, None, :] >= nk[:, None, None])  # [G, Qm, Km]
+        hidden = s[None, None, :] >= nk[:, None, None]  # [G, 1, Km]: padding
+        if causal:
+            hidden = hidden | (s[None, None, :] > pos[:, :, None])  # [G, Qm, Km]
         probs = (scores.float() * scale).masked_fill(hidden[:, None], float("-inf")).softmax(-1).to(q_nope.dtype)
         if absorbed:
             o = torch.einsum("ghjr,hvr->gjhv", torch.einsum("ghjs,gsr->ghjr", probs, c), w_uv)

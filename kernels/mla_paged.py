@@ -84,21 +84,24 @@ def mla_paged_prefill(
     scale: float,
     validate: bool = True,
     kv_rows: Tensor | None = None,
+    causal: bool = True,
 ) -> Tensor:
     """New tokens' attention over cached prefix + new tokens. q_nope [T, H, Dn], q_pe [T, H, Dr], cu_q [N+1]
     -> o [T, H, Dv]. The new tokens' latent must already be stored (`mla_store`).
     `validate=False` skips `check_paged`; `kv_rows` is `sequence_slots(kv)` when the caller has it already
-    (every MLA layer of a step shares it; the torch path needs it, the Triton one does not)."""
+    (every MLA layer of a step shares it; the torch path needs it, the Triton one does not).
+    `causal=False`: every new token attends to all kv_lens tokens of its sequence, the other new ones included
+    (DSpark's block-non-causal draft pass)."""
     q_lens = cu_q[1:] - cu_q[:-1]
     if validate:
         check_paged(kv, q_lens)
     if kernel_backend(q_nope.device) == "triton":
         from kernels.mla_triton import mla_paged_triton
 
-        return mla_paged_triton(q_nope, q_pe, latent_buffer, kv_b_weight, kv, q_lens, scale)
+        return mla_paged_triton(q_nope, q_pe, latent_buffer, kv_b_weight, kv, q_lens, scale, causal=causal)
     cu_kv = torch.cat([kv.kv_lens.new_zeros(1), torch.cumsum(kv.kv_lens, 0)])
     return mla_attention(q_nope, q_pe, latent_buffer, kv_b_weight, cu_q=cu_q, cu_kv=cu_kv, scale=scale,
-                         absorbed=False, kv_rows=sequence_slots(kv) if kv_rows is None else kv_rows)
+                         absorbed=False, kv_rows=sequence_slots(kv) if kv_rows is None else kv_rows, causal=causal)
 
 
 def mla_paged_decode(

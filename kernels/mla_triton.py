@@ -91,6 +91,7 @@ def mla_paged_triton(
     kv: PagedKV,
     q_lens: Tensor,
     scale: float,
+    causal: bool = True,
 ) -> Tensor:
     t, h, dn = q_nope.shape
     dr = q_pe.shape[-1]
@@ -103,8 +104,10 @@ def mla_paged_triton(
     q_lens = q_lens.to(dev, torch.int64)
     tok_seq = torch.repeat_interleave(torch.arange(len(q_lens), device=dev), q_lens, output_size=t)  # no sync
     first_q = torch.cumsum(q_lens, 0) - q_lens
-    # query j of sequence i sits at kv position kv_len - q_len + j
-    tok_pos = kv.kv_lens.to(dev)[tok_seq] - q_lens[tok_seq] + torch.arange(t, device=dev) - first_q[tok_seq]
+    # query j of sequence i sits at kv position kv_len - q_len + j (non-causal: every query sees all kv_len)
+    tok_pos = kv.kv_lens.to(dev)[tok_seq] - 1
+    if causal:
+        tok_pos = tok_pos - q_lens[tok_seq] + 1 + torch.arange(t, device=dev) - first_q[tok_seq]
     o_lat = torch.empty(t, h, r, dtype=torch.float32, device=dev)
     bh = max(16, min(64, triton.next_power_of_2(h)))
     if t:

@@ -84,8 +84,10 @@ def attn_res_forward(
     out_proj: nn.Linear,
     cu_seqlens: torch.Tensor,
     batch: ForwardBatch | None,
+    aux: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The decoder stack with Block Attention Residuals; returns the pre-norm hidden state h (activation dtype)."""
+    """The decoder stack with Block Attention Residuals; returns the pre-norm hidden state h (activation dtype).
+    `aux` (DSpark's target states): each key i is filled with the partial sum p after layer i (m_i included)."""
     bank = BlockBank(embedding, block_size)
     dtype = embedding.dtype
     mlp_out: torch.Tensor | None = None
@@ -95,6 +97,8 @@ def attn_res_forward(
         attn_out = layer.attention(layer.input_layernorm(mix, dtype), cu_seqlens, batch)
         mix = mix_sources(bank.mlp_sources(attn_out), layer.mlp_res_norm, layer.mlp_res_proj)
         mlp_out = layer.feed_forward(layer.post_attention_layernorm(mix, dtype))
+        if aux is not None and i in aux:
+            aux[i] = bank._add(bank.partial, mlp_out)
     if mlp_out is None:
         raise ValueError("Attention Residuals need at least one layer")
     return mix_sources(bank.final_sources(mlp_out), out_norm, out_proj).to(dtype)

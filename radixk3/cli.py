@@ -32,7 +32,18 @@ def _plan(args: argparse.Namespace) -> None:
         print(f"  MTP draft KV per token per rank: {plan.mtp_kv_bytes_per_token} bytes (not in the pool figures)")
 
 
+# Drafter presets: (writer's target preset); a drafter stores no embedding or lm_head, only the target's sizes.
+DRAFTER_PRESETS = {"k3-tiny-dspark": "k3-tiny-native"}
+
+
 def _make_checkpoint(args: argparse.Namespace) -> None:
+    if args.preset in DRAFTER_PRESETS:
+        from radixk3.dspark_checkpoint import write_random_dspark
+        from radixk3.model import build_model
+
+        out = write_random_dspark(args.out, build_model(preset(DRAFTER_PRESETS[args.preset])), seed=args.seed)
+        print(f"wrote {args.preset} (seed {args.seed}, for {DRAFTER_PRESETS[args.preset]}) to {out}")
+        return
     if args.preset in TRUE_SIZE_PRESETS:
         raise ConfigError(f"preset {args.preset!r} is a true-size plan; random checkpoints are for test presets")
     out = write_random_checkpoint(preset(args.preset), args.out, seed=args.seed, num_shards=args.shards)
@@ -100,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     mk = sub.add_parser("make-checkpoint", help="write a seeded random checkpoint (config, safetensors, tokenizer)")
     mk.add_argument("out", type=Path)
-    mk.add_argument("--preset", default=BUILTIN_PRESET, choices=sorted(PRESETS))
+    mk.add_argument("--preset", default=BUILTIN_PRESET, choices=sorted([*PRESETS, *DRAFTER_PRESETS]))
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--shards", type=int, default=1, help="safetensors shards (>1 writes an index)")
     mk.set_defaults(fn=_make_checkpoint)

@@ -66,15 +66,19 @@ class KimiForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         batch: ForwardBatch | None = None,
+        aux: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The final hidden state before `model.norm` (what MTP layers read)."""
+        """The final hidden state before `model.norm` (what MTP layers read). `aux`: keys are layer ids whose
+        output state this fills (DSpark's target states: the AttnRes partial sum, or the residual stream)."""
         x = self.model.embed_tokens(input_ids)
         block = self.model.attn_res_block_size
         if block is not None:
             return attn_res_forward(x, list(self.model.layers), block, self.model.output_attn_res_norm,
-                                    self.model.output_attn_res_proj, cu_seqlens, batch)
-        for layer in self.model.layers:
+                                    self.model.output_attn_res_proj, cu_seqlens, batch, aux)
+        for i, layer in enumerate(self.model.layers):
             x = layer(x, cu_seqlens, batch)
+            if aux is not None and i in aux:
+                aux[i] = x
         return x
 
     def hidden(
@@ -82,8 +86,9 @@ class KimiForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         batch: ForwardBatch | None = None,
+        aux: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return self.model.norm(self.prenorm_hidden(input_ids, cu_seqlens, batch))
+        return self.model.norm(self.prenorm_hidden(input_ids, cu_seqlens, batch, aux))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,12 +102,15 @@ class KimiForCausalLM(nn.Module):
         return self.lm_head(self.hidden(input_ids, cu_seqlens))
 
     @torch.inference_mode()
-    def forward_batch(self, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
-        """One cached step; returns logits [M, V] for `batch.logits_index` (default: each sequence's last token)."""
+    def forward_batch(
+        self, batch: ForwardBatch, cache: HybridCache, aux: dict[int, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """One cached step; returns logits [M, V] for `batch.logits_index` (default: each sequence's last token).
+        `aux` as for `prenorm_hidden`: the new tokens' states [T, hidden] after the layers it names."""
         if batch.mode is ForwardMode.IDLE:
             return self.lm_head.weight.new_empty(0, self.config.vocab_size)
         batch = dataclasses.replace(batch, attn_backend=AttentionBackend(batch, cache))
-        h = self.hidden(batch.input_ids, batch.cu_seqlens, batch)
+        h = self.hidden(batch.input_ids, batch.cu_seqlens, batch, aux)
         rows = batch.logits_index if batch.logits_index is not None else batch.last_token_index()
         return self.lm_head(h[rows])
 
