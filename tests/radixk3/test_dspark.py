@@ -330,3 +330,13 @@ def test_aux_states_in_the_cached_path(target: KimiForCausalLM) -> None:
     aux = aux_request(cfg)
     target.forward_batch(ForwardBatch.build([ids[5:]], [5], [1], [list(range(8))]), cache, aux)
     torch.testing.assert_close(concat_aux(cfg, aux), full[5:], rtol=1e-4, atol=1e-4)
+
+
+def test_make_checkpoint_writes_the_tiny_drafter(tmp_path: Path, target: KimiForCausalLM) -> None:
+    from radixk3.cli import main
+
+    assert main(["make-checkpoint", str(tmp_path / "d"), "--preset", "k3-tiny-dspark", "--seed", "2"]) == 0
+    loaded = load_dspark(tmp_path / "d", target)
+    assert loaded.config == k3_tiny_dspark_preset()
+    ref = build_dspark(k3_tiny_dspark_preset(), target, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), ref.parameters(), strict=True))
