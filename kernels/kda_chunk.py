@@ -145,6 +145,11 @@ def chunk_scan(
         ckpts[plan.initial_ids] = states[plan.initial_seq]
     o = torch.empty(t_total + 1, h, vdim, dtype=torch.float32, device=q.device)  # row T takes the padding
     inputs = [x.float() for x in (q, k, v, g, beta)]
+    # Training: the states advance out of place (autograd saved the old ones); copied back at the end, detached.
+    functional = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+    caller_states = states
+    if functional:
+        states = states.clone()
     group = max(1, _INTRA_BUDGET // (h * c * max(kdim, vdim)))
     for r0, r1 in _rank_groups(plan, group):
         base, end = plan.rank_offsets[r0], plan.rank_offsets[r1]
@@ -165,11 +170,15 @@ def chunk_scan(
             v_new = terms.u[lo:hi] - terms.w[lo:hi] @ s
             out[lo:hi] = terms.qg[lo:hi] @ s + terms.a_qk[lo:hi] @ v_new
             s = terms.decay[lo:hi, ..., None] * s + terms.kd[lo:hi].transpose(-1, -2) @ v_new
-            if plan.rank_full[r]:
+            if functional:
+                states = s if plan.rank_full[r] else states.index_put((seqs,), s)
+            elif plan.rank_full[r]:
                 states.copy_(s)
             else:
                 states[seqs] = s
             if len(plan.emit_ids[r]):
                 ckpts[plan.emit_ids[r]] = s[plan.emit_local[r]]
         o[idx.reshape(-1)] = out.transpose(1, 2).reshape(-1, h, vdim)
+    if functional:
+        caller_states.copy_(states.detach())
     return o[:t_total], ckpts

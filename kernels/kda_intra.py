@@ -67,10 +67,11 @@ def _materialised(q: Tensor, k: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
     bsz, c, kdim = q.shape
     ii, jj = torch.tril_indices(c, c, device=q.device)
     qt, kt, gt = (x.transpose(0, 1).contiguous() for x in (q, k, g))  # [c, B, K]
-    ek = (_span_matrix(jj, ii, c) @ gt.view(c, -1)).view(-1, bsz, kdim).exp_().mul_(kt[jj])  # [pairs, B, K]
+    # Out of place (the same values): autograd keeps exp's and the first product's results for backward.
+    ek = (_span_matrix(jj, ii, c) @ gt.view(c, -1)).view(-1, bsz, kdim).exp() * kt[jj]  # [pairs, B, K]
     out = torch.zeros(2, bsz, c * c, dtype=q.dtype, device=q.device)
     out[0][:, ii * c + jj] = (qt[ii] * ek).sum(-1).T
-    out[1][:, ii * c + jj] = ek.mul_(kt[ii]).sum(-1).T
+    out[1][:, ii * c + jj] = (ek * kt[ii]).sum(-1).T
     return out[0].view(bsz, c, c), out[1].view(bsz, c, c)
 
 
@@ -129,6 +130,11 @@ def _unit_lower_inverse(a: Tensor) -> Tensor:
     blocks, then blocks merged pairwise, [[X1, 0], [A21, X2]] -> [[X1, 0], [-X2 A21 X1, X2]] (batched matmuls;
     a batched triangular solve loops over the batch and is much slower on small chunks)."""
     bsz, c, _ = a.shape
+    if torch.is_grad_enabled() and a.requires_grad:
+        # Training: the in-place blocked inverse below overwrites what autograd saved; a triangular solve
+        # differentiates (rounding differs from the serving path's by ~1 ulp, inference is unchanged).
+        eye = torch.eye(c, dtype=a.dtype, device=a.device).expand(bsz, c, c)
+        return torch.linalg.solve_triangular(eye + a, eye, upper=False, unitriangular=True)
     s = min(SUB, c)
     nb = c // s
     diag = torch.stack([a[:, b * s : (b + 1) * s, b * s : (b + 1) * s] for b in range(nb)], 1)  # [B, nb, s, s]
@@ -152,11 +158,16 @@ def _solve(a_qk: Tensor, a_kk: Tensor, k: Tensor, v: Tensor, beta: Tensor, eg: T
     c, kdim = k.shape[-2:]
     lower = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()
     a_qk = a_qk.masked_fill_(~lower, 0.0)
-    a_kk = (a_kk * beta[..., None]).masked_fill_(~lower.tril(-1), 0.0)
-    rhs = k.new_empty(*k.shape[:-1], kdim + v.shape[-1])  # [beta eg k | beta v], without torch.cat (slow)
+    # Masked before beta is applied (the same values): the unused upper triangle may overflow, and inf * 0 would
+    # put NaN into beta's gradient.
+    a_kk = a_kk.masked_fill_(~lower.tril(-1), 0.0) * beta[..., None]
     b = beta[..., None]
-    torch.mul(b * eg, k, out=rhs[..., :kdim])
-    torch.mul(b, v, out=rhs[..., kdim:])
+    if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or beta.requires_grad or eg.requires_grad):
+        rhs = torch.cat([b * eg * k, b * v], dim=-1)  # training: out= does not differentiate
+    else:
+        rhs = k.new_empty(*k.shape[:-1], kdim + v.shape[-1])  # [beta eg k | beta v], without torch.cat (slow)
+        torch.mul(b * eg, k, out=rhs[..., :kdim])
+        torch.mul(b, v, out=rhs[..., kdim:])
     x = (_unit_lower_inverse(a_kk.flatten(0, 1)) @ rhs.flatten(0, 1)).view_as(rhs)
     return a_qk, x[..., :kdim], x[..., kdim:]
 

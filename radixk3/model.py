@@ -70,6 +70,16 @@ class KimiForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """The final hidden state before `model.norm` (what MTP layers read). `aux`: keys are layer ids whose
         output state this fills (DSpark's target states: the AttnRes partial sum, or the residual stream)."""
+        return self._prenorm_hidden(input_ids, cu_seqlens, batch, aux)
+
+    def _prenorm_hidden(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        batch: ForwardBatch | None = None,
+        aux: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`prenorm_hidden` outside inference mode: the no-cache path that training differentiates."""
         x = self.model.embed_tokens(input_ids)
         block = self.model.attn_res_block_size
         if block is not None:
