@@ -11,7 +11,7 @@ from torch import Tensor
 
 from kernels.backend import kernel_backend
 from kernels.conv1d import conv_from_history, conv_history, conv_window, history_states
-from kernels.pool_slots import gather_slots, scatter_slots
+from kernels.pool_slots import gather_slots, scatter_slots, window_positions
 from kernels.state_checkpoints import StateCheckpoints, check_num_tokens, check_slots
 
 
@@ -104,3 +104,33 @@ def conv1d_replay(
     window = torch.cat([gather_slots(conv_pool, state_slots), x.transpose(1, 2).to(conv_pool.dtype)], dim=-1)
     idx = (num_tokens[:, None] + torch.arange(keep, device=x.device)).view(-1, 1, keep).expand(-1, x.shape[2], -1)
     scatter_slots(conv_pool, state_slots, window.gather(2, idx))  # window: [N, C, W-1+L]
+
+
+def conv1d_verify(
+    x: Tensor,
+    weight: Tensor,
+    conv_pool: Tensor,
+    state_slots: Tensor,
+    cu_seqlens: Tensor,
+    *,
+    activation: str | None = "silu",
+    snapshots: Tensor | None = None,
+    snapshot_rows: Tensor | None = None,
+) -> Tensor:
+    """A speculative window: each sequence's new tokens (x [T, C] packed by cu_seqlens) convolved from its
+    slot's conv state, which is NOT written back; each token's window is built and reduced exactly as
+    `conv1d_decode` does, so the outputs equal plain decode's. With `snapshots` [R, W, C, width-1] the conv
+    state after window position t of sequence i is also written to snapshots[snapshot_rows[i], t].
+    Returns y [T, C]. Torch on every backend."""
+    width = weight.shape[-1]
+    seq, off, longest = window_positions(cu_seqlens, x.shape[0])
+    n = state_slots.numel()
+    hist = gather_slots(conv_pool, state_slots).to(x.dtype)  # [N, C, W-1]
+    padded = x.new_zeros(n, longest, x.shape[1])
+    padded[seq, off] = x
+    full = torch.cat([hist, padded.transpose(1, 2)], dim=-1)  # [N, C, W-1+L]
+    windows = full.unfold(-1, width, 1)  # [N, C, L, W]: window t ends at token t
+    y = conv_window(windows[seq, :, off], weight, activation)
+    if snapshots is not None and snapshot_rows is not None:
+        snapshots[snapshot_rows[seq], off] = windows[seq, :, off, 1:].to(snapshots.dtype)
+    return y.to(x.dtype)

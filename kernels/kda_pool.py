@@ -17,7 +17,7 @@ from torch import Tensor
 from kernels.backend import kernel_backend
 from kernels.kda import kda_gate, kda_read, kda_step, kda_step_, l2norm, seq_bounds
 from kernels.kda_chunk import chunk_scan, plan_chunks
-from kernels.pool_slots import gather_slots, scatter_slots
+from kernels.pool_slots import gather_slots, scatter_slots, window_positions
 from kernels.state_checkpoints import StateCheckpoints, check_num_tokens, check_slots
 
 
@@ -173,3 +173,39 @@ def kda_replay(
         step = preprocess_step(k[:, t], v[:, t], g[:, t], beta[:, t], gate, beta_logits, qk_l2norm)
         s = torch.where((num_tokens > t).view(-1, 1, 1, 1), kda_step(s, *step), s)
     scatter_slots(state_pool, state_slots, s)
+
+
+def kda_verify(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_slots: Tensor,
+    cu_seqlens: Tensor,
+    *,
+    scale: float | None = None,
+    snapshots: Tensor | None = None,
+    snapshot_rows: Tensor | None = None,
+) -> Tensor:
+    """A speculative window: each sequence's new tokens (inputs as `kda_decode`, packed by cu_seqlens) run one
+    by one from its slot's state, which is NOT written back. Per token this is decode's arithmetic
+    (`kda_step`, `kda_read`), so the outputs equal plain decode's and a later `kda_replay` of the same inputs
+    ends on exactly the state decode would. With `snapshots` [R, W, H, K, V] (the snapshot baseline) the state
+    after window position t of sequence i is also written to snapshots[snapshot_rows[i], t]. Returns o [T, H, V].
+    Torch on every backend (windows are a few tokens)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    t_total = q.shape[0]
+    seq, off, width = window_positions(cu_seqlens, t_total)
+    s = gather_slots(state_pool, state_slots).float()
+    o = torch.empty(t_total, *v.shape[1:], dtype=torch.float32, device=v.device)
+    for t in range(width):
+        at = (off == t).nonzero().squeeze(1)  # the tokens at window position t, one per long-enough sequence
+        rows = seq[at]
+        s_t = kda_step(s[rows], k[at], v[at], g[at], beta[at])
+        o[at] = kda_read(s_t, q[at], scale)
+        s[rows] = s_t
+        if snapshots is not None and snapshot_rows is not None:
+            snapshots[snapshot_rows[rows], t] = s_t
+    return o.to(v.dtype)

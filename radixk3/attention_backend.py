@@ -8,6 +8,10 @@ batch's page table and KDA state through its state slots:
   fused recurrent step, in place);
 - MLA: store the new tokens' latent at their slots, then attend over the paged latent (decode: the
   weight-absorbed form).
+Verify (speculative decoding): conv and KDA run each sequence's window token by token from its live state with
+decode's arithmetic and leave the state as it was; the window (`batch.spec`) keeps what the commit after
+acceptance needs (`spec_window.py`). MLA stores every window token's latent: the rejected ones are simply
+never read (the scheduler truncates the sequence).
 One backend is built per step (`for_batch`), so what every layer shares is computed once.
 """
 
@@ -18,8 +22,8 @@ from collections.abc import Callable
 from torch import Tensor
 
 from kernels.backend import kernel_backend
-from kernels.conv1d_pool import conv1d_decode, conv1d_prefill
-from kernels.kda_pool import kda_decode, kda_prefill
+from kernels.conv1d_pool import conv1d_decode, conv1d_prefill, conv1d_verify
+from kernels.kda_pool import kda_decode, kda_prefill, kda_verify
 from kernels.mla_paged import (
     PagedKV,
     check_paged,
@@ -29,6 +33,7 @@ from kernels.mla_paged import (
     mla_store,
     sequence_slots,
 )
+from kernels.pool_slots import window_positions
 from kernels.state_checkpoints import StateCheckpoints, check_slots
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 
@@ -38,11 +43,20 @@ class AttentionBackend:
         self.batch = batch
         self.cache = cache
         self.decode = batch.mode is ForwardMode.DECODE
+        self.verify = batch.mode is ForwardMode.VERIFY
+        if self.verify:
+            if batch.spec is None:
+                raise ValueError("a verify batch needs its draft window (batch.spec)")
+            if not bool((batch.prefix_lens > 0).all()):
+                raise ValueError("a verify window starts after a cached prefix: every prefix must be non-empty")
+            self._seq, self._off, _ = window_positions(batch.cu_seqlens, int(batch.input_ids.numel()))
         self.has_state = batch.prefix_lens > 0
         self.paged = PagedKV(batch.block_table, batch.seq_lens, batch.page_size)
         self._kv_rows: Tensor | None = None  # every cached token's KV slot (torch MLA), built by the first layer
         ck = batch.checkpoints
         self.checkpoints = ck if ck is not None and len(ck.slot) else None
+        if self.verify and self.checkpoints is not None:
+            raise ValueError("a verify step takes no checkpoints: its tokens are not committed yet")
         self._validate()
         if self.decode and self.checkpoints is not None:
             # A decode step has one token: a checkpoint is the state before it (offset 0) or after it (1).
@@ -88,6 +102,12 @@ class AttentionBackend:
         b = self.batch
         if self.decode:
             return self._decode_step(pool, lambda: conv1d_decode(x, weight, pool, b.state_slots, validate=False))
+        if self.verify:
+            w = b.spec
+            assert w is not None
+            snap = w.window.snap_conv[layer] if w.window.mode == "snapshot" else None
+            w.window.save_conv_inputs(layer, w.rows, self._seq, self._off, x)
+            return conv1d_verify(x, weight, pool, b.state_slots, b.cu_seqlens, snapshots=snap, snapshot_rows=w.rows)
         return conv1d_prefill(x, weight, pool, state_slots=b.state_slots, cu_seqlens=b.cu_seqlens,
                               has_initial_state=self.has_state, checkpoints=self.checkpoints, validate=False)
 
@@ -97,6 +117,13 @@ class AttentionBackend:
         b = self.batch
         if self.decode:
             return self._decode_step(pool, lambda: kda_decode(q, k, v, g, beta, pool, b.state_slots, validate=False))
+        if self.verify:
+            w = b.spec
+            assert w is not None
+            snap = w.window.snap_recurrent[layer] if w.window.mode == "snapshot" else None
+            w.window.save_kda_inputs(layer, w.rows, self._seq, self._off, k, v, g, beta)
+            return kda_verify(q, k, v, g, beta, pool, b.state_slots, b.cu_seqlens, snapshots=snap,
+                              snapshot_rows=w.rows)
         return kda_prefill(q, k, v, g, beta, pool, state_slots=b.state_slots, cu_seqlens=b.cu_seqlens,
                            has_initial_state=self.has_state, checkpoints=self.checkpoints, validate=False)
 

@@ -20,6 +20,7 @@ from radixk3.config import ModelConfig
 
 if TYPE_CHECKING:
     from radixk3.attention_backend import AttentionBackend
+    from radixk3.spec_window import WindowRows
 
 
 class ForwardMode(enum.Enum):
@@ -67,6 +68,7 @@ class ForwardBatch:
     checkpoints: StateCheckpoints | None = None
     logits_index: torch.Tensor | None = None  # [M] rows of the packed tokens to compute logits for; None = last
     attn_backend: AttentionBackend | None = None  # set by the model's forward_batch
+    spec: WindowRows | None = None  # verify mode: the draft window the KDA layers fill (spec_window.py)
 
     @property
     def num_seqs(self) -> int:

@@ -35,7 +35,7 @@ class LocalEngine:
         self._n = 0
         self._sent: deque[StepPlan] = deque()
         self.loop = StepLoop(self.scheduler, self._sent.append, self._run_next,
-                             overlap=not args.disable_overlap_schedule)
+                             overlap=args.overlap_schedule)
 
     def _run_next(self) -> StepResult:
         plan = self._sent.popleft()

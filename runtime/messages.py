@@ -112,6 +112,10 @@ class StepResult:
     error: str | None = None  # the whole step failed: no token of it is valid
     # The step ran but sampling these sampled rows failed: (row index, error); -1 tokens stand in for them.
     row_errors: list[tuple[int, str]] = field(default_factory=list)
+    # Verify steps: drafts accepted per sampled sequence; `tokens` (and the logprob lists) then hold, sequence
+    # after sequence, num_accepted[i] + 1 tokens each (the accepted drafts and the target's own next token),
+    # and a row error's index is the sequence's.
+    num_accepted: list[int] = field(default_factory=list)
 
 
 @dataclass

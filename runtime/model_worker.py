@@ -9,14 +9,16 @@ import numpy as np
 import torch
 
 from kernels.sampling import SampleResult, SamplingRow, TokenMask, sample
+from kernels.spec_sampling import VerifyResult, verify_drafts
 from kernels.state_checkpoints import StateCheckpoints
 from radixk3.config import BUILTIN_PRESET, preset
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM, build_model
+from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
 from runtime.messages import StepPlan, StepResult
 from runtime.pool import CopyCommand
 from runtime.pool_buffer import PoolBuffer
-from runtime.pool_layout import pool_layout, serving_dtype
+from runtime.pool_layout import pool_budget, pool_layout, serving_dtype
 from runtime.server_args import ServerArgs
 from runtime.worker_page_table import WorkerPageTable
 
@@ -37,7 +39,7 @@ class ModelWorker:
         self.args = args
         self.model = model if model is not None else load_worker_model(args)
         self.layout = pool_layout(self.model.config, args)
-        self.buffer = PoolBuffer(self.layout, args.mem_bytes, device=args.device)
+        self.buffer = PoolBuffer(self.layout, pool_budget(self.layout, args), device=args.device)
         cfg = self.model.config
         self.cache = HybridCache(
             recurrent=[self.buffer.recurrent_state(i) for i in range(cfg.num_kda_layers)],
@@ -45,6 +47,11 @@ class ModelWorker:
             latent=[self.buffer.kv(i) for i in range(cfg.num_mla_layers)],
         )
         self.tables = WorkerPageTable(self.model.device, rows=max(args.max_running_requests, 1))
+        self.window: SpecWindow | None = None
+        if args.speculative_algorithm is not None:
+            self.window = SpecWindow.allocate(
+                cfg, args.spec_state, max(args.max_running_requests, 1), args.speculative_num_draft_tokens + 1,
+                self.layout.kv_dtype, self.model.device, record_inputs=args.debug_spec_state)
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.array(a, dtype=np.int64)).to(self.model.device)
@@ -91,6 +98,8 @@ class ModelWorker:
         self.apply_plan_changes(plan)
         if plan.mode == ForwardMode.IDLE.value:
             return StepResult(step=plan.step, tokens=[], logprobs=[], top_ids=[], top_logprobs=[], input_logprobs=[])
+        if plan.mode == ForwardMode.VERIFY.value:
+            return self._verify(plan)
         batch = self.forward_batch(plan)
         logits = self.model.forward_batch(batch, self.cache).float()
         n = len(plan.sample_params)
@@ -112,6 +121,87 @@ class ModelWorker:
             top_ids=res.top_ids.tolist(), top_logprobs=res.top_logprobs.tolist(), input_logprobs=input_lp,
             row_errors=row_errors,
         )
+
+    def _verify(self, plan: StepPlan) -> StepResult:
+        """One verify step: the target runs every sequence's window (its last sampled token and its drafts)
+        from the live state without writing it; acceptance decides how many drafts each keeps; the window
+        commit then advances the KDA states by exactly the committed tokens (ReplaySSM or snapshot copy)."""
+        assert self.window is not None, "a verify plan for an engine without speculative decoding"
+        batch = self.forward_batch(plan)
+        rows = self._tensor(plan.rows)
+        batch.spec = WindowRows(self.window, rows)
+        cache = self.cache
+        before = None
+        if self.args.debug_spec_state:
+            before = ([t.index_select(0, batch.state_slots) for t in cache.recurrent],
+                      [t.index_select(0, batch.state_slots) for t in cache.conv])
+        logits = self.model.forward_batch(batch, cache).float()
+        cu = np.asarray(plan.cu_seqlens, dtype=np.int64)
+        lens = np.diff(cu)
+        n, width = len(lens), int(lens.max())
+        # Sampled rows come sequence after sequence, one per window position: pad them to [N, width, V].
+        seq = np.repeat(np.arange(n), lens)
+        pos = np.arange(int(cu[-1])) - cu[:-1][seq]
+        padded = logits.new_zeros(n, width, logits.shape[-1])
+        padded[torch.from_numpy(seq), torch.from_numpy(pos)] = logits[: len(seq)]
+        ids = batch.input_ids
+        drafts = ids.new_zeros(n, width - 1)
+        has = pos > 0
+        drafts[torch.from_numpy(seq[has]), torch.from_numpy(pos[has] - 1)] = ids[torch.from_numpy(np.flatnonzero(has))]
+        params = [SamplingRow(**p) for p in plan.sample_params]
+        starts = cu[:-1]
+        rows_of = [params[starts[i] : starts[i] + lens[i]] for i in range(n)]
+        banned = [plan.banned[starts[i] : starts[i] + lens[i]] for i in range(n)]
+        histories = [self.tables.histories.get(int(r), []) for r in plan.rows]
+        res, row_errors = self._accept(padded, drafts, torch.from_numpy(lens - 1), rows_of, histories, banned,
+                                       plan.top_logprobs_num)
+        num_accepted = res.num_accepted
+        self.window.commit(cache.recurrent, cache.conv, batch.state_slots, rows, num_accepted + 1)
+        if before is not None:
+            check_committed_states(self.window, before, cache.recurrent, cache.conv, batch.state_slots, rows,
+                                   num_accepted + 1)
+        counts = (num_accepted + 1).tolist()
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        top_ids: list[list[int]] = []
+        top_lps: list[list[float]] = []
+        all_tokens, all_lps = res.tokens.tolist(), res.logprobs.tolist()
+        all_top, all_top_lps = res.top_ids.tolist(), res.top_logprobs.tolist()
+        for i, c in enumerate(counts):
+            tokens += all_tokens[i][:c]
+            logprobs += all_lps[i][:c]
+            top_ids += all_top[i][:c]
+            top_lps += all_top_lps[i][:c]
+            row = int(plan.rows[i])
+            self.tables.histories.setdefault(row, []).extend(all_tokens[i][:c])
+        last = torch.tensor([t[c - 1] for t, c in zip(all_tokens, counts, strict=True)], device=rows.device)
+        self.tables.last_token[rows] = last
+        return StepResult(step=plan.step, tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lps,
+                          input_logprobs=[], row_errors=row_errors, num_accepted=num_accepted.tolist())
+
+    def _accept(self, logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
+                rows: list[list[SamplingRow]], histories: list[list[int]], banned: list[list[list[int]]], k: int,
+                ) -> tuple[VerifyResult, list[tuple[int, str]]]:
+        """Acceptance for every window at once; if that fails, window by window, so that a window that cannot
+        be sampled fails alone (it then commits only its last sampled token, which the scheduler discards)."""
+        try:
+            return verify_drafts(logits, drafts, num_drafts, rows, histories, banned, top_logprobs_num=k), []
+        except Exception:
+            if not rows:
+                raise
+        parts: list[VerifyResult] = []
+        errors: list[tuple[int, str]] = []
+        for i in range(len(rows)):
+            try:
+                parts.append(verify_drafts(logits[i : i + 1], drafts[i : i + 1], num_drafts[i : i + 1], rows[i : i + 1],
+                                           histories[i : i + 1], banned[i : i + 1], top_logprobs_num=k))
+            except Exception as e:
+                errors.append((i, f"sampling failed: {type(e).__name__}: {e}"))
+                w = logits.shape[1]
+                zero = torch.zeros(1, w, k, device=logits.device)
+                parts.append(VerifyResult(torch.zeros(1, dtype=torch.int64), torch.zeros(1, w, dtype=torch.int64),
+                                          torch.zeros(1, w), zero.long(), zero))
+        return VerifyResult(*(torch.cat(p) for p in zip(*parts, strict=True))), errors
 
     def _sample(self, logits: torch.Tensor, plan: StepPlan, histories: list[list[int]]
                 ) -> tuple[SampleResult, list[tuple[int, str]]]:

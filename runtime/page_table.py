@@ -51,6 +51,11 @@ class PageTables:
         """Columns whose page changed after the worker got them (a checkpoint swapped duplicates)."""
         req.dirty_cols.update(c for c in cols if c < req.table_cols)
 
+    def truncate(self, req: Req) -> None:
+        """`req` gave back its last pages: the worker's entries past them are stale, rewritten when it grows."""
+        req.table_cols = min(req.table_cols, len(req.pages))
+        req.dirty_cols = {c for c in req.dirty_cols if c < req.table_cols}
+
     def sync(self, req: Req) -> None:
         """Queue the entries of `req`'s row that the worker lacks: it is in the plan being built."""
         assert req.row is not None, f"request {req.rid} has no row"

@@ -24,6 +24,8 @@ class SeqEntry:
     sampled: bool
     input_lp_first_none: bool = False  # the request's first prompt token's (absent) logprob is due
     input_lp_positions: list[int] = field(default_factory=list)  # prompt positions whose logprob is computed
+    drafts: list[int] = field(default_factory=list)  # verify: draft tokens after the last sampled one (-1: the
+    # worker's proposer supplies them); the step samples at every one of the n = 1 + len(drafts) positions
 
 
 @dataclass
@@ -57,9 +59,10 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
     for s in rec.seqs:
         req = s.req
         a, b = s.start, s.start + s.n
-        known = min(b, req.known_len)
+        known = min(b - len(s.drafts), req.known_len)
         ids.extend(req.ids(a, known))
-        ids.extend([-1] * (b - known))  # the token being sampled now: the worker feeds it itself
+        ids.extend([-1] * (b - len(s.drafts) - known))  # the token being sampled now: the worker feeds it itself
+        ids.extend(s.drafts)
         rows.append(req.row)
         prefix.append(a)
         slots.append(pool.state_slot(req.state))  # type: ignore[arg-type]
@@ -67,9 +70,11 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
         cu.append(base + s.n)
         lp_rows.extend((base + pos - 1 - a, req.prompt_ids[pos]) for pos in s.input_lp_positions)
         if s.sampled:
-            sample_rows.append(base + s.n - 1)
-            params.append(req.params.row(req.output_index - 1).__dict__)  # its pending sample is counted
-            banned.append(outputs.banned_at(req, req.output_index - 1))
+            first = req.output_index - 1  # its pending sample is counted
+            for j in range(len(s.drafts) + 1):  # a verify window samples at each of its positions
+                sample_rows.append(base + s.n - 1 - len(s.drafts) + j)
+                params.append(req.params.row(first + j).__dict__)
+                banned.append(outputs.banned_at(req, first + j))
             if req.grammar is not None:
                 # The mask needs every earlier output accepted: no other sample of it may be in flight.
                 assert req.pending_samples == 1, f"request {req.rid}: grammar mask planned ahead of its tokens"

@@ -178,6 +178,24 @@ class PoolLayout:
             page_size=self.page_size,
         )
 
+    # --- speculative decoding's draft window (radixk3/spec_window.py) ------------------------------------
+    def spec_window_token_bytes(self, mode: str) -> int:
+        """Scratch bytes of one window position of one row, over all KDA layers of this rank. ReplaySSM keeps
+        the token's inputs (k, v in the model dtype, the fp32 decay and beta, the conv input); the snapshot
+        baseline a whole recurrent + conv state."""
+        h, d, e = self.kda_heads, self.head_dim, dtype_bytes(self.kv_dtype)
+        conv_channels = self.conv_shape[0]
+        if mode == "replay":
+            per_layer = 2 * h * d * e + h * d * 4 + h * 4 + conv_channels * e
+        elif mode == "snapshot":
+            per_layer = self.recurrent_bytes + self.conv_bytes
+        else:
+            raise ValueError(f"spec state mode must be 'replay' or 'snapshot', got {mode!r}")
+        return self.num_kda_layers * per_layer
+
+    def spec_window_bytes(self, mode: str, rows: int, width: int) -> int:
+        return rows * width * self.spec_window_token_bytes(mode)
+
     def state_equivalent_tokens(self) -> int:
         """Tokens whose KV weighs as much as one state, per layer: one KDA layer's state over one MLA layer's
         per-token KV. This is the block size vLLM's hybrid manager must use so that a KDA layer's state
@@ -195,6 +213,18 @@ class PoolLayout:
 def serving_dtype(cfg: ModelConfig, args: ServerArgs) -> torch.dtype:
     """The dtype the engine serves in: `args.dtype`, or the checkpoint's for "auto"."""
     return cfg.torch_dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+
+
+def pool_budget(layout: PoolLayout, args: ServerArgs) -> int:
+    """Bytes of the unified pool: `mem_bytes` less the speculative draft window's scratch, allocated once for
+    every page-table row (`max_running_requests`) when speculation is on."""
+    total = args.mem_bytes
+    if args.speculative_algorithm is not None:
+        total -= layout.spec_window_bytes(args.spec_state, args.max_running_requests,
+                                          args.speculative_num_draft_tokens + 1)
+    if total <= 0:
+        raise ValueError(f"--mem-bytes {args.mem_bytes} does not even hold the speculative draft window")
+    return total
 
 
 def pool_layout(cfg: ModelConfig, args: ServerArgs) -> PoolLayout:

@@ -140,7 +140,7 @@ def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
         results = [decode(from_workers.recv_multipart()) for _ in to_workers]
         return results[0]
 
-    loop = StepLoop(sched, send, recv, overlap=not args.disable_overlap_schedule)
+    loop = StepLoop(sched, send, recv, overlap=args.overlap_schedule)
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     running = True

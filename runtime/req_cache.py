@@ -49,6 +49,14 @@ class ReqCache:
             return False
         return True
 
+    def shrink(self, req: Req) -> None:
+        """Give back the pages past `req.num_computed` tokens (a verify window's rejected positions)."""
+        keep = -(-req.num_computed // self.ps)
+        assert keep >= req.tree_pages, f"request {req.rid}: cut back into its tree pages"
+        if keep < len(req.pages):
+            self.pool.free_pages(req.pages[keep:])
+            del req.pages[keep:]
+
     def alloc_checkpoint(self) -> int | None:
         """A state block for a planned checkpoint; None when there is no room (the checkpoint is skipped)."""
         if self.cache is None:

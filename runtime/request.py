@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from runtime.ngram import NgramIndex
 from runtime.radix_cache import Node
 from runtime.sampling_params import SamplingParams
 
@@ -65,6 +66,10 @@ class Req:
     retries: int = 0
     # Structured output: the matcher has accepted exactly `output_ids` (tokens are accepted as processed).
     grammar: GrammarMatcher | None = None
+    # Speculative decoding: the n-gram proposer's index of this request's tokens, and whether its live state
+    # is past its kept tokens (a stop inside an accepted run): such a state is never donated to the tree.
+    ngram: NgramIndex | None = None
+    state_ahead: bool = False
 
     @property
     def all_ids(self) -> list[int]:

@@ -92,6 +92,7 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
+    speculative: bool = True  # False: this request never speculates, even when the engine does
     # Structured output (at most one): the output must match the grammar (runtime.grammar).
     regex: str | None = None
     json_schema: str | dict[str, Any] | None = None  # a schema (an object is serialised), or "$$ANY$$": any JSON
@@ -133,6 +134,7 @@ class SamplingParams:
         check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
         check_bool("ignore_eos", self.ignore_eos)
         check_bool("skip_special_tokens", self.skip_special_tokens)
+        check_bool("speculative", self.speculative)
         check_int("n", self.n, 1)
         if self.seed is not None:
             # Sample i of n draws with seed + i: every one of them must fit the wire's int64.

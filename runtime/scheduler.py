@@ -29,11 +29,12 @@ from typing import Any
 from runtime.admission import NO_DEMAND, Admission, Demand, request_demand
 from runtime.grammar import GrammarBackend, GrammarKey
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
+from runtime.ngram import NgramIndex
 from runtime.output_processor import OutputProcessor
 from runtime.page_table import PageTables
 from runtime.plan_builder import Checkpoint, SeqEntry, StepRecord, build_plan
 from runtime.pool import Kind, UnifiedPool
-from runtime.pool_layout import PoolLayout
+from runtime.pool_layout import PoolLayout, pool_budget
 from runtime.radix_cache import HybridRadixCache, MatchResult
 from runtime.req_cache import ReqCache
 from runtime.request import Req
@@ -60,6 +61,15 @@ class SchedulerMetrics:
     checkpoints: int = 0
     state_pool_bytes: int = 0
     kv_pool_bytes: int = 0
+    verify_steps: int = 0
+    spec_windows: int = 0  # sequences verified with at least one draft
+    draft_tokens: int = 0  # drafts proposed
+    accepted_tokens: int = 0  # drafts accepted
+
+    @property
+    def accept_length(self) -> float:
+        """Mean tokens a verified sequence gained per step (accepted drafts + the target's own token)."""
+        return 1.0 + self.accepted_tokens / self.spec_windows if self.spec_windows else 0.0
 
 
 MAX_STEP_RETRIES = 2  # failed steps a request may share with others before it fails itself
@@ -73,7 +83,7 @@ class Scheduler:
         self.grammar = grammar
         self.grammar_wait: list[tuple[Req, concurrent.futures.Future[Any]]] = []  # compiling, in arrival order
         self.vocab_size = vocab_size
-        self.pool = UnifiedPool(layout, args.mem_bytes)
+        self.pool = UnifiedPool(layout, pool_budget(layout, args))
         self.cache = None if args.disable_radix_cache else HybridRadixCache(self.pool)
         self.ps = layout.page_size
         self.admission = Admission(self.pool, self.cache)
@@ -89,6 +99,10 @@ class Scheduler:
         self._step = 0
         self._inflight: deque[StepRecord] = deque()
         self._retracted_now: set[int] = set()
+        self.spec = args.speculative_algorithm
+        # Drafts of this step's verify windows, by request: n-gram drafts are proposed here; a model proposer's
+        # are -1 placeholders that the worker's proposer fills.
+        self._drafts: dict[int, list[int]] = {}
 
     # --- requests in -----------------------------------------------------------------------------------
     def add(self, msg: GenerateReq) -> None:
@@ -177,6 +191,7 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Plan the next step (results of the steps in flight may still be outstanding), or None."""
         self._retracted_now = set()  # ids of requests retracted while planning: not readmitted in this step
+        self._drafts = {}
         if self.grammar_wait:
             self._admit_compiled()
         for req in [r for r in self.running if r.in_flight == 0 and not r.active]:
@@ -186,7 +201,9 @@ class Scheduler:
         if batch and self.args.enable_mixed_chunk and not batch[0][0].isolate:
             batch += self._decode_batch(batch)
         elif not batch:
-            batch, mode = self._decode_batch([]), "decode"
+            batch, mode = self._decode_batch([], speculate=self.spec is not None), "decode"
+            if self._drafts:
+                mode = "verify"
         batch = [(r, n) for r, n in batch if r.row is not None]  # drop requests retracted while planning
         if not batch:
             if not self._inflight:  # nothing runs and nothing will free memory: fail one request, never spin
@@ -201,7 +218,7 @@ class Scheduler:
         self._step += 1
         rec = self._record(batch, mode)
         self._inflight.append(rec)
-        if mode == "decode":
+        if mode != "extend":
             self.ratio.on_decode_step()
         return build_plan(rec, self.pool, self.tables, self.outputs)
 
@@ -212,7 +229,7 @@ class Scheduler:
             raise RuntimeError(f"result of step {result.step} while step {rec.step} is the oldest in flight")
         failed = result.error is not None
         row_errors = dict(result.row_errors)
-        sample_i = lp_i = 0
+        sample_i = lp_i = tok_i = 0
         for s in rec.seqs:
             req = s.req
             req.in_flight -= 1
@@ -221,7 +238,9 @@ class Scheduler:
             if failed:
                 self._on_failed_step(req, len(rec.seqs) == 1, result.error)
                 continue
-            if s.n == 1 and s.start >= len(req.prompt_ids):
+            if rec.mode == "verify":
+                self.metrics.decode_tokens += 1 + result.num_accepted[sample_i]
+            elif s.n == 1 and s.start >= len(req.prompt_ids):
                 self.metrics.decode_tokens += 1
             else:
                 self.metrics.prefill_tokens_computed += s.n
@@ -233,29 +252,11 @@ class Scheduler:
             if s.sampled:
                 i = sample_i
                 sample_i += 1
-                if req.finished or req.poisoned:
-                    continue  # planned before the request ended: the token is discarded
-                if i in row_errors:  # the worker could not sample this row: it fails alone
-                    req.poisoned = True
-                    self.outputs.finish(req, "error", row_errors[i])
-                    continue
-                req.isolate = False  # a step sampling for it succeeded: it is not the culprit
-                # An aborted request keeps its token: a step in flight may already have fed it.
-                reason = self.outputs.on_token(req, result.tokens[i], result.logprobs[i] if result.logprobs else 0.0,
-                                               result.top_ids[i] if result.top_ids else [],
-                                               result.top_logprobs[i] if result.top_logprobs else [])
-                if req.grammar is not None:
-                    if not req.grammar.accept(result.tokens[i]):  # only if the mask left nothing to draw
-                        reason = "error"
-                    elif reason is None and req.grammar.terminated:
-                        reason = "stop"
-                if reason == "error":
-                    self.outputs.finish(req, reason, f"the grammar allows no token after {len(req.output_ids) - 1} "
-                                                     "outputs (stop tokens banned by min_new_tokens?)")
-                elif reason is not None:
-                    self.outputs.finish(req, reason)
-                elif not req.aborted:
-                    self.outputs.emit(req)
+                n_tok, first = (result.num_accepted[i] + 1, tok_i) if rec.mode == "verify" else (1, i)
+                tok_i += n_tok
+                self._apply_samples(req, result, first, n_tok, row_errors.get(i))
+                if rec.mode == "verify":
+                    self._commit_window(req, s, n_tok)
         for c in rec.ckpts:
             req = rec.seqs[c.seq].req
             req.pending_ckpts.discard(c.pos)
@@ -270,10 +271,59 @@ class Scheduler:
         self.metrics.steps += 1
         if rec.mode == "decode":
             self.metrics.decode_steps += 1
+        elif rec.mode == "verify":
+            self.metrics.verify_steps += 1
         else:
             self.metrics.extend_steps += 1
         self._refresh_metrics()
         return self.take_outputs()
+
+    def _apply_samples(self, req: Req, result: StepResult, first: int, n_tok: int, row_error: str | None) -> None:
+        """The tokens sampled for `req` in a step (one, or a verified window's run), in order: a stop, a stop
+        string, the length or the grammar may end the request inside the run (the rest is discarded)."""
+        if req.finished or req.poisoned:
+            return  # planned before the request ended: its tokens are discarded
+        if row_error is not None:  # the worker could not sample this row: it fails alone
+            req.poisoned = True
+            self.outputs.finish(req, "error", row_error)
+            return
+        req.isolate = False  # a step sampling for it succeeded: it is not the culprit
+        lp, ids, lps = result.logprobs, result.top_ids, result.top_logprobs
+        reason = None
+        for j in range(first, first + n_tok):
+            tok = result.tokens[j]
+            # An aborted request keeps its token: a step in flight may already have fed it.
+            reason = self.outputs.on_token(req, tok, lp[j] if lp else 0.0, ids[j] if ids else [],
+                                           lps[j] if lps else [])
+            if req.grammar is not None:
+                if not req.grammar.accept(tok):  # only if the mask left nothing to draw
+                    reason = "error"
+                elif reason is None and req.grammar.terminated:
+                    reason = "stop"
+            if reason is not None:
+                break
+        if reason == "error":
+            self.outputs.finish(req, reason, f"the grammar allows no token after {len(req.output_ids) - 1} "
+                                             "outputs (stop tokens banned by min_new_tokens?)")
+        elif reason is not None:
+            self.outputs.finish(req, reason)
+        elif not req.aborted:
+            self.outputs.emit(req)
+
+    def _commit_window(self, req: Req, s: SeqEntry, n_tok: int) -> None:
+        """The worker committed the window's first n_tok tokens (its last sampled token and the accepted drafts)
+        into the cache: cut the request's cache back to them, so the rejected positions' KV pages return to
+        the pool. If the request ended inside the run it keeps fewer tokens than the state has seen: that
+        state is never donated."""
+        committed = s.start + n_tok
+        if s.drafts:
+            self.metrics.spec_windows += 1
+            self.metrics.draft_tokens += len(s.drafts)
+            self.metrics.accepted_tokens += n_tok - 1
+        req.num_computed = min(committed, req.known_len)
+        req.state_ahead = req.state_ahead or committed > req.num_computed
+        self.req_cache.shrink(req)
+        self.tables.truncate(req)
 
     def _on_failed_step(self, req: Req, alone: bool, error: str | None) -> None:
         """A step including `req` failed. The forward may have advanced its state: it is never cached. Alone
@@ -357,19 +407,41 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return batch
 
-    def _decode_batch(self, taken: list[tuple[Req, int]]) -> list[tuple[Req, int]]:
-        """One token for every running request whose tokens are all fed but the last sampled one."""
+    def _decode_batch(self, taken: list[tuple[Req, int]], speculate: bool = False) -> list[tuple[Req, int]]:
+        """One token for every running request whose tokens are all fed but the last sampled one; with
+        `speculate`, that token and its drafts (a verify window)."""
         in_batch = {id(r) for r, _ in taken}
         batch: list[tuple[Req, int]] = []
+        self._drafts = {}
         for req in sorted(self.running, key=lambda r: r.arrival):
             if (req.active and req.prefill_done and id(req) not in in_batch and req.row is not None
                     and not req.isolate  # its first sample since the retry is in flight: wait for it
                     and not (req.grammar is not None and req.pending_samples)  # its mask needs that sample
                     and req.seq_len - req.num_computed == 1
                     and req.output_index < req.params.max_new_tokens):  # else it ends with the pending sample
-                if self._grow(req, 1):
+                drafts = self._propose(req) if speculate else []
+                if drafts and self._grow(req, 1 + len(drafts)):
+                    self._drafts[id(req)] = drafts
+                    batch.append((req, 1 + len(drafts)))
+                elif self._grow(req, 1):
                     batch.append((req, 1))
-        return [(r, n) for r, n in batch if r.row is not None]
+        batch = [(r, n) for r, n in batch if r.row is not None]
+        self._drafts = {id(r): self._drafts[id(r)] for r, _ in batch if id(r) in self._drafts}
+        return batch
+
+    def _propose(self, req: Req) -> list[int]:
+        """The drafts of `req`'s verify window: up to k, never past max_new_tokens (the window also emits the
+        target's own token). n-gram drafts are looked up here; a model proposer's are -1 for the worker."""
+        if not req.params.speculative or req.grammar is not None or req.pending_samples:
+            return []
+        k = min(self.args.speculative_num_draft_tokens, req.params.max_new_tokens - len(req.output_ids) - 1)
+        if k <= 0:
+            return []
+        if self.spec != "ngram":
+            return [-1] * k
+        if req.ngram is None:
+            req.ngram = NgramIndex(self.args.speculative_ngram_min, self.args.speculative_ngram_max)
+        return req.ngram.propose(req.all_ids, k)
 
     def _follow(self, req: Req, match: MatchResult, sources: list[Req]) -> bool:
         """Whether `req` should wait for a leader to checkpoint a prefix they share (in-batch prefix caching);
@@ -421,7 +493,8 @@ class Scheduler:
             self._retract(req)
 
     def _release(self, req: Req, donate: bool) -> None:
-        self.req_cache.cache_req(req, donate)
+        self.req_cache.cache_req(req, donate and not req.state_ahead)
+        req.state_ahead = False
         self.tables.release(req)
         self.running.remove(req)
 
@@ -431,13 +504,15 @@ class Scheduler:
         rec = StepRecord(self._step, mode, [], [])
         for i, (req, n) in enumerate(batch):
             a, b = req.num_computed, req.num_computed + n
-            sampled = b == req.seq_len
-            s = SeqEntry(req, a, n, sampled)
+            drafts = self._drafts.get(id(req), [])
+            sampled = b - len(drafts) == req.seq_len
+            s = SeqEntry(req, a, n, sampled, drafts=drafts)
             if req.wants_input_logprobs:
                 s.input_lp_first_none = a == 0 and req.wants_input_logprob(0)
                 s.input_lp_positions = [p for p in range(a + 1, b + 1) if req.wants_input_logprob(p)]
             rec.seqs.append(s)
-            for pos in self._checkpoint_positions(req, a, b, sampled):
+            # A verify window's tokens are not committed yet: it takes no checkpoints (donation still happens).
+            for pos in self._checkpoint_positions(req, a, b, sampled) if mode != "verify" else []:
                 block = self.req_cache.alloc_checkpoint()
                 if block is None:
                     break  # no room: skipped (the later ones would need room too)

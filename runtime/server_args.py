@@ -19,6 +19,9 @@ def free_device_bytes(device: str) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+SPECULATIVE_ALGORITHMS = ("ngram", "mtp", "draft", "dspark")
+MAX_DRAFT_TOKENS = 16
+
 # Other spellings of a flag, as SGLang users type them.
 _ALIASES: dict[str, tuple[str, ...]] = {"model": ("--model-path",)}
 
@@ -42,6 +45,14 @@ class ServerArgs:
     device: str = "cpu"
     dtype: str = "auto"  # serving dtype of weights, activations and pool: auto (the checkpoint's), bfloat16, float32
     seed: int = BUILTIN_SEED  # weights of the built-in model
+    # Speculative decoding (verify k+1 positions per step; KDA state recovered by ReplaySSM).
+    speculative_algorithm: str | None = None  # ngram | mtp | draft | dspark; None: off
+    speculative_num_draft_tokens: int = 3  # k drafts per step
+    speculative_draft_model: str | None = None  # checkpoint of the draft model (draft) or drafter (dspark)
+    speculative_ngram_max: int = 4  # n-gram prompt lookup: longest suffix matched
+    speculative_ngram_min: int = 1  # ... and the shortest
+    spec_state: str = "replay"  # how the KDA state of the draft window is recovered: replay | snapshot
+    debug_spec_state: bool = False  # after every verify, check the live KDA state against plain decode (tests)
     log_level: str = "warning"
     # HTTP server (`radixk3 serve`); the offline Engine ignores these.
     host: str = "127.0.0.1"
@@ -72,8 +83,24 @@ class ServerArgs:
             raise ValueError("--port must be in [0, 65535]")
         if self.max_body_bytes < 1:
             raise ValueError("--max-body-bytes must be >= 1")
+        if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
+            raise ValueError(f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}")
+        if not 1 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"--speculative-num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}]")
+        if self.speculative_algorithm in ("draft", "dspark") and self.speculative_draft_model is None:
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} needs --speculative-draft-model")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ValueError("--speculative-ngram-min must be in [1, --speculative-ngram-max]")
+        if self.spec_state not in ("replay", "snapshot"):
+            raise ValueError("--spec-state must be 'replay' or 'snapshot'")
         if self.graceful_shutdown_timeout < 0:
             raise ValueError("--graceful-shutdown-timeout must be >= 0")
+
+    @property
+    def overlap_schedule(self) -> bool:
+        """Whether the step loop overlaps planning with the worker. Not with speculation: a verify step's
+        positions depend on how many drafts the step before it accepted."""
+        return not self.disable_overlap_schedule and self.speculative_algorithm is None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
