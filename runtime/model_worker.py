@@ -153,8 +153,13 @@ class ModelWorker:
         rows_of = [params[starts[i] : starts[i] + lens[i]] for i in range(n)]
         banned = [plan.banned[starts[i] : starts[i] + lens[i]] for i in range(n)]
         histories = [self.tables.histories.get(int(r), []) for r in plan.rows]
+        mask = None
+        if len(plan.grammar_rows):  # constrained requests never draft: their one position is masked as in decode
+            g = np.asarray(plan.grammar_rows, dtype=np.int64)
+            bitmask = torch.from_numpy(np.array(plan.grammar_mask, dtype=np.int32).reshape(len(g), -1))
+            mask = TokenMask(torch.from_numpy(seq[g] * width + pos[g]), bitmask)
         res, row_errors = self._accept(padded, drafts, torch.from_numpy(lens - 1), rows_of, histories, banned,
-                                       plan.top_logprobs_num)
+                                       plan.top_logprobs_num, mask)
         num_accepted = res.num_accepted
         self.window.commit(cache.recurrent, cache.conv, batch.state_slots, rows, num_accepted + 1)
         if before is not None:
@@ -181,11 +186,12 @@ class ModelWorker:
 
     def _accept(self, logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
                 rows: list[list[SamplingRow]], histories: list[list[int]], banned: list[list[list[int]]], k: int,
-                ) -> tuple[VerifyResult, list[tuple[int, str]]]:
+                mask: TokenMask | None = None) -> tuple[VerifyResult, list[tuple[int, str]]]:
         """Acceptance for every window at once; if that fails, window by window, so that a window that cannot
         be sampled fails alone (it then commits only its last sampled token, which the scheduler discards)."""
         try:
-            return verify_drafts(logits, drafts, num_drafts, rows, histories, banned, top_logprobs_num=k), []
+            return verify_drafts(logits, drafts, num_drafts, rows, histories, banned, mask=mask,
+                                 top_logprobs_num=k), []
         except Exception:
             if not rows:
                 raise
@@ -193,11 +199,16 @@ class ModelWorker:
         errors: list[tuple[int, str]] = []
         for i in range(len(rows)):
             try:
-                parts.append(verify_drafts(logits[i : i + 1], drafts[i : i + 1], num_drafts[i : i + 1], rows[i : i + 1],
-                                           histories[i : i + 1], banned[i : i + 1], top_logprobs_num=k))
+                w = logits.shape[1]
+                one_mask = None
+                if mask is not None:
+                    mine = (mask.rows >= i * w) & (mask.rows < (i + 1) * w)
+                    one_mask = TokenMask(mask.rows[mine] - i * w, mask.bitmask[mine])
+                parts.append(verify_drafts(logits[i : i + 1], drafts[i : i + 1], num_drafts[i : i + 1],
+                                           rows[i : i + 1], histories[i : i + 1], banned[i : i + 1], mask=one_mask,
+                                           top_logprobs_num=k))
             except Exception as e:
                 errors.append((i, f"sampling failed: {type(e).__name__}: {e}"))
-                w = logits.shape[1]
                 zero = torch.zeros(1, w, k, device=logits.device)
                 parts.append(VerifyResult(torch.zeros(1, dtype=torch.int64), torch.zeros(1, w, dtype=torch.int64),
                                           torch.zeros(1, w), zero.long(), zero))

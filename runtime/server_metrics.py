@@ -36,6 +36,9 @@ _COUNTERS = (
     ("evictions", "cache_evictions", "radix cache evictions"),
     ("retractions", "retractions", "running requests retracted for memory"),
     ("checkpoints", "state_checkpoints_written", "KDA state checkpoints written"),
+    ("verify_steps", "spec_verify_steps", "speculative verify steps run"),
+    ("draft_tokens", "spec_draft_tokens", "draft tokens proposed to verify windows"),
+    ("accepted_tokens", "spec_accepted_tokens", "draft tokens accepted"),
 )
 
 
@@ -51,6 +54,9 @@ class _SchedulerCollector(Collector):
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(s.get(key, 0)))
         for key, name, doc in _COUNTERS:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(s.get(key, 0)))
+        windows = s.get("spec_windows", 0)
+        yield GaugeMetricFamily(f"{PREFIX}_spec_accept_length", "mean tokens a verified sequence gains per step",
+                                value=1 + s.get("accepted_tokens", 0) / windows if windows else 0.0)
         prompt = s.get("prompt_tokens", 0)
         yield GaugeMetricFamily(f"{PREFIX}_cache_hit_rate", "share of admitted prompt tokens found in the cache",
                                 value=s.get("cached_tokens", 0) / prompt if prompt else 0.0)

@@ -1,0 +1,148 @@
+"""Speculative decoding: draft-window memory (ReplaySSM vs snapshot) and, on the trained model pair, mean
+accepted length and output tok/s per proposer, with and without speculation, at batch 1 and batch 16.
+
+(a) Memory: the draft window's scratch per request for `kimi-k3` at TP 8, from the pool plan
+    (`PoolLayout.spec_window_bytes`); and the bytes the window really allocates for the trained target.
+(b) Speed: the real engine (`runtime.engine.Engine`: tokenizer, scheduler and worker processes) on gsm8k test
+    questions with the trained pair (`bench/train_spec_pair.py`, built into the cache directory if missing),
+    greedy, one plain run and one run per proposer per batch size, all in this run.
+    Batch 1 sends one question at a time; batch B sends B at once.
+
+    python bench/spec.py [--json] [--proposers ngram,mtp,draft] [--k 3] [--questions 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # bench/kernels.py would shadow the kernels package
+
+from bench.gsm8k import DATA, STOPS, few_shot_prefix, one_example, read_jsonl  # noqa: E402
+from bench.machine_info import cpu_name  # noqa: E402
+
+PROPOSERS = ("ngram", "mtp", "draft", "dspark")
+
+
+def memory_figures(k: int) -> dict[str, Any]:
+    from radixk3.config import preset
+    from runtime.pool_layout import PoolLayout
+
+    lay = PoolLayout.from_config(preset("kimi-k3"), tp=8)  # bf16 model dtype, fp32 recurrent state
+    width = k + 1
+    replay, snap = lay.spec_window_bytes("replay", 1, width), lay.spec_window_bytes("snapshot", 1, width)
+    return {"k3_tp8_window": width, "k3_tp8_replay_bytes_per_request": replay,
+            "k3_tp8_snapshot_bytes_per_request": snap, "replay_vs_snapshot_memory_ratio": snap / replay}
+
+
+def measured_memory(target: Path, k: int, rows: int) -> dict[str, Any]:
+    from radixk3.checkpoint import load_model
+    from radixk3.spec_window import SpecWindow
+
+    cfg = load_model(target).config
+    got = {mode: SpecWindow.allocate(cfg, mode, rows, k + 1, cfg.torch_dtype).nbytes for mode in ("replay", "snapshot")}
+    return {"trained_rows": rows, "trained_replay_bytes": got["replay"], "trained_snapshot_bytes": got["snapshot"],
+            "trained_memory_ratio": got["snapshot"] / got["replay"]}
+
+
+def prompts(num: int, shots: int) -> list[str]:
+    train = read_jsonl(DATA / "train.jsonl")
+    prefix = few_shot_prefix(train, shots)
+    return [prefix + one_example(e, False) for e in read_jsonl(DATA / "test.jsonl")[:num]]
+
+
+def run_engine(target: Path, texts: list[str], batch: int, max_new: int, **spec: Any) -> dict[str, Any]:  # noqa: ANN401
+    from runtime.engine import Engine
+
+    sampling = {"max_new_tokens": max_new, "temperature": 0, "stop": STOPS}
+    with Engine(str(target), max_running_requests=max(batch, 1), mem_bytes=256 << 20, **spec) as eng:
+        eng.generate(texts[0], dict(sampling, max_new_tokens=4))  # warm-up: first-call costs out of the timing
+        base = eng.get_metrics()
+        t0 = time.perf_counter()
+        outs: list[dict[str, Any]] = []
+        for i in range(0, len(texts), batch):
+            got = eng.generate(texts[i : i + batch], sampling)
+            outs += got if isinstance(got, list) else [got]
+        wall = time.perf_counter() - t0
+        m = eng.get_metrics()
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    windows = m["spec_windows"] - base["spec_windows"]
+    accepted = m["accepted_tokens"] - base["accepted_tokens"]
+    return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall, "texts": [o["text"] for o in outs],
+            "accept_length": 1 + accepted / windows if windows else 1.0,
+            "verify_steps": m["verify_steps"] - base["verify_steps"]}
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--proposers", default="ngram,mtp,draft", help=f"comma-separated, of {', '.join(PROPOSERS)}")
+    p.add_argument("--k", type=int, default=3, help="draft tokens per verify step")
+    p.add_argument("--questions", type=int, default=16)
+    p.add_argument("--shots", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--memory-only", action="store_true", help="only part (a), from the plan")
+    p.add_argument("--json", action="store_true", help="end with one JSON object of the figures")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse(argv)
+    proposers = [x for x in a.proposers.split(",") if x]
+    bad = [x for x in proposers if x not in PROPOSERS]
+    if bad:
+        raise SystemExit(f"unknown proposer(s) {bad}; choose from {PROPOSERS}")
+    print(f"machine: {cpu_name()}")
+    fig: dict[str, Any] = memory_figures(a.k)
+    print(f"(a) draft window of {a.k + 1} tokens, kimi-k3 at TP 8, per request: ReplaySSM "
+          f"{fig['k3_tp8_replay_bytes_per_request'] / 2**20:.1f} MiB, snapshot "
+          f"{fig['k3_tp8_snapshot_bytes_per_request'] / 2**20:.1f} MiB: "
+          f"{fig['replay_vs_snapshot_memory_ratio']:.1f}x less")
+    if a.memory_only:
+        if a.json:
+            print(json.dumps(fig))
+        return 0
+    from bench.train_spec_pair import ensure_spec_pair
+
+    pair = ensure_spec_pair()
+    fig |= measured_memory(pair.target, a.k, 64)
+    print(f"    measured on the trained target, 64 rows: ReplaySSM {fig['trained_replay_bytes'] / 2**20:.2f} MiB, "
+          f"snapshot {fig['trained_snapshot_bytes'] / 2**20:.2f} MiB: {fig['trained_memory_ratio']:.1f}x")
+    texts = prompts(a.questions, a.shots)
+    paths = {"draft": pair.draft, "dspark": getattr(pair, "dspark", None)}
+    for batch in (int(b) for b in a.batches.split(",")):
+        plain = run_engine(pair.target, texts, batch, a.max_new_tokens)
+        print(f"(b) batch {batch}: plain {plain['tok_s']:.1f} tok/s ({plain['tokens']} tokens)")
+        fig[f"plain_tok_s_b{batch}"] = plain["tok_s"]
+        for name in proposers:
+            spec: dict[str, Any] = {"speculative_algorithm": name, "speculative_num_draft_tokens": a.k}
+            if name in paths:
+                if paths[name] is None:
+                    print(f"    {name}: no trained checkpoint in the pair, skipped")
+                    continue
+                spec["speculative_draft_model"] = str(paths[name])
+            got = run_engine(pair.target, texts, batch, a.max_new_tokens, **spec)
+            same = got["texts"] == plain["texts"]
+            speedup = got["tok_s"] / plain["tok_s"]
+            print(f"    {name:7s} accept length {got['accept_length']:.2f}  {got['tok_s']:.1f} tok/s  "
+                  f"speedup {speedup:.2f}x  outputs identical to plain: {same}")
+            fig.setdefault(name, {})[f"b{batch}"] = {
+                "accept_length": got["accept_length"], "spec_tok_s": got["tok_s"], "plain_tok_s": plain["tok_s"],
+                "speedup": speedup, "identical": same}
+    for name in proposers:  # the issue's keys per proposer: batch 1 figures at the top level of each
+        if name in fig and "b1" in fig[name]:
+            fig[name] |= {key: fig[name]["b1"][key] for key in ("accept_length", "spec_tok_s", "plain_tok_s",
+                                                                 "speedup")}
+    if a.json:
+        print(json.dumps(fig))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,126 @@
+"""Speculative decoding end to end (n-gram proposer): greedy outputs equal the plain no-cache greedy loop token
+for token with k = 1, 3, 6, ReplaySSM and snapshot, radix cache on and off, page sizes 1 and 16, a pool small
+enough to force retraction; the state-parity hook checks every verify step; stops, stop strings, max and min
+new tokens, per-request opt-out and grammar requests inside speculative batches behave as without speculation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixk3.config import preset
+from radixk3.generate import greedy_reference
+from radixk3.model import build_model
+from runtime.local_engine import LocalEngine
+from runtime.pool_layout import PoolLayout
+from runtime.server_args import ServerArgs
+
+MAX_NEW = 24
+GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model():  # noqa: ANN201
+    return build_model(preset("k3-tiny"), seed=11)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    """Shared prefixes (the radix cache hits), and repeated runs (the n-gram lookup finds drafts)."""
+    g = random.Random(3)
+
+    def rand(n: int) -> list[int]:
+        return [g.randrange(vocab) for _ in range(n)]
+
+    shots = rand(40)
+    motif = rand(6)
+    out = [shots + rand(g.randrange(2, 9)) for _ in range(5)]
+    out += [motif * 4 + motif[: g.randrange(1, 5)] for _ in range(4)]  # ends inside the motif: drafts found
+    out += [rand(g.randrange(5, 30)) for _ in range(3)]
+    out.append(list(out[0]))
+    vocab_once = list(range(vocab))
+    g.shuffle(vocab_once)
+    out.append(vocab_once + motif)  # every token occurs earlier: the lookup always finds drafts (last prompt)
+    return out
+
+
+@pytest.fixture(scope="module")
+def workload(model):  # noqa: ANN001, ANN201
+    prompts = _prompts(model.config.vocab_size)
+    return prompts, [greedy_reference(model, p, MAX_NEW) for p in prompts]
+
+
+def _engine(model, **kw) -> LocalEngine:  # noqa: ANN001
+    args = ServerArgs(speculative_algorithm="ngram", debug_spec_state=True, **kw)
+    return LocalEngine(args, model, check=True)
+
+
+CONFIGS = {
+    "radix": dict(),
+    "no_radix": dict(disable_radix_cache=True),
+    "page16_chunked": dict(page_size=16, chunked_prefill_size=32),
+    "snapshot": dict(spec_state="snapshot"),
+    "snapshot_page16_no_radix": dict(spec_state="snapshot", page_size=16, disable_radix_cache=True),
+}
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_equals_plain(model, workload, name: str, k: int) -> None:  # noqa: ANN001
+    prompts, refs = workload
+    eng = _engine(model, speculative_num_draft_tokens=k, **CONFIGS[name])
+    assert eng.generate(prompts, GREEDY) == refs
+    m = eng.scheduler.metrics
+    assert m.verify_steps > 0 and m.draft_tokens > 0, "no verify window ran"
+    eng.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_retraction_under_a_small_pool(model, workload, k: int) -> None:  # noqa: ANN001
+    prompts, refs = workload[0][:-1], workload[1][:-1]  # the vocabulary-long prompt would not fit
+    # room for a few requests' pages at once: admission overcommits and decode must retract
+    window = PoolLayout.from_config(model.config).spec_window_bytes("replay", 8, k + 1)
+    eng = _engine(model, speculative_num_draft_tokens=k, mem_bytes=200_000 + window, max_running_requests=8,
+                  chunked_prefill_size=40, schedule_conservativeness=0.0)
+    assert eng.generate(prompts, GREEDY) == refs
+    assert eng.scheduler.metrics.retractions > 0
+    eng.scheduler.check_integrity()
+
+
+def test_finishing_inside_a_run_matches_plain(model, workload) -> None:  # noqa: ANN001
+    """Stop ids, stop strings, max/min new tokens and opted-out or constrained requests: the same outputs
+    with speculation as without."""
+    prompts, refs = workload
+    cases = [
+        dict(GREEDY, stop_token_ids=[refs[5][7]]),
+        dict(GREEDY, max_new_tokens=5),
+        dict(GREEDY, min_new_tokens=10, stop_token_ids=[refs[6][3], refs[6][12]]),
+        dict(GREEDY, speculative=False),
+        dict(GREEDY, max_new_tokens=1),
+    ]
+    for sampling in cases:
+        plain = LocalEngine(ServerArgs(), model).generate(prompts, sampling)
+        assert _engine(model, speculative_num_draft_tokens=3).generate(prompts, sampling) == plain, sampling
+
+
+def test_seeded_sampling_is_reproducible(model, workload) -> None:  # noqa: ANN001
+    prompts, _ = workload
+    sampling = {"max_new_tokens": 16, "temperature": 0.8, "top_p": 0.9, "seed": 5, "ignore_eos": True}
+    a = _engine(model, speculative_num_draft_tokens=3).generate(prompts[:6], sampling)
+    b = _engine(model, speculative_num_draft_tokens=3).generate(prompts[:6], sampling)
+    assert a == b and all(len(x) == 16 for x in a)
+
+
+def test_constrained_requests_ride_along_masked(model, workload) -> None:  # noqa: ANN001
+    """A grammar request never drafts; in a verify batch its one position is still masked."""
+    prompts, _ = workload
+
+    def run(eng: LocalEngine) -> list[list[int]]:
+        rids = [eng.submit(p, dict(GREEDY, regex="[a-z]{3,12}") if i % 3 == 0 else GREEDY)
+                for i, p in enumerate(prompts)]
+        outs = eng.run()
+        return [[t for o in outs[r] for t in o.token_ids] for r in rids]
+
+    spec = _engine(model, speculative_num_draft_tokens=3)
+    assert run(spec) == run(LocalEngine(ServerArgs(), model))
+    assert spec.scheduler.metrics.verify_steps > 0
