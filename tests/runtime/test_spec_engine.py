@@ -1,17 +1,24 @@
 """Speculative decoding end to end (n-gram proposer): greedy outputs equal the plain no-cache greedy loop token
 for token with k = 1, 3, 6, ReplaySSM and snapshot, radix cache on and off, page sizes 1 and 16, a pool small
 enough to force retraction; the state-parity hook checks every verify step; stops, stop strings, max and min
-new tokens, per-request opt-out and grammar requests inside speculative batches behave as without speculation."""
+new tokens, per-request opt-out and grammar requests inside speculative batches behave as without speculation.
+
+Two targets: the random `k3-tiny` (drafts are nearly always rejected: the rejection path) and a K3-format model
+trained here for 30 steps on the shipped gsm8k train set (`bench/train_spec_pair.py`'s trainer, ~2 s): its
+repetitive greedy text makes the lookup's drafts mostly accepted, so runs, stops and truncation inside accepted
+runs are exercised."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
 from radixk3.config import preset
 from radixk3.generate import greedy_reference
 from radixk3.model import build_model
+from radixk3.tokenizer import load_tokenizer
 from runtime.local_engine import LocalEngine
 from runtime.pool_layout import PoolLayout
 from runtime.server_args import ServerArgs
@@ -20,14 +27,24 @@ MAX_NEW = 24
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def model():  # noqa: ANN201
-    return build_model(preset("k3-tiny"), seed=11)
+def _trained():  # noqa: ANN202
+    from bench.train_spec_pair import DATA, Stage, k3_config, token_stream, train_target, windows
+
+    torch.manual_seed(0)
+    data = windows(token_stream(DATA / "train.jsonl", 64), 64)
+    model, _ = train_target(k3_config(64, 2, [2], 1, 32, 128, mtp=1), data, Stage(steps=30, lr=1e-2, batch=4), 0, "")
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["random", "trained"])
+def model(request):  # noqa: ANN001, ANN201
+    return build_model(preset("k3-tiny"), seed=11) if request.param == "random" else _trained()
 
 
 def _prompts(vocab: int) -> list[list[int]]:
-    """Shared prefixes (the radix cache hits), and repeated runs (the n-gram lookup finds drafts)."""
+    """Shared prefixes (the radix cache hits), text, and repeated runs (the n-gram lookup finds drafts)."""
     g = random.Random(3)
+    tok = load_tokenizer()
 
     def rand(n: int) -> list[int]:
         return [g.randrange(vocab) for _ in range(n)]
@@ -38,6 +55,7 @@ def _prompts(vocab: int) -> list[list[int]]:
     out += [motif * 4 + motif[: g.randrange(1, 5)] for _ in range(4)]  # ends inside the motif: drafts found
     out += [rand(g.randrange(5, 30)) for _ in range(3)]
     out.append(list(out[0]))
+    out += [tok.encode(f"Question: Tom has {i} apples and buys {2 * i + 3} more. How many?\nAnswer:") for i in range(4)]
     vocab_once = list(range(vocab))
     g.shuffle(vocab_once)
     out.append(vocab_once + motif)  # every token occurs earlier: the lookup always finds drafts (last prompt)
@@ -72,6 +90,8 @@ def test_greedy_equals_plain(model, workload, name: str, k: int) -> None:  # noq
     assert eng.generate(prompts, GREEDY) == refs
     m = eng.scheduler.metrics
     assert m.verify_steps > 0 and m.draft_tokens > 0, "no verify window ran"
+    if model.config.model_type == "kimi_k3":  # the trained target
+        assert m.accepted_tokens > m.draft_tokens / 3, "the trained target should accept most lookups"
     eng.scheduler.check_integrity()
 
 
@@ -79,8 +99,10 @@ def test_greedy_equals_plain(model, workload, name: str, k: int) -> None:  # noq
 def test_retraction_under_a_small_pool(model, workload, k: int) -> None:  # noqa: ANN001
     prompts, refs = workload[0][:-1], workload[1][:-1]  # the vocabulary-long prompt would not fit
     # room for a few requests' pages at once: admission overcommits and decode must retract
-    window = PoolLayout.from_config(model.config).spec_window_bytes("replay", 8, k + 1)
-    eng = _engine(model, speculative_num_draft_tokens=k, mem_bytes=200_000 + window, max_running_requests=8,
+    lay = PoolLayout.from_config(model.config)
+    pool = 6 * lay.state_block_bytes + 250 * lay.kv_token_bytes  # a handful of requests' states and tokens
+    eng = _engine(model, speculative_num_draft_tokens=k, mem_bytes=pool + lay.spec_window_bytes("replay", 8, k + 1),
+                  max_running_requests=8,
                   chunked_prefill_size=40, schedule_conservativeness=0.0)
     assert eng.generate(prompts, GREEDY) == refs
     assert eng.scheduler.metrics.retractions > 0
@@ -97,6 +119,7 @@ def test_finishing_inside_a_run_matches_plain(model, workload) -> None:  # noqa:
         dict(GREEDY, min_new_tokens=10, stop_token_ids=[refs[6][3], refs[6][12]]),
         dict(GREEDY, speculative=False),
         dict(GREEDY, max_new_tokens=1),
+        dict(GREEDY, stop=[load_tokenizer().decode(refs[-2][5:7]) or "0"]),
     ]
     for sampling in cases:
         plain = LocalEngine(ServerArgs(), model).generate(prompts, sampling)
