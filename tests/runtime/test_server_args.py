@@ -24,3 +24,19 @@ def test_mem_fraction_and_bad_values() -> None:
                 dict(page_size=64, chunked_prefill_size=32), dict(max_running_requests=0)):
         with pytest.raises(ValueError):
             ServerArgs(**bad)
+
+
+def test_speculative_flags() -> None:
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    args = ServerArgs.from_cli_args(p.parse_args(
+        ["--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "6", "--spec-state", "snapshot"]))
+    assert (args.speculative_algorithm, args.speculative_num_draft_tokens, args.spec_state) == ("ngram", 6, "snapshot")
+    assert not args.overlap_schedule and ServerArgs().overlap_schedule
+    for bad, says in ((dict(speculative_algorithm="eagle"), "speculative-algorithm"),
+                      (dict(speculative_algorithm="draft"), "speculative-draft-model"),
+                      (dict(speculative_algorithm="ngram", speculative_num_draft_tokens=0), "num-draft-tokens"),
+                      (dict(spec_state="copy"), "spec-state"),
+                      (dict(speculative_ngram_min=3, speculative_ngram_max=2), "ngram-min")):
+        with pytest.raises(ValueError, match=says):
+            ServerArgs(**bad)
