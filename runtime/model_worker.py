@@ -20,6 +20,7 @@ from runtime.pool import CopyCommand
 from runtime.pool_buffer import PoolBuffer
 from runtime.pool_layout import pool_budget, pool_layout, serving_dtype
 from runtime.server_args import ServerArgs
+from runtime.spec_proposers import build_proposer
 from runtime.worker_page_table import WorkerPageTable
 
 
@@ -52,6 +53,8 @@ class ModelWorker:
             self.window = SpecWindow.allocate(
                 cfg, args.spec_state, max(args.max_running_requests, 1), args.speculative_num_draft_tokens + 1,
                 self.layout.kv_dtype, self.model.device, record_inputs=args.debug_spec_state)
+        # A model proposer (draft model) fills the verify windows' drafts; its cache lives in the same pool.
+        self.proposer = build_proposer(args, self.model, self.buffer)
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.array(a, dtype=np.int64)).to(self.model.device)
@@ -102,6 +105,8 @@ class ModelWorker:
             return self._verify(plan)
         batch = self.forward_batch(plan)
         logits = self.model.forward_batch(batch, self.cache).float()
+        if self.proposer is not None:
+            self.proposer.observe(batch)
         n = len(plan.sample_params)
         # Table row of each sampled logits row: sampled rows come first, one per sampled sequence.
         sampled_seqs = np.searchsorted(np.asarray(plan.cu_seqlens), np.asarray(plan.logits_index[:n]), "right") - 1
@@ -129,6 +134,8 @@ class ModelWorker:
         assert self.window is not None, "a verify plan for an engine without speculative decoding"
         batch = self.forward_batch(plan)
         rows = self._tensor(plan.rows)
+        if self.proposer is not None:  # before the target reads the window: its drafts replace the placeholders
+            self.proposer.propose(batch, rows)
         batch.spec = WindowRows(self.window, rows)
         cache = self.cache
         before = None
@@ -162,6 +169,8 @@ class ModelWorker:
                                        plan.top_logprobs_num, mask)
         num_accepted = res.num_accepted
         self.window.commit(cache.recurrent, cache.conv, batch.state_slots, rows, num_accepted + 1)
+        if self.proposer is not None:
+            self.proposer.commit(batch.state_slots, rows, num_accepted.to(rows.device) + 1, before is not None)
         if before is not None:
             check_committed_states(self.window, before, cache.recurrent, cache.conv, batch.state_slots, rows,
                                    num_accepted + 1)

@@ -26,40 +26,54 @@ class PoolBuffer:
         # ALIGN-multiple total size makes every dtype view of the whole buffer legal.
         return self.data.view(dtype)
 
-    def recurrent_state(self, layer: int) -> torch.Tensor:
-        """KDA layer `layer`'s recurrent states, [num_state_slots, H/tp, K, V] in the state dtype."""
-        lay, g = self.layout, self.geometry
-        es = dtype_bytes(lay.state_dtype)
-        h, k, v = lay.recurrent_shape
-        offset = g.state_base + lay.recurrent_offset(layer)
+    def _part(self, draft: bool) -> tuple[PoolLayout, int, int]:
+        """The layout of the target's (or the nested draft model's) part, and its byte offsets inside a state
+        block and a token row. Strides always come from the whole layout."""
+        lay = self.layout
+        if not draft:
+            return lay, 0, 0
+        if lay.draft is None:
+            raise ValueError("this pool has no draft model part")
+        return lay.draft, lay.draft_state_offset, lay.draft_kv_offset
+
+    def recurrent_state(self, layer: int, draft: bool = False) -> torch.Tensor:
+        """KDA layer `layer`'s recurrent states, [num_state_slots, H/tp, K, V] in the state dtype (`draft`: the
+        draft model's layer)."""
+        g = self.geometry
+        part, base, _ = self._part(draft)
+        es = dtype_bytes(part.state_dtype)
+        h, k, v = part.recurrent_shape
+        offset = g.state_base + base + part.recurrent_offset(layer)
         assert offset % es == 0 and g.state_block_bytes % es == 0
         return torch.as_strided(
-            self._typed(lay.state_dtype),
+            self._typed(part.state_dtype),
             (g.num_state_slots, h, k, v),
             (g.state_block_bytes // es, k * v, v, 1),
             offset // es,
         )
 
-    def conv_state(self, layer: int) -> torch.Tensor:
+    def conv_state(self, layer: int, draft: bool = False) -> torch.Tensor:
         """KDA layer `layer`'s conv states, [num_state_slots, 3*H*D/tp, conv_kernel-1] in the model dtype."""
-        lay, g = self.layout, self.geometry
-        es = dtype_bytes(lay.kv_dtype)
-        c, w = lay.conv_shape
-        offset = g.state_base + lay.conv_offset(layer)
+        g = self.geometry
+        part, base, _ = self._part(draft)
+        es = dtype_bytes(part.kv_dtype)
+        c, w = part.conv_shape
+        offset = g.state_base + base + part.conv_offset(layer)
         assert offset % es == 0 and g.state_block_bytes % es == 0
         return torch.as_strided(
-            self._typed(lay.kv_dtype), (g.num_state_slots, c, w), (g.state_block_bytes // es, w, 1), offset // es
+            self._typed(part.kv_dtype), (g.num_state_slots, c, w), (g.state_block_bytes // es, w, 1), offset // es
         )
 
-    def kv(self, layer: int) -> torch.Tensor:
+    def kv(self, layer: int, draft: bool = False) -> torch.Tensor:
         """MLA layer `layer`'s latent KV, [num_token_slots, kv_dim] in the model dtype; row p*page_size + o is
         page p, offset o."""
         lay, g = self.layout, self.geometry
-        es = dtype_bytes(lay.kv_dtype)
-        offset = lay.kv_offset(layer)
+        part, _, base = self._part(draft)
+        es = dtype_bytes(part.kv_dtype)
+        offset = base + part.kv_offset(layer)
         assert offset % es == 0 and lay.kv_token_bytes % es == 0
         return torch.as_strided(
-            self._typed(lay.kv_dtype), (g.num_token_slots, lay.kv_dim), (lay.kv_token_bytes // es, 1), offset // es
+            self._typed(part.kv_dtype), (g.num_token_slots, part.kv_dim), (lay.kv_token_bytes // es, 1), offset // es
         )
 
     def state_bytes(self, slot: int) -> torch.Tensor:

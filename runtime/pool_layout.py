@@ -6,6 +6,10 @@ fp32 by default) and the conv state [3*H*D/tp, conv_kernel-1] (model dtype), eac
 ALIGN boundary. A KV token row holds, for every MLA layer, kv_dim = kv_lora_rank + qk_rope_head_dim
 values (model dtype), layer after layer, so that one MLA layer's latent KV is a strided
 [num_token_slots, kv_dim] view and physical token slot p*page_size + o is page p, offset o.
+
+A speculative draft model keeps its own KDA states and MLA latents in the same pool: a nested `draft` layout
+whose state block is appended to the target's in every state block, and whose token row is appended to the
+target's in every KV token row. The allocator, the radix cache's copies and retraction then move both at once.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class PoolLayout:
     state_dtype: torch.dtype = torch.float32  # recurrent state
     kv_dtype: torch.dtype = torch.bfloat16  # the model dtype: latent KV and the conv state
     page_size: int = 1
+    draft: PoolLayout | None = None  # the draft model's part of every state block and token row
 
     def __post_init__(self) -> None:
         for name in ("num_kda_layers", "kda_heads", "head_dim", "num_mla_layers", "kv_dim", "page_size"):
@@ -80,6 +85,8 @@ class PoolLayout:
                 raise ValueError(f"PoolLayout.{name} must be >= 1, got {getattr(self, name)}")
         if self.conv_kernel < 2:
             raise ValueError(f"PoolLayout.conv_kernel must be >= 2 (it keeps kernel-1 inputs), got {self.conv_kernel}")
+        if self.draft is not None and (self.draft.kv_dtype != self.kv_dtype or self.draft.draft is not None):
+            raise ValueError("a draft layout must share the model dtype and have no draft of its own")
 
     @classmethod
     def from_config(
@@ -137,19 +144,30 @@ class PoolLayout:
         return layer * self._layer_stride + round_up(self.recurrent_bytes, ALIGN)
 
     @property
-    def state_block_bytes(self) -> int:
+    def draft_state_offset(self) -> int:
+        """Byte offset of the draft's state block inside a state block (after the target's layers)."""
         return self.num_kda_layers * self._layer_stride
+
+    @property
+    def state_block_bytes(self) -> int:
+        return self.draft_state_offset + (self.draft.state_block_bytes if self.draft is not None else 0)
 
     @property
     def state_payload_bytes(self) -> int:
         """Bytes of one state without alignment padding."""
-        return self.num_kda_layers * (self.recurrent_bytes + self.conv_bytes)
+        own = self.num_kda_layers * (self.recurrent_bytes + self.conv_bytes)
+        return own + (self.draft.state_payload_bytes if self.draft is not None else 0)
 
     # --- MLA KV page -----------------------------------------------------------------------------------
     @property
-    def kv_token_bytes(self) -> int:
-        """Latent KV bytes of one token over all MLA layers."""
+    def draft_kv_offset(self) -> int:
+        """Byte offset of the draft's latents inside one token row (after the target's MLA layers)."""
         return self.num_mla_layers * self.kv_dim * dtype_bytes(self.kv_dtype)
+
+    @property
+    def kv_token_bytes(self) -> int:
+        """Latent KV bytes of one token over all MLA layers (the draft's included)."""
+        return self.draft_kv_offset + (self.draft.kv_token_bytes if self.draft is not None else 0)
 
     def kv_offset(self, layer: int) -> int:
         """Byte offset of MLA layer `layer`'s values inside one token row."""
@@ -191,7 +209,8 @@ class PoolLayout:
             per_layer = self.recurrent_bytes + self.conv_bytes
         else:
             raise ValueError(f"spec state mode must be 'replay' or 'snapshot', got {mode!r}")
-        return self.num_kda_layers * per_layer
+        # The draft model's own window (its KDA states are rewound by the same commit as the target's).
+        return self.num_kda_layers * per_layer + (self.draft.spec_window_token_bytes(mode) if self.draft else 0)
 
     def spec_window_bytes(self, mode: str, rows: int, width: int) -> int:
         return rows * width * self.spec_window_token_bytes(mode)
@@ -228,6 +247,23 @@ def pool_budget(layout: PoolLayout, args: ServerArgs) -> int:
 
 
 def pool_layout(cfg: ModelConfig, args: ServerArgs) -> PoolLayout:
-    """The pool layout; the scheduler (metadata) and the worker (bytes) must both derive it from here."""
-    layout = PoolLayout.from_config(cfg, page_size=args.page_size)
-    return dataclasses.replace(layout, kv_dtype=serving_dtype(cfg, args))
+    """The pool layout; the scheduler (metadata) and the worker (bytes) must both derive it from here. With a
+    draft model (`--speculative-algorithm draft`) its config is read from its checkpoint and nested."""
+    dtype = serving_dtype(cfg, args)
+    layout = dataclasses.replace(PoolLayout.from_config(cfg, page_size=args.page_size), kv_dtype=dtype)
+    if args.speculative_algorithm == "draft":
+        from radixk3.config import ModelConfig
+
+        assert args.speculative_draft_model is not None
+        dcfg = ModelConfig.from_file(args.speculative_draft_model)
+        check_draft_config(cfg, dcfg)
+        draft = dataclasses.replace(PoolLayout.from_config(dcfg, page_size=args.page_size), kv_dtype=dtype)
+        layout = dataclasses.replace(layout, draft=draft)
+    return layout
+
+
+def check_draft_config(target: ModelConfig, draft: ModelConfig) -> None:
+    """A draft model proposes target token ids: its vocabulary must be the target's."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
+                         f"({target.vocab_size}): speculative decoding needs the same token ids")

@@ -1,0 +1,128 @@
+"""Model proposers of speculative decoding, run by the worker: they fill a verify window's draft placeholders
+(the scheduler plans `-1` for every draft of a model algorithm) and keep their own caches in step with the
+target's committed tokens.
+
+Where proposing happens: at the start of the verify step, in the worker. The window's first token (the one the
+target sampled last step) is only known there, and the scheduler's k_i per request (0 near max_new_tokens, for a
+grammar or an opted-out request) is already in the plan: drafting earlier would draft for windows that do not
+exist and would have to park drafts per row across a retraction.
+
+Draft model (`--speculative-algorithm draft`): a small K3-family model whose KDA states and MLA latents live in
+the target's unified pool (`PoolLayout.draft`), at the same state slots and KV slots as the target's, so the
+allocator, the radix cache's copies and retraction carry them along. It runs every extend and decode step the
+target runs (`observe`: the same batch). In a verify step, draft round j runs the window's first j tokens in
+VERIFY mode from the draft's live state (never written while drafting) and takes draft j from the logits of
+its last one; a last round over the whole window records every position's inputs in the draft's own SpecWindow,
+so that after acceptance `commit` replays exactly the committed tokens into the draft's states (the same
+ReplaySSM / snapshot commit as the target's). Re-running the window prefix every round costs 1 + 2 + ... +
+(k+1) draft tokens instead of k+1; a running state kept in scratch across rounds would save that (not built).
+Drafts are greedy (the draft's argmax): point-mass proposals, which rejection sampling accepts exactly, so
+sampled requests keep the target's distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
+from radixk3.model import KimiForCausalLM
+from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
+from runtime.pool_buffer import PoolBuffer
+from runtime.pool_layout import check_draft_config, serving_dtype
+from runtime.server_args import ServerArgs
+
+MODEL_PROPOSERS = ("draft",)
+
+
+class Proposer(Protocol):
+    def observe(self, batch: ForwardBatch) -> None:
+        """After (or alongside) a target extend or decode step over `batch`."""
+
+    def propose(self, batch: ForwardBatch, rows: Tensor) -> Tensor | None:
+        """Fill `batch.input_ids` at every window position > 0 with drafts, in place; return the draft
+        distributions [N, K, V] for rejection sampling, or None for point masses."""
+
+    def commit(self, state_slots: Tensor, rows: Tensor, num_tokens: Tensor, check: bool) -> None:
+        """After acceptance: advance the proposer's states by each window's first num_tokens[i] tokens."""
+
+
+def window_layout(cu_seqlens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per packed token: its sequence and its window position; and the window lengths."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+    pos = torch.arange(int(cu_seqlens[-1]), device=lens.device) - cu_seqlens[:-1][seq]
+    return seq, pos, lens
+
+
+class DraftModelProposer:
+    def __init__(self, model: KimiForCausalLM, buffer: PoolBuffer, window: SpecWindow) -> None:
+        self.model = model
+        self.window = window
+        cfg = model.config
+        self.cache = HybridCache(
+            recurrent=[buffer.recurrent_state(i, draft=True) for i in range(cfg.num_kda_layers)],
+            conv=[buffer.conv_state(i, draft=True) for i in range(cfg.num_kda_layers)],
+            latent=[buffer.kv(i, draft=True) for i in range(cfg.num_mla_layers)],
+        )
+
+    def observe(self, batch: ForwardBatch) -> None:
+        if batch.mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
+            # Only the last token's logits: the draft's are never read here (input logprobs are the target's).
+            self.model.forward_batch(dataclasses.replace(batch, logits_index=None, attn_backend=None), self.cache)
+
+    def propose(self, batch: ForwardBatch, rows: Tensor) -> Tensor | None:
+        ids = batch.input_ids
+        seq, pos, lens = window_layout(batch.cu_seqlens)
+        starts = batch.cu_seqlens[:-1]
+        width = int(lens.max())
+        for j in range(1, width + 1):
+            keep = pos < j  # each window's first min(j, len) tokens
+            sub_lens = lens.clamp(max=j)
+            cu = torch.nn.functional.pad(sub_lens.cumsum(0), (1, 0))
+            sub = ForwardBatch.from_table(ForwardMode.VERIFY, ids[keep], cu, batch.prefix_lens, batch.state_slots,
+                                          batch.block_table, batch.page_size)
+            sub.spec = WindowRows(self.window, rows)
+            logits = self.model.forward_batch(sub, self.cache)  # at each sub-window's last token
+            drafting = (lens > j).nonzero().squeeze(1)
+            if drafting.numel():
+                ids[starts[drafting] + j] = logits[drafting].argmax(-1)
+        return None
+
+    def commit(self, state_slots: Tensor, rows: Tensor, num_tokens: Tensor, check: bool) -> None:
+        c = self.cache
+        before = None
+        if check:
+            before = ([t.index_select(0, state_slots) for t in c.recurrent],
+                      [t.index_select(0, state_slots) for t in c.conv])
+        self.window.commit(c.recurrent, c.conv, state_slots, rows, num_tokens)
+        if before is not None:
+            check_committed_states(self.window, before, c.recurrent, c.conv, state_slots, rows, num_tokens)
+
+
+def load_draft_model(args: ServerArgs, target: KimiForCausalLM) -> KimiForCausalLM:
+    from radixk3.checkpoint import load_model
+
+    assert args.speculative_draft_model is not None
+    draft = load_model(args.speculative_draft_model, device=target.device)
+    check_draft_config(target.config, draft.config)
+    dtype = serving_dtype(target.config, args)
+    return draft if dtype == draft.config.torch_dtype else draft.cast_(dtype)
+
+
+def build_proposer(args: ServerArgs, target: KimiForCausalLM, buffer: PoolBuffer) -> Proposer | None:
+    """The worker's proposer for `args.speculative_algorithm`; None for n-gram (the scheduler drafts)."""
+    alg = args.speculative_algorithm
+    if alg is None or alg == "ngram":
+        return None
+    if alg == "draft":
+        draft = load_draft_model(args, target)
+        window = SpecWindow.allocate(draft.config, args.spec_state, max(args.max_running_requests, 1),
+                                     args.speculative_num_draft_tokens + 1, buffer.layout.kv_dtype, target.device,
+                                     record_inputs=args.debug_spec_state)
+        return DraftModelProposer(draft, buffer, window)
+    raise NotImplementedError(f"--speculative-algorithm {alg}: no worker proposer yet (available: ngram, "
+                              f"{', '.join(MODEL_PROPOSERS)})")
