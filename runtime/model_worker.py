@@ -134,8 +134,15 @@ class ModelWorker:
         assert self.window is not None, "a verify plan for an engine without speculative decoding"
         batch = self.forward_batch(plan)
         rows = self._tensor(plan.rows)
+        cu = np.asarray(plan.cu_seqlens, dtype=np.int64)
+        lens = np.diff(cu)
+        n, width = len(lens), int(lens.max())
+        params = [SamplingRow(**p) for p in plan.sample_params]
+        starts = cu[:-1]
+        rows_of = [params[starts[i] : starts[i] + lens[i]] for i in range(n)]
+        draft_probs = None
         if self.proposer is not None:  # before the target reads the window: its drafts replace the placeholders
-            self.proposer.propose(batch, rows)
+            draft_probs = self.proposer.propose(batch, rows, rows_of)
         batch.spec = WindowRows(self.window, rows)
         cache = self.cache
         before = None
@@ -143,9 +150,6 @@ class ModelWorker:
             before = ([t.index_select(0, batch.state_slots) for t in cache.recurrent],
                       [t.index_select(0, batch.state_slots) for t in cache.conv])
         logits = self.model.forward_batch(batch, cache).float()
-        cu = np.asarray(plan.cu_seqlens, dtype=np.int64)
-        lens = np.diff(cu)
-        n, width = len(lens), int(lens.max())
         # Sampled rows come sequence after sequence, one per window position: pad them to [N, width, V].
         seq = np.repeat(np.arange(n), lens)
         pos = np.arange(int(cu[-1])) - cu[:-1][seq]
@@ -155,9 +159,6 @@ class ModelWorker:
         drafts = ids.new_zeros(n, width - 1)
         has = pos > 0
         drafts[torch.from_numpy(seq[has]), torch.from_numpy(pos[has] - 1)] = ids[torch.from_numpy(np.flatnonzero(has))]
-        params = [SamplingRow(**p) for p in plan.sample_params]
-        starts = cu[:-1]
-        rows_of = [params[starts[i] : starts[i] + lens[i]] for i in range(n)]
         banned = [plan.banned[starts[i] : starts[i] + lens[i]] for i in range(n)]
         histories = [self.tables.histories.get(int(r), []) for r in plan.rows]
         mask = None
@@ -166,7 +167,7 @@ class ModelWorker:
             bitmask = torch.from_numpy(np.array(plan.grammar_mask, dtype=np.int32).reshape(len(g), -1))
             mask = TokenMask(torch.from_numpy(seq[g] * width + pos[g]), bitmask)
         res, row_errors = self._accept(padded, drafts, torch.from_numpy(lens - 1), rows_of, histories, banned,
-                                       plan.top_logprobs_num, mask)
+                                       plan.top_logprobs_num, mask, draft_probs)
         num_accepted = res.num_accepted
         self.window.commit(cache.recurrent, cache.conv, batch.state_slots, rows, num_accepted + 1)
         if self.proposer is not None:
@@ -195,11 +196,12 @@ class ModelWorker:
 
     def _accept(self, logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
                 rows: list[list[SamplingRow]], histories: list[list[int]], banned: list[list[list[int]]], k: int,
-                mask: TokenMask | None = None) -> tuple[VerifyResult, list[tuple[int, str]]]:
+                mask: TokenMask | None = None, draft_probs: torch.Tensor | None = None,
+                ) -> tuple[VerifyResult, list[tuple[int, str]]]:
         """Acceptance for every window at once; if that fails, window by window, so that a window that cannot
         be sampled fails alone (it then commits only its last sampled token, which the scheduler discards)."""
         try:
-            return verify_drafts(logits, drafts, num_drafts, rows, histories, banned, mask=mask,
+            return verify_drafts(logits, drafts, num_drafts, rows, histories, banned, draft_probs, mask=mask,
                                  top_logprobs_num=k), []
         except Exception:
             if not rows:
@@ -214,7 +216,8 @@ class ModelWorker:
                     mine = (mask.rows >= i * w) & (mask.rows < (i + 1) * w)
                     one_mask = TokenMask(mask.rows[mine] - i * w, mask.bitmask[mine])
                 parts.append(verify_drafts(logits[i : i + 1], drafts[i : i + 1], num_drafts[i : i + 1],
-                                           rows[i : i + 1], histories[i : i + 1], banned[i : i + 1], mask=one_mask,
+                                           rows[i : i + 1], histories[i : i + 1], banned[i : i + 1],
+                                           None if draft_probs is None else draft_probs[i : i + 1], mask=one_mask,
                                            top_logprobs_num=k))
             except Exception as e:
                 errors.append((i, f"sampling failed: {type(e).__name__}: {e}"))

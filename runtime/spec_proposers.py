@@ -16,8 +16,11 @@ its last one; a last round over the whole window records every position's inputs
 so that after acceptance `commit` replays exactly the committed tokens into the draft's states (the same
 ReplaySSM / snapshot commit as the target's). Re-running the window prefix every round costs 1 + 2 + ... +
 (k+1) draft tokens instead of k+1; a running state kept in scratch across rounds would save that (not built).
-Drafts are greedy (the draft's argmax): point-mass proposals, which rejection sampling accepts exactly, so
-sampled requests keep the target's distribution.
+Greedy requests draft the draft model's argmax. Sampled requests draw each draft from q = the draft's
+distribution under the request's temperature / top-k / top-p / min-p (no penalties, bans or grammar: q is only a
+proposal, any q keeps rejection sampling exact) with the plain sampler's counter-based stream (independent of the
+verifier's accept and residual streams), and hand q to `verify_drafts`: a draft model equal to the target then
+accepts every sampled draft, up to rounding.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from kernels.sampling import SamplingTensors, hash_uniform
+from kernels.sampling_row import SamplingRow
+from kernels.spec_sampling import kept
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
 from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
@@ -42,9 +48,10 @@ class Proposer(Protocol):
     def observe(self, batch: ForwardBatch) -> None:
         """After (or alongside) a target extend or decode step over `batch`."""
 
-    def propose(self, batch: ForwardBatch, rows: Tensor) -> Tensor | None:
+    def propose(self, batch: ForwardBatch, rows: Tensor, params: list[list[SamplingRow]]) -> Tensor | None:
         """Fill `batch.input_ids` at every window position > 0 with drafts, in place; return the draft
-        distributions [N, K, V] for rejection sampling, or None for point masses."""
+        distributions [N, K, V] for rejection sampling (K = widest window - 1), or None for point masses.
+        `params[i][j]`: the sampling row of window i's position j (draft j + 1 is drawn for it)."""
 
     def commit(self, state_slots: Tensor, rows: Tensor, num_tokens: Tensor, check: bool) -> None:
         """After acceptance: advance the proposer's states by each window's first num_tokens[i] tokens."""
@@ -74,11 +81,14 @@ class DraftModelProposer:
             # Only the last token's logits: the draft's are never read here (input logprobs are the target's).
             self.model.forward_batch(dataclasses.replace(batch, logits_index=None, attn_backend=None), self.cache)
 
-    def propose(self, batch: ForwardBatch, rows: Tensor) -> Tensor | None:
+    def propose(self, batch: ForwardBatch, rows: Tensor, params: list[list[SamplingRow]]) -> Tensor | None:
         ids = batch.input_ids
         seq, pos, lens = window_layout(batch.cu_seqlens)
         starts = batch.cu_seqlens[:-1]
         width = int(lens.max())
+        vocab = self.model.config.vocab_size
+        sampled = any(r.temperature > 0 and r.top_k != 1 for req in params for r in req)
+        probs = torch.zeros(lens.numel(), width - 1, vocab, device=ids.device) if sampled else None
         for j in range(1, width + 1):
             keep = pos < j  # each window's first min(j, len) tokens
             sub_lens = lens.clamp(max=j)
@@ -88,9 +98,16 @@ class DraftModelProposer:
             sub.spec = WindowRows(self.window, rows)
             logits = self.model.forward_batch(sub, self.cache)  # at each sub-window's last token
             drafting = (lens > j).nonzero().squeeze(1)
-            if drafting.numel():
+            if not drafting.numel():
+                continue
+            if probs is None:
                 ids[starts[drafting] + j] = logits[drafting].argmax(-1)
-        return None
+                continue
+            rows_j = [params[i][j - 1] for i in drafting.tolist()]
+            d, q = draw_drafts(logits[drafting].float(), SamplingTensors.build(rows_j, ids.device))
+            ids[starts[drafting] + j] = d
+            probs[drafting, j - 1] = q
+        return probs
 
     def commit(self, state_slots: Tensor, rows: Tensor, num_tokens: Tensor, check: bool) -> None:
         c = self.cache
@@ -101,6 +118,20 @@ class DraftModelProposer:
         self.window.commit(c.recurrent, c.conv, state_slots, rows, num_tokens)
         if before is not None:
             check_committed_states(self.window, before, c.recurrent, c.conv, state_slots, rows, num_tokens)
+
+
+def draw_drafts(logits: Tensor, p: SamplingTensors) -> tuple[Tensor, Tensor]:
+    """Drafts [M] and their proposal distributions q [M, V]: greedy rows a point mass at the argmax, sampled
+    rows a Gumbel-max draw from the tempered, truncated softmax, on the plain sampler's stream."""
+    argmax = logits.argmax(-1)
+    q = torch.zeros_like(logits).scatter_(1, argmax[:, None], 1.0)
+    z = logits / torch.where(p.greedy, 1.0, p.temperature)[:, None]
+    keep = kept(z, p)
+    soft = torch.where(keep, z, float("-inf")).softmax(-1)
+    gumbel = -torch.log(-torch.log(hash_uniform(p.seed, p.step, logits.shape[-1])))
+    drawn = torch.where(keep, z + gumbel, float("-inf")).argmax(-1)
+    g = p.greedy[:, None]
+    return torch.where(p.greedy, argmax, drawn), torch.where(g, q, soft)
 
 
 def load_draft_model(args: ServerArgs, target: KimiForCausalLM) -> KimiForCausalLM:

@@ -132,3 +132,21 @@ def test_refuses_another_vocabulary(model, tmp_path) -> None:  # noqa: ANN001
     ckpt = write_checkpoint(other, tmp_path / "d")
     with pytest.raises(ValueError, match="vocabulary"):
         _engine(model, ckpt)
+
+
+def test_seeded_sampling_with_a_draft_model_is_reproducible(model, checkpoints, workload) -> None:  # noqa: ANN001
+    """Sampled requests draw their drafts from the draft model's distribution q and verify them against it:
+    seeded runs repeat exactly, and the draft = the target (q = p) accepts nearly every sampled draft."""
+    prompts, _ = workload
+    sampling = {"max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 5, "ignore_eos": True}
+    a = _engine(model, checkpoints["self"], speculative_num_draft_tokens=3)
+    b = _engine(model, checkpoints["self"], speculative_num_draft_tokens=3)
+    out = a.generate(prompts, sampling)
+    assert out == b.generate(prompts, sampling) and all(len(x) == 12 for x in out)
+    m = a.scheduler.metrics
+    assert m.draft_tokens > 0 and m.accepted_tokens / m.draft_tokens > 0.9, (m.accepted_tokens, m.draft_tokens)
+
+
+def test_unbuilt_proposers_refuse_clearly(model) -> None:  # noqa: ANN001
+    with pytest.raises(NotImplementedError, match="no worker proposer"):
+        LocalEngine(ServerArgs(speculative_algorithm="mtp"), model)
