@@ -65,10 +65,12 @@ CONFIGS = {
     "radix": dict(),
     "no_radix": dict(disable_radix_cache=True),
     "page16": dict(page_size=16, chunked_prefill_size=32),
+    "snapshot_page16": dict(spec_state="snapshot", page_size=16, disable_radix_cache=True),
 }
 
 
-@pytest.mark.parametrize(("name", "k"), [("radix", 1), ("radix", 3), ("no_radix", 3), ("page16", 1), ("page16", 3)])
+@pytest.mark.parametrize(("name", "k"), [("radix", 1), ("radix", 3), ("no_radix", 3), ("page16", 1), ("page16", 3),
+                                       ("snapshot_page16", 3)])
 def test_greedy_equals_plain_with_another_draft_model(model, checkpoints, workload, name: str, k: int) -> None:  # noqa: ANN001
     prompts, refs = workload
     eng = _engine(model, checkpoints["other"], speculative_num_draft_tokens=k, **CONFIGS[name])
@@ -78,7 +80,7 @@ def test_greedy_equals_plain_with_another_draft_model(model, checkpoints, worklo
     eng.scheduler.check_integrity()
 
 
-@pytest.mark.parametrize(("name", "k"), [("radix", 3), ("page16", 1), ("no_radix", 3)])
+@pytest.mark.parametrize(("name", "k"), [("radix", 3), ("page16", 1), ("no_radix", 3), ("snapshot_page16", 3)])
 def test_self_draft_accepts_nearly_everything(model, checkpoints, workload, name: str, k: int) -> None:  # noqa: ANN001
     prompts, refs = workload
     eng = _engine(model, checkpoints["self"], speculative_num_draft_tokens=k, **CONFIGS[name])
