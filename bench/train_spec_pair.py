@@ -82,9 +82,9 @@ class Stage:
 class Recipe:
     target: ModelConfig = field(default_factory=lambda: k3_config(128, 4, [2, 4], 2, 64, 384, mtp=1))
     draft: ModelConfig = field(default_factory=lambda: k3_config(64, 2, [2], 2, 32, 192, mtp=0))
-    target_stage: Stage = Stage(steps=1000, lr=3e-3, batch=8)
+    target_stage: Stage = Stage(steps=400, lr=3e-3, batch=8)
     mtp_stage: Stage = Stage(steps=150, lr=3e-3, batch=8)
-    draft_stage: Stage = Stage(steps=200, lr=4e-3, batch=8)
+    draft_stage: Stage = Stage(steps=150, lr=4e-3, batch=8)
     dspark_steps: int = 150
     dspark_texts: int = 256  # the DSpark trainer holds the target's distribution at every token of its texts
     seq_len: int = 256
