@@ -113,14 +113,19 @@ class KimiForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward_batch(
-        self, batch: ForwardBatch, cache: HybridCache, aux: dict[int, torch.Tensor] | None = None
+        self, batch: ForwardBatch, cache: HybridCache, aux: dict[int, torch.Tensor] | None = None,
+        prenorm: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One cached step; returns logits [M, V] for `batch.logits_index` (default: each sequence's last token).
-        `aux` as for `prenorm_hidden`: the new tokens' states [T, hidden] after the layers it names."""
+        `aux` as for `prenorm_hidden`: the new tokens' states [T, hidden] after the layers it names. `prenorm`:
+        a list that receives every new token's pre-norm final hidden [T, hidden] (what MTP layers read)."""
         if batch.mode is ForwardMode.IDLE:
             return self.lm_head.weight.new_empty(0, self.config.vocab_size)
         batch = dataclasses.replace(batch, attn_backend=AttentionBackend(batch, cache))
-        h = self.hidden(batch.input_ids, batch.cu_seqlens, batch, aux)
+        pre = self.prenorm_hidden(batch.input_ids, batch.cu_seqlens, batch, aux)
+        if prenorm is not None:
+            prenorm.append(pre)
+        h = self.model.norm(pre)
         rows = batch.logits_index if batch.logits_index is not None else batch.last_token_index()
         return self.lm_head(h[rows])
 

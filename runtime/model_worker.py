@@ -104,9 +104,8 @@ class ModelWorker:
         if plan.mode == ForwardMode.VERIFY.value:
             return self._verify(plan)
         batch = self.forward_batch(plan)
-        logits = self.model.forward_batch(batch, self.cache).float()
-        if self.proposer is not None:
-            self.proposer.observe(batch)
+        pre: list[torch.Tensor] | None = [] if self.proposer is not None and self.proposer.needs_hidden else None
+        logits = self.model.forward_batch(batch, self.cache, prenorm=pre).float()
         n = len(plan.sample_params)
         # Table row of each sampled logits row: sampled rows come first, one per sampled sequence.
         sampled_seqs = np.searchsorted(np.asarray(plan.cu_seqlens), np.asarray(plan.logits_index[:n]), "right") - 1
@@ -115,6 +114,10 @@ class ModelWorker:
         res, row_errors = self._sample(logits[:n], plan, histories)
         tokens = res.tokens.tolist()
         self.tables.record_samples(sampled_rows, res.tokens, tokens)
+        if self.proposer is not None:  # after sampling: an MTP proposer reads each sequence's sampled token
+            next_last = torch.full((len(plan.rows),), -1, dtype=torch.int64, device=res.tokens.device)
+            next_last[torch.from_numpy(sampled_seqs).to(next_last.device)] = res.tokens
+            self.proposer.observe(batch, pre[0] if pre else None, next_last, self._tensor(plan.rows))
         input_lp: list[float] = []
         if plan.input_logprob_rows:
             lp = logits.log_softmax(-1)
@@ -149,7 +152,8 @@ class ModelWorker:
         if self.args.debug_spec_state:
             before = ([t.index_select(0, batch.state_slots) for t in cache.recurrent],
                       [t.index_select(0, batch.state_slots) for t in cache.conv])
-        logits = self.model.forward_batch(batch, cache).float()
+        pre: list[torch.Tensor] | None = [] if self.proposer is not None and self.proposer.needs_hidden else None
+        logits = self.model.forward_batch(batch, cache, prenorm=pre).float()
         # Sampled rows come sequence after sequence, one per window position: pad them to [N, width, V].
         seq = np.repeat(np.arange(n), lens)
         pos = np.arange(int(cu[-1])) - cu[:-1][seq]
@@ -191,6 +195,9 @@ class ModelWorker:
             self.tables.histories.setdefault(row, []).extend(all_tokens[i][:c])
         last = torch.tensor([t[c - 1] for t, c in zip(all_tokens, counts, strict=True)], device=rows.device)
         self.tables.last_token[rows] = last
+        if pre:  # the MTP proposer catches up over the committed positions with the target's hiddens there
+            assert self.proposer is not None
+            self.proposer.after_verify(batch, pre[0], num_accepted.to(rows.device) + 1, last, rows)
         return StepResult(step=plan.step, tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lps,
                           input_logprobs=[], row_errors=row_errors, num_accepted=num_accepted.tolist())
 

@@ -81,7 +81,8 @@ class PoolLayout:
 
     def __post_init__(self) -> None:
         for name in ("num_kda_layers", "kda_heads", "head_dim", "num_mla_layers", "kv_dim", "page_size"):
-            if getattr(self, name) < 1:
+            # A nested draft part may be MLA-only (the MTP layers' latents): no KDA layers there.
+            if getattr(self, name) < (0 if name == "num_kda_layers" and self.draft is None else 1):
                 raise ValueError(f"PoolLayout.{name} must be >= 1, got {getattr(self, name)}")
         if self.conv_kernel < 2:
             raise ValueError(f"PoolLayout.conv_kernel must be >= 2 (it keeps kernel-1 inputs), got {self.conv_kernel}")
@@ -259,6 +260,14 @@ def pool_layout(cfg: ModelConfig, args: ServerArgs) -> PoolLayout:
         check_draft_config(cfg, dcfg)
         draft = dataclasses.replace(PoolLayout.from_config(dcfg, page_size=args.page_size), kv_dtype=dtype)
         layout = dataclasses.replace(layout, draft=draft)
+    if args.speculative_algorithm == "mtp":
+        if cfg.num_nextn_predict_layers < 1:
+            raise ValueError("--speculative-algorithm mtp: the checkpoint has no MTP layers "
+                             "(num_nextn_predict_layers=0)")
+        # The MTP layers' latents ride in every token row, after the target's (no KDA state: MLA only).
+        mtp = dataclasses.replace(PoolLayout.from_config(cfg, page_size=args.page_size), kv_dtype=dtype,
+                                  num_kda_layers=0, num_mla_layers=cfg.num_nextn_predict_layers)
+        layout = dataclasses.replace(layout, draft=mtp)
     return layout
 
 

@@ -41,12 +41,15 @@ from runtime.pool_buffer import PoolBuffer
 from runtime.pool_layout import check_draft_config, serving_dtype
 from runtime.server_args import ServerArgs
 
-MODEL_PROPOSERS = ("draft",)
+MODEL_PROPOSERS = ("draft", "mtp")
 
 
 class Proposer(Protocol):
-    def observe(self, batch: ForwardBatch) -> None:
-        """After (or alongside) a target extend or decode step over `batch`."""
+    needs_hidden: bool  # whether the worker hands the target's pre-norm hiddens to observe / after_verify
+
+    def observe(self, batch: ForwardBatch, hidden: Tensor | None, next_last: Tensor, rows: Tensor) -> None:
+        """After a target extend or decode step over `batch` and its sampling: `hidden` the new tokens'
+        pre-norm hiddens (when `needs_hidden`), `next_last[i]` sequence i's sampled token (-1: none sampled)."""
 
     def propose(self, batch: ForwardBatch, rows: Tensor, params: list[list[SamplingRow]]) -> Tensor | None:
         """Fill `batch.input_ids` at every window position > 0 with drafts, in place; return the draft
@@ -55,6 +58,11 @@ class Proposer(Protocol):
 
     def commit(self, state_slots: Tensor, rows: Tensor, num_tokens: Tensor, check: bool) -> None:
         """After acceptance: advance the proposer's states by each window's first num_tokens[i] tokens."""
+
+    def after_verify(self, batch: ForwardBatch, hidden: Tensor, num_tokens: Tensor, last: Tensor,
+                     rows: Tensor) -> None:
+        """After a verify step (only when `needs_hidden`): the window's first num_tokens[i] tokens are
+        committed, `last[i]` the token sampled after them, `hidden` the target's pre-norm hiddens [T, H]."""
 
 
 def window_layout(cu_seqlens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -66,6 +74,8 @@ def window_layout(cu_seqlens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 class DraftModelProposer:
+    needs_hidden = False
+
     def __init__(self, model: KimiForCausalLM, buffer: PoolBuffer, window: SpecWindow) -> None:
         self.model = model
         self.window = window
@@ -76,7 +86,7 @@ class DraftModelProposer:
             latent=[buffer.kv(i, draft=True) for i in range(cfg.num_mla_layers)],
         )
 
-    def observe(self, batch: ForwardBatch) -> None:
+    def observe(self, batch: ForwardBatch, hidden: Tensor | None, next_last: Tensor, rows: Tensor) -> None:
         if batch.mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
             # Only the last token's logits: the draft's are never read here (input logprobs are the target's).
             self.model.forward_batch(dataclasses.replace(batch, logits_index=None, attn_backend=None), self.cache)
@@ -120,6 +130,92 @@ class DraftModelProposer:
             check_committed_states(self.window, before, c.recurrent, c.conv, state_slots, rows, num_tokens)
 
 
+class MTPProposer:
+    """The target's own MTP layer drafts (`--speculative-algorithm mtp`). Its latent KV at position p holds
+    fuse(embed(token p+1), h_p), h_p the target's pre-norm final hidden there, in the pool's MLA-only nested part
+    (every token row), so radix hits, copies and retraction carry it. `observe` (after sampling) runs the layer
+    over each step's new positions, the last one with the sampled token, and keeps per page-table row its output
+    there: the mtp logits of that output are draft 1 of the next verify window [x_L, d1..dk]. Draft j > 1 chains
+    one more MTP step at position L+j-2 on (d_{j-1}, the previous step's output); those chained entries are
+    rewritten by `after_verify`, which reruns the layer over the committed positions with the verify's target
+    hiddens and tokens. Only MTP layer 0 is run (every chained step reuses it): a further layer's KV would need
+    tokens two positions ahead at the last committed position. The last position of a prompt chunk that does not
+    sample keeps a stale entry (its next token is the next chunk's first): only acceptance can suffer, never
+    outputs. Sampled requests draw drafts from the tempered, truncated MTP distribution (as the draft model)."""
+
+    needs_hidden = True
+
+    def __init__(self, model: KimiForCausalLM, buffer: PoolBuffer, num_rows: int) -> None:
+        cfg = model.config
+        if cfg.num_nextn_predict_layers < 1:
+            raise ValueError("--speculative-algorithm mtp: the checkpoint has no MTP layers")
+        self.model = model
+        self.cache = HybridCache(recurrent=[], conv=[],
+                                 latent=[buffer.kv(i, draft=True) for i in range(cfg.num_nextn_predict_layers)])
+        # Per page-table row: the MTP output at the last committed position (its logits give draft 1).
+        self.last_out = torch.zeros(num_rows, cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=model.device)
+
+    def _run(self, batch: ForwardBatch, hidden: Tensor, next_last: Tensor, rows: Tensor) -> None:
+        """MTP layer 0 over `batch`'s new positions: next token = the following new token, or `next_last`."""
+        ids = batch.input_ids
+        last = batch.last_token_index()
+        next_ids = torch.roll(ids, -1)
+        next_ids[last] = next_last.clamp(min=0)  # a chunk that did not sample: a stale entry (see class doc)
+        sub = dataclasses.replace(batch, input_ids=next_ids, logits_index=None, attn_backend=None, spec=None)
+        out = self.model.forward_mtp_batch(0, sub, hidden, self.cache).hidden
+        have = next_last >= 0
+        self.last_out[rows[have]] = out[last[have]].to(self.last_out.dtype)
+
+    def observe(self, batch: ForwardBatch, hidden: Tensor | None, next_last: Tensor, rows: Tensor) -> None:
+        if batch.mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
+            assert hidden is not None
+            self._run(batch, hidden, next_last, rows)
+
+    def propose(self, batch: ForwardBatch, rows: Tensor, params: list[list[SamplingRow]]) -> Tensor | None:
+        ids = batch.input_ids
+        _, _, lens = window_layout(batch.cu_seqlens)
+        starts = batch.cu_seqlens[:-1]
+        width = int(lens.max())
+        vocab = self.model.config.vocab_size
+        sampled = any(r.temperature > 0 and r.top_k != 1 for req in params for r in req)
+        probs = torch.zeros(lens.numel(), width - 1, vocab, device=ids.device) if sampled else None
+        out = self.last_out[rows]
+        for j in range(1, width):
+            drafting = (lens > j).nonzero().squeeze(1)
+            logits = self.model.mtp_logits(0, out[drafting]).float()
+            if probs is None:
+                d = logits.argmax(-1)
+            else:
+                rows_j = [params[i][j - 1] for i in drafting.tolist()]
+                d, q = draw_drafts(logits, SamplingTensors.build(rows_j, ids.device))
+                probs[drafting, j - 1] = q
+            ids[starts[drafting] + j] = d
+            more = lens[drafting] > j + 1
+            if not bool(more.any()):
+                continue
+            # Chain: one MTP step at position L+j-1 on (d_j, previous output) for the windows that draft on.
+            on = drafting[more]
+            cu = torch.arange(on.numel() + 1, device=ids.device)
+            step = ForwardBatch.from_table(ForwardMode.DECODE, d[more], cu, batch.prefix_lens[on] + j - 1,
+                                           batch.state_slots[on], batch.block_table[on], batch.page_size)
+            new = self.model.forward_mtp_batch(0, step, out[on], self.cache).hidden
+            out = out.clone()
+            out[on] = new.to(out.dtype)
+        return probs
+
+    def commit(self, state_slots: Tensor, rows: Tensor, num_tokens: Tensor, check: bool) -> None:
+        pass  # no recurrent state: after_verify rewrites the committed positions' latents
+
+    def after_verify(self, batch: ForwardBatch, hidden: Tensor, num_tokens: Tensor, last: Tensor,
+                     rows: Tensor) -> None:
+        seq, pos, _ = window_layout(batch.cu_seqlens)
+        keep = pos < num_tokens[seq]
+        cu = torch.nn.functional.pad(num_tokens.cumsum(0), (1, 0))
+        sub = ForwardBatch.from_table(ForwardMode.EXTEND, batch.input_ids[keep], cu, batch.prefix_lens,
+                                      batch.state_slots, batch.block_table, batch.page_size)
+        self._run(sub, hidden[keep], last, rows)
+
+
 def draw_drafts(logits: Tensor, p: SamplingTensors) -> tuple[Tensor, Tensor]:
     """Drafts [M] and their proposal distributions q [M, V]: greedy rows a point mass at the argmax, sampled
     rows a Gumbel-max draw from the tempered, truncated softmax, on the plain sampler's stream."""
@@ -149,6 +245,8 @@ def build_proposer(args: ServerArgs, target: KimiForCausalLM, buffer: PoolBuffer
     alg = args.speculative_algorithm
     if alg is None or alg == "ngram":
         return None
+    if alg == "mtp":
+        return MTPProposer(target, buffer, max(args.max_running_requests, 1))
     if alg == "draft":
         draft = load_draft_model(args, target)
         window = SpecWindow.allocate(draft.config, args.spec_state, max(args.max_running_requests, 1),
