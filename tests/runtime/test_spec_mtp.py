@@ -175,3 +175,22 @@ def test_trained_mtp_layer_accepts_drafts_on_gsm8k() -> None:
     rate = m.accepted_tokens / m.draft_tokens
     print(f"trained MTP acceptance at k=1: {m.accepted_tokens}/{m.draft_tokens} = {rate:.2f}")
     assert rate > 0.2
+
+
+def test_retraction_under_a_small_pool(model) -> None:  # noqa: ANN001
+    """Prompts that fit at admission, then outgrow the pool while decoding: retraction frees (and
+    re-admission recomputes) the target's latents and the MTP layer's together."""
+    g = random.Random(1)
+    prompts = [[g.randrange(model.config.vocab_size) for _ in range(8)] for _ in range(8)]
+    sampling = dict(GREEDY, max_new_tokens=20)
+    refs = [greedy_reference(model, p, 20) for p in prompts]
+    k = 3
+    lay = pool_layout(model.config, ServerArgs(speculative_algorithm="mtp", speculative_num_draft_tokens=k,
+                                               max_running_requests=8))
+    pool = 9 * lay.state_block_bytes + 120 * lay.kv_token_bytes
+    eng = _engine(model, speculative_num_draft_tokens=k, max_running_requests=8,
+                  mem_bytes=pool + lay.spec_window_bytes("replay", 8, k + 1), chunked_prefill_size=40,
+                  schedule_conservativeness=0.0)
+    assert eng.generate(prompts, sampling) == refs
+    assert eng.scheduler.metrics.retractions > 0
+    eng.scheduler.check_integrity()
