@@ -105,7 +105,7 @@ class ModelWorker:
             return self._verify(plan)
         batch = self.forward_batch(plan)
         pre: list[torch.Tensor] | None = [] if self.proposer is not None and self.proposer.needs_hidden else None
-        logits = self.model.forward_batch(batch, self.cache, prenorm=pre).float()
+        logits = self._forward(batch, pre)
         n = len(plan.sample_params)
         # Table row of each sampled logits row: sampled rows come first, one per sampled sequence.
         sampled_seqs = np.searchsorted(np.asarray(plan.cu_seqlens), np.asarray(plan.logits_index[:n]), "right") - 1
@@ -130,6 +130,12 @@ class ModelWorker:
             row_errors=row_errors,
         )
 
+    def _forward(self, batch: ForwardBatch, prenorm: list[torch.Tensor] | None) -> torch.Tensor:
+        """The target's step; the pre-norm hiddens are asked for only when a proposer reads them."""
+        if prenorm is None:
+            return self.model.forward_batch(batch, self.cache).float()
+        return self.model.forward_batch(batch, self.cache, prenorm=prenorm).float()
+
     def _verify(self, plan: StepPlan) -> StepResult:
         """One verify step: the target runs every sequence's window (its last sampled token and its drafts)
         from the live state without writing it; acceptance decides how many drafts each keeps; the window
@@ -153,7 +159,7 @@ class ModelWorker:
             before = ([t.index_select(0, batch.state_slots) for t in cache.recurrent],
                       [t.index_select(0, batch.state_slots) for t in cache.conv])
         pre: list[torch.Tensor] | None = [] if self.proposer is not None and self.proposer.needs_hidden else None
-        logits = self.model.forward_batch(batch, cache, prenorm=pre).float()
+        logits = self._forward(batch, pre)
         # Sampled rows come sequence after sequence, one per window position: pad them to [N, width, V].
         seq = np.repeat(np.arange(n), lens)
         pos = np.arange(int(cu[-1])) - cu[:-1][seq]
