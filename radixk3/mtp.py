@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from kernels.pool_slots import window_positions
 from radixk3.config import ModelConfig
 from radixk3.decoder_layer import DecoderLayer
 from radixk3.forward_batch import ForwardBatch, HybridCache
@@ -53,9 +54,7 @@ class MTPLayer(DecoderLayer):
 
 def token_positions(cu_seqlens: torch.Tensor, prefix_lens: torch.Tensor | None = None) -> torch.Tensor:
     """Absolute position of every packed token: its offset in its sequence's new tokens plus the prefix."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=cu_seqlens.device), lens)
-    pos = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - cu_seqlens[:-1][seq]
+    seq, pos, _ = window_positions(cu_seqlens, int(cu_seqlens[-1]))
     return pos if prefix_lens is None else pos + prefix_lens[seq]
 
 
