@@ -14,8 +14,9 @@ from torch import nn
 from radixk3.config import ModelConfig
 from radixk3.forward_batch import ForwardBatch
 from radixk3.kda_attention import KDAAttention
-from radixk3.layers import GLU, MLP, MoE, RMSNorm
+from radixk3.layers import GLU, MLP, RMSNorm
 from radixk3.mla_attention import MLAAttention
+from radixk3.moe_layer import MoE
 
 
 class DecoderLayer(nn.Module):

@@ -11,7 +11,7 @@ Model names are the Kimi-Linear checkpoint names (`model.embed_tokens.weight`, `
   in an MLA layer: the layer type (from the config) decides, and the expected shape differs.
 
 Public names vs parameters: the model fuses projections and stacks experts (`layers.FusedLinear`,
-`FusedWeight`, `Experts`), so its state-dict names are not all checkpoint names. `public_layout` maps each
+`FusedWeight`, `moe_layer.Experts`), so its state-dict names are not all checkpoint names. `public_layout` maps each
 public (unfused, Kimi-Linear) name to a part of one parameter: KDA `self_attn.{q,k,v}_proj.weight` are the row
 thirds of `self_attn.qkv_proj.weight` and `{q,k,v}_conv1d.weight` those of `self_attn.qkv_conv1d.weight`
 [3P, 1, W]; `{mlp,shared_experts}.{gate,up}_proj.weight` the halves of `gate_up_proj.weight`;

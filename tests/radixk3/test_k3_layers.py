@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 from radixk3.config import ModelConfig, preset
 from radixk3.kda_attention import KDAAttention
-from radixk3.layers import MLP, MoE
+from radixk3.layers import MLP
 from radixk3.mla_attention import MLAAttention
 from radixk3.model import build_model
+from radixk3.moe_layer import MoE
 from radixk3.tensor_names import public_tensors
 
 TOL = 1e-5
