@@ -78,3 +78,21 @@ def destroy_parallel() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     set_parallel_state(ParallelState())
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` over the TP group (in place; the identity on one rank)."""
+    state = _STATE
+    if state.tp_size > 1:
+        dist.all_reduce(x, group=state.group)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every TP rank's `x` along `dim`, in rank order (`x` itself on one rank)."""
+    state = _STATE
+    if state.tp_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(state.tp_size)]
+    dist.all_gather(parts, x.contiguous(), group=state.group)
+    return torch.cat(parts, dim=dim)

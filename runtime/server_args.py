@@ -23,7 +23,10 @@ SPECULATIVE_ALGORITHMS = ("ngram", "mtp", "draft", "dspark")
 MAX_DRAFT_TOKENS = 16
 
 # Other spellings of a flag, as SGLang users type them.
-_ALIASES: dict[str, tuple[str, ...]] = {"model": ("--model-path",)}
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "model": ("--model-path",), "tp_size": ("--tp",), "ep_size": ("--ep",), "dp_size": ("--dp",),
+}
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 
 
 @dataclass
@@ -53,6 +56,16 @@ class ServerArgs:
     speculative_ngram_min: int = 1  # ... and the shortest
     spec_state: str = "replay"  # how the KDA state of the draft window is recovered: replay | snapshot
     debug_spec_state: bool = False  # after every verify, check the live KDA state against plain decode (tests)
+    # Parallelism past one device (torch.distributed: gloo on CPU, NCCL on CUDA), spelled as SGLang spells it.
+    tp_size: int = 1  # tensor-parallel ranks per engine replica (--tp)
+    ep_size: int = 1  # expert-parallel ranks for the MoE, inside the TP group (--ep; divides --tp)
+    dp_size: int = 1  # data-parallel: engine replicas, or DP attention ranks with --enable-dp-attention (--dp)
+    enable_dp_attention: bool = False  # attention data-parallel over the TP ranks (--dp divides --tp)
+    load_balance_method: str = "cache_aware"  # DP replicas: round_robin | shortest_queue | cache_aware
+    nnodes: int = 1  # machines the ranks span
+    node_rank: int = 0  # this machine's index; node 0 runs the tokenizer and scheduler
+    dist_init_addr: str | None = None  # host:port of node 0's rendezvous; None: a free local port
+    dist_timeout: float = 60.0  # seconds a collective may wait before the group fails (a dead or hung rank)
     log_level: str = "warning"
     # HTTP server (`radixk3 serve`); the offline Engine ignores these.
     host: str = "127.0.0.1"
@@ -93,6 +106,21 @@ class ServerArgs:
             raise ValueError("--speculative-ngram-min must be in [1, --speculative-ngram-max]")
         if self.spec_state not in ("replay", "snapshot"):
             raise ValueError("--spec-state must be 'replay' or 'snapshot'")
+        for name in ("tp_size", "ep_size", "dp_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.tp_size % self.ep_size:
+            raise ValueError(f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size}")
+        if self.enable_dp_attention and self.tp_size % self.dp_size:
+            raise ValueError(f"--dp-size {self.dp_size} must divide --tp-size {self.tp_size} with DP attention")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes) = [0, {self.nnodes})")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address)")
+        if self.dist_timeout <= 0:
+            raise ValueError("--dist-timeout must be > 0")
         if self.graceful_shutdown_timeout < 0:
             raise ValueError("--graceful-shutdown-timeout must be >= 0")
 
