@@ -18,13 +18,15 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import zmq
 
 from radixk3.config import ModelConfig
 from radixk3.tokenizer import Tokenizer
 from runtime.errors import EngineError
-from runtime.messages import Shutdown, WorkerReady, decode, encode
+from runtime.messages import RankFailed, Shutdown, WorkerReady, decode, encode
+from runtime.node import RankId, Topology, rank_label, rank_process_name
 from runtime.processes import endpoint, model_config, scheduler_main, tokenizer_for, worker_main
 from runtime.server_args import ServerArgs
 
@@ -51,15 +53,30 @@ def _main_module_hidden() -> Iterator[None]:
         main.__dict__.update(saved)
 
 
+def _proc_state(pid: int) -> str | None:
+    """A process's state letter from /proc (R, S, T: stopped, Z, ...); None if unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[0]
+
+
 class EngineProcesses:
     def __init__(self, args: ServerArgs, startup_timeout: float = 120.0) -> None:
         self.args = args
         try:  # the tokenizer side needs both: the vocabulary bounds every id at the door
+            if args.node_rank != 0:
+                raise ValueError(f"node {args.node_rank} runs only its ranks (runtime.node.run_node), not an engine")
             self.config: ModelConfig = model_config(args)
             self.tokenizer: Tokenizer = tokenizer_for(args)
+            self.ipc_dir = tempfile.mkdtemp(prefix="radixk3-")
+            self.topology = Topology.for_args(args, self.ipc_dir)
         except Exception as e:
+            if hasattr(self, "ipc_dir"):
+                shutil.rmtree(self.ipc_dir, ignore_errors=True)
             raise EngineError(f"startup failed: {type(e).__name__}: {e}") from e
-        self.ipc_dir = tempfile.mkdtemp(prefix="radixk3-")
+        self.num_replicas: int = self.topology.num_replicas
         self.dead: EngineError | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -67,15 +84,21 @@ class EngineProcesses:
         self._ctx = zmq.Context()
         self._ready = self._ctx.socket(zmq.PULL)
         self._ready.setsockopt(zmq.LINGER, 0)
-        self._ready.bind(endpoint(self.ipc_dir, "ready"))
+        self._ready.bind(self.endpoint("ready"))
         spawn = mp.get_context("spawn")
-        self.procs = [
-            spawn.Process(target=worker_main, args=(args, self.ipc_dir, 0), daemon=True, name="radixk3-worker-0"),
-            spawn.Process(target=scheduler_main, args=(args, self.ipc_dir, 1), daemon=True, name="radixk3-scheduler"),
-        ]
-        self._control = self._ctx.socket(zmq.PUSH)  # Shutdown only; requests go through the tokenizer manager
-        self._control.setsockopt(zmq.LINGER, 0)
-        self._control.connect(endpoint(self.ipc_dir, "sched_in"))
+        topo = self.topology
+        # This node's ranks first (the rank processes, replica by replica), then one scheduler per replica.
+        self.ranks = topo.local_ranks(0)
+        self.procs = [spawn.Process(target=worker_main, args=(args, topo, rid.replica, rid.rank), daemon=True,
+                                    name=rank_process_name(rid)) for rid in self.ranks]
+        self.procs += [spawn.Process(target=scheduler_main, args=(args, topo, i), daemon=True,
+                                     name=f"radixk3-scheduler-{i}") for i in range(self.num_replicas)]
+        self._control: list[zmq.Socket] = []  # Shutdown only; requests go through the tokenizer manager
+        for i in range(self.num_replicas):
+            s = self._ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(self.endpoint(f"sched_in_{i}"))
+            self._control.append(s)
         try:
             with _main_module_hidden():
                 for p in self.procs:
@@ -92,33 +115,62 @@ class EngineProcesses:
         return self.config.vocab_size
 
     def endpoint(self, name: str) -> str:
-        return endpoint(self.ipc_dir, name)
+        return self.topology.addr(name) if hasattr(self, "topology") else endpoint(self.ipc_dir, name)
+
+    def worker(self, replica: int, rank: int) -> mp.process.BaseProcess:
+        """The process of rank `rank` of replica `replica` (on this node)."""
+        return self.procs[self.ranks.index(RankId(replica, rank))]
 
     # --- startup and watching --------------------------------------------------------------------------
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        ready = 0
-        while ready < 1:
+        ready, want = 0, self.num_replicas * self.topology.tp_size  # every rank of every replica, on every node
+        while ready < want:
             if self._ready.poll(200):
                 msg = decode(self._ready.recv_multipart())
-                if isinstance(msg, WorkerReady):
+                if isinstance(msg, WorkerReady | RankFailed):
                     if msg.error is not None:
                         raise EngineError(f"startup failed: {msg.error}")
                     ready += 1
             if (dead := self.dead_child()) is not None:
-                if self._ready.poll(1000):  # a failing child says why before it exits
-                    msg = decode(self._ready.recv_multipart())
-                    if isinstance(msg, WorkerReady) and msg.error is not None:
-                        raise EngineError(f"startup failed: {msg.error}")
+                if (why := self._last_word(1.0)) is not None:  # a failing child says why before it exits
+                    raise EngineError(f"startup failed: {why}")
                 raise EngineError(f"startup failed: {dead}")
             if time.monotonic() > deadline:
-                raise EngineError(f"startup timed out after {timeout:.0f}s")
+                raise EngineError(f"startup timed out after {timeout:.0f}s ({ready} of {want} ranks ready)")
+
+    def _last_word(self, wait_s: float) -> str | None:
+        """The reason a child sent before it exited (a startup error or a rank failure), if one comes."""
+        end = time.monotonic() + wait_s
+        while self._ready.poll(max(0, int((end - time.monotonic()) * 1000))):
+            msg = decode(self._ready.recv_multipart())
+            if isinstance(msg, WorkerReady | RankFailed) and msg.error is not None:
+                return msg.error
+        return None
+
+    def _rank_states(self) -> str:
+        """Which of this node's ranks are stopped or gone: a hung rank is named even when a peer's timeout
+        is what noticed it."""
+        notes = []
+        for rid, p in zip(self.ranks, self.procs, strict=False):
+            state = _proc_state(p.pid) if p.pid is not None else None
+            if state == "T" or state == "t":
+                notes.append(f"{rank_label(*rid)} (pid {p.pid}) is stopped")
+            elif not p.is_alive():
+                notes.append(f"{rank_label(*rid)} exited with code {p.exitcode}")
+        return "; ".join(notes)
 
     def dead_child(self) -> str | None:
         for p in self.procs:
             if not p.is_alive():
                 return f"process {p.name} exited with code {p.exitcode}"
         return None
+
+    def _death(self, dead: str) -> EngineError:
+        why = self._last_word(1.0)
+        states = self._rank_states()
+        parts = [why or dead] + ([states] if states else [])
+        return EngineError(f"{'; '.join(parts)}; pending requests failed")
 
     def _watch(self) -> None:
         sentinels = [p.sentinel for p in self.procs]
@@ -128,7 +180,7 @@ class EngineProcesses:
             dead = self.dead_child()
             if dead is None:
                 continue
-            err = EngineError(f"{dead}; pending requests failed")
+            err = self._death(dead)
             with self._lock:
                 if self._closed:
                     return
@@ -154,18 +206,27 @@ class EngineProcesses:
             if self._closed:
                 return
             self._closed = True
-            try:
-                self._control.send_multipart(encode(Shutdown()), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            for s in self._control:  # every replica's scheduler, which stops its ranks
+                try:
+                    s.send_multipart(encode(Shutdown()), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
         grace = 1.0 if self.dead is not None else 5.0  # a dead sibling means nobody will answer
+        end = time.monotonic() + grace
         for p in self.procs:
             if p.pid is None:
                 continue  # never started
-            p.join(timeout=grace)
-            if p.is_alive():
+            p.join(timeout=max(0.0, end - time.monotonic()))
+        for p in self.procs:
+            if p.pid is not None and p.is_alive():
                 p.terminate()
-                p.join(timeout=5)
+        for p in self.procs:
+            if p.pid is None:
+                continue
+            p.join(timeout=3)
+            if p.is_alive():  # a stopped (SIGSTOP) process ignores SIGTERM until continued
+                p.kill()
+                p.join(timeout=3)
         self._ctx.destroy(linger=0)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 

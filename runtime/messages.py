@@ -125,6 +125,14 @@ class WorkerReady:
 
 
 @dataclass
+class RankFailed:
+    """A rank's last word: its collective failed or a peer went away; the whole engine fails with `error`."""
+
+    rank: int
+    error: str
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -153,8 +161,8 @@ class FlushCacheOut:
 
 MESSAGES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (GenerateReq, AbortReq, TokenOut, StepPlan, StepResult, WorkerReady, Shutdown, MetricsReq, MetricsOut,
-                FlushCacheReq, FlushCacheOut)
+    for cls in (GenerateReq, AbortReq, TokenOut, StepPlan, StepResult, WorkerReady, RankFailed, Shutdown, MetricsReq,
+                MetricsOut, FlushCacheReq, FlushCacheOut)
 }
 
 

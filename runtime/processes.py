@@ -1,10 +1,15 @@
 """The scheduler and worker process entry points, and the ZeroMQ plumbing between them.
 
-Sockets are `ipc://` files in a per-instance temp dir:
-  tokenizer --PUSH/PULL--> scheduler (`sched_in`), scheduler --PUSH/PULL--> tokenizer (`sched_out`),
-  scheduler --PUSH/PULL--> worker (`worker_in`), worker --PUSH/PULL--> scheduler (`worker_out`),
-  scheduler --PUSH/PULL--> the process supervisor (`ready`: startup readiness or why startup failed, so the
-  request path `sched_out` belongs to the tokenizer manager alone, on whatever event loop it runs).
+Per engine replica i (see `runtime.node` for where the processes run and the addresses):
+  tokenizer --PUSH/PULL--> scheduler i (`sched_in_{i}`), every scheduler --PUSH/PULL--> tokenizer (`sched_out`),
+  scheduler i --PUSH/PULL--> its rank r (`worker_in_{i}_{r}`: the same plan to every rank),
+  rank 0 --PUSH/PULL--> scheduler i (`worker_out_{i}`: the step's tokens; every rank's readiness or failure),
+  every scheduler --PUSH/PULL--> the process supervisor (`ready`: readiness, why startup failed, or why a rank
+  failed, so the request path `sched_out` belongs to the tokenizer manager alone, on whatever event loop it runs).
+
+A rank whose collective fails (a peer died or hangs past `--dist-timeout`) reports it and exits, and a
+scheduler that loses a rank's connection or hears of a failure reports it and exits: the engine fails as a
+whole, never one step at a time on a broken group.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import traceback
 from pathlib import Path
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from radixk3.config import BUILTIN_PRESET, ModelConfig, preset
 from radixk3.tokenizer import Tokenizer, load_tokenizer
@@ -30,6 +36,7 @@ from runtime.messages import (
     GenerateReq,
     MetricsOut,
     MetricsReq,
+    RankFailed,
     Shutdown,
     StepPlan,
     StepResult,
@@ -38,6 +45,7 @@ from runtime.messages import (
     decode,
     encode,
 )
+from runtime.node import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS, Topology, is_collective_failure, rank_label
 from runtime.pool_layout import pool_layout
 from runtime.scheduler import Scheduler
 from runtime.server_args import ServerArgs
@@ -46,6 +54,8 @@ from runtime.step_loop import StepLoop
 # How long an idle scheduler waits for more arrivals after the first before it plans (a TTFT cost paid only
 # when the engine was idle).
 ARRIVAL_WINDOW_MS = 5
+# A failing process's last word (why it failed) must still be delivered.
+LINGER_MS = 2000
 
 
 def endpoint(ipc_dir: str, name: str) -> str:
@@ -64,56 +74,146 @@ def tokenizer_for(args: ServerArgs) -> Tokenizer:
 
 def _socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
     s = ctx.socket(kind)
-    s.setsockopt(zmq.LINGER, 2000)  # a failing process's last word (why it failed) must still be delivered
+    s.setsockopt(zmq.LINGER, LINGER_MS)
+    if addr.startswith("tcp://"):  # across machines: notice a peer that went silent, not only one that closed
+        s.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     (s.bind if bind else s.connect)(addr)
     return s
 
 
 def _die_with_parent() -> None:
-    """Children get SIGTERM when the tokenizer process dies, however it dies (Linux prctl PDEATHSIG)."""
+    """Children get SIGTERM when their parent dies, however it dies (Linux prctl PDEATHSIG)."""
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
 
-def worker_main(args: ServerArgs, ipc_dir: str, rank: int) -> None:
+def _disconnected(monitor: zmq.Socket) -> bool:
+    """Drain a monitor socket; whether a peer went away."""
+    gone = False
+    while monitor.poll(0):
+        gone |= recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+    return gone
+
+
+def worker_main(args: ServerArgs, topo: Topology, replica: int, rank: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and tells us to stop
     _die_with_parent()
+    who = rank_label(replica, rank)
     ctx = zmq.Context()
-    plans = _socket(ctx, zmq.PULL, endpoint(ipc_dir, f"worker_in_{rank}"), bind=True)
-    results = _socket(ctx, zmq.PUSH, endpoint(ipc_dir, "worker_out"), bind=False)
+    plans = _socket(ctx, zmq.PULL, topo.addr(f"worker_in_{replica}_{rank}"), bind=False)
+    # The scheduler's end of the plan socket closing means the scheduler (or its node) is gone: stop.
+    scheduler_watch = plans.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    results = _socket(ctx, zmq.PUSH, topo.addr(f"worker_out_{replica}"), bind=False)
     try:
+        from radixk3.parallel import init_parallel
         from runtime.model_worker import ModelWorker  # the model only in the worker: never in the scheduler
 
+        init_parallel(rank, topo.tp_size, topo.dist_init(replica), args.ep_size, timeout_s=args.dist_timeout)
         worker = ModelWorker(args)
     except Exception as e:  # report why we could not start, then exit
-        results.send_multipart(encode(WorkerReady(rank, error=f"{type(e).__name__}: {e}")))
-        ctx.destroy(linger=2000)
+        results.send_multipart(encode(WorkerReady(rank, error=f"{who}: {type(e).__name__}: {e}")))
+        ctx.destroy(linger=LINGER_MS)
         return
     results.send_multipart(encode(WorkerReady(rank)))
+    poller = zmq.Poller()
+    poller.register(plans, zmq.POLLIN)
+    poller.register(scheduler_watch, zmq.POLLIN)
     while True:
+        events = dict(poller.poll())
+        if scheduler_watch in events and _disconnected(scheduler_watch):
+            os._exit(1)  # nobody left to serve; the group may be broken, so no orderly teardown
+        if plans not in events:
+            continue
         msg = decode(plans.recv_multipart())
         if isinstance(msg, Shutdown):
             break
-        try:
-            results.send_multipart(encode(worker.execute(msg)))
-        except Exception:
-            results.send_multipart(encode(StepResult(msg.step, [], [], [], [], [], error=traceback.format_exc())))
+        try:  # ModelWorker.execute's job, but a failed collective must not become one failed step
+            res = worker._execute(msg)
+        except Exception as e:
+            if not is_collective_failure(e):  # confined to the step: the scheduler fails its requests
+                res = StepResult(msg.step, [], [], [], [], [], error=traceback.format_exc(limit=8))
+            else:  # the TP group is broken: fatal for this rank, and so for the engine
+                why = f"{who}: collective failed (a peer rank died or hangs): {type(e).__name__}: {e}"
+                results.send_multipart(encode(RankFailed(rank, why)))
+                ctx.destroy(linger=LINGER_MS)
+                os._exit(3)
+        if rank == 0:  # every rank computes the same tokens; rank 0's are the step's
+            results.send_multipart(encode(res))
     ctx.destroy(linger=0)
 
 
-def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
+class RankLost(Exception):
+    """A rank of this replica failed or went away: the replica cannot run another step."""
+
+
+class _Ranks:
+    """One scheduler's sockets to its replica's ranks: the same plan to each, rank 0's result back, and a
+    watch on every rank's connection."""
+
+    def __init__(self, ctx: zmq.Context, topo: Topology, replica: int) -> None:
+        self.replica = replica
+        self.results = _socket(ctx, zmq.PULL, topo.bind_addr(f"worker_out_{replica}"), bind=True)
+        self.plans = [_socket(ctx, zmq.PUSH, topo.bind_addr(f"worker_in_{replica}_{r}"), bind=True)
+                      for r in range(topo.tp_size)]
+        self.watches = [s.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED) for s in self.plans]
+        self.poller = zmq.Poller()
+        self.poller.register(self.results, zmq.POLLIN)
+        for w in self.watches:
+            self.poller.register(w, zmq.POLLIN)
+
+    def wait_ready(self, relay: zmq.Socket) -> bool:
+        """Relay every rank's readiness (or its failure) to the supervisor; False if one failed."""
+        for _ in self.plans:
+            ready = decode(self.results.recv_multipart())
+            relay.send_multipart(encode(ready))
+            if ready.error is not None:
+                return False
+        return True
+
+    def check(self, events: dict[zmq.Socket, int]) -> None:
+        for r, w in enumerate(self.watches):
+            if w in events and _disconnected(w):
+                raise RankLost(f"{rank_label(self.replica, r)} went away (its process or node died)")
+
+    def send(self, plan: StepPlan) -> None:
+        frames = encode(plan)
+        for s in self.plans:
+            s.send_multipart(frames)
+
+    def recv(self) -> StepResult:
+        while True:
+            events = dict(self.poller.poll())
+            self.check(events)
+            if self.results in events:
+                msg = decode(self.results.recv_multipart())
+                if isinstance(msg, RankFailed):
+                    raise RankLost(msg.error)
+                if isinstance(msg, StepResult):
+                    return msg
+
+    def shutdown(self) -> None:
+        for s in self.plans:
+            try:
+                s.send_multipart(encode(Shutdown()), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:  # that rank is gone already
+                pass
+
+
+def scheduler_main(args: ServerArgs, topo: Topology, replica: int) -> None:
+    assert topo.ipc_dir is not None  # schedulers run on node 0
+    ipc_dir = topo.ipc_dir
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Terminated (the parent died or gave up waiting): remove the sockets' dir, which nobody else will.
     signal.signal(signal.SIGTERM, lambda *_: (shutil.rmtree(ipc_dir, ignore_errors=True), os._exit(1)))
     _die_with_parent()
     ctx = zmq.Context()
-    inbox = _socket(ctx, zmq.PULL, endpoint(ipc_dir, "sched_in"), bind=True)
-    outbox = _socket(ctx, zmq.PUSH, endpoint(ipc_dir, "sched_out"), bind=False)
-    ready_out = _socket(ctx, zmq.PUSH, endpoint(ipc_dir, "ready"), bind=False)
-    from_workers = _socket(ctx, zmq.PULL, endpoint(ipc_dir, "worker_out"), bind=True)
-    to_workers = [_socket(ctx, zmq.PUSH, endpoint(ipc_dir, f"worker_in_{r}"), bind=False) for r in range(num_workers)]
+    inbox = _socket(ctx, zmq.PULL, topo.bind_addr(f"sched_in_{replica}"), bind=True)
+    outbox = _socket(ctx, zmq.PUSH, topo.addr("sched_out"), bind=False)
+    ready_out = _socket(ctx, zmq.PUSH, topo.addr("ready"), bind=False)
+    ranks = _Ranks(ctx, topo, replica)
     try:
         cfg = model_config(args)
         tok = tokenizer_for(args)
@@ -122,33 +222,37 @@ def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
         sched = Scheduler(args, layout, stop_ids, tok.decode, cfg.vocab_size,
                           GrammarBackend(tok, cfg.vocab_size, stop_ids))
     except Exception as e:
-        ready_out.send_multipart(encode(WorkerReady(-1, error=f"scheduler: {type(e).__name__}: {e}")))
-        ctx.destroy(linger=2000)
+        ready_out.send_multipart(encode(WorkerReady(-1, error=f"scheduler {replica}: {type(e).__name__}: {e}")))
+        ctx.destroy(linger=LINGER_MS)
         return
-    for _ in range(num_workers):  # relay every worker's readiness (or its failure) to the tokenizer side
-        ready = decode(from_workers.recv_multipart())
-        ready_out.send_multipart(encode(ready))
-        if ready.error is not None:
-            return
+    if not ranks.wait_ready(ready_out):
+        return
+    try:
+        _serve(args, sched, ranks, inbox, outbox)
+    except RankLost as e:  # the supervisor fails every pending request with this and stops the rest
+        ready_out.send_multipart(encode(RankFailed(-1, str(e))))
+        ctx.destroy(linger=LINGER_MS)
+        os._exit(1)
+    ranks.shutdown()
+    ctx.destroy(linger=LINGER_MS)  # let the workers' Shutdown go out
+    os._exit(0)
 
-    def send(plan: StepPlan) -> None:
-        frames = encode(plan)
-        for s in to_workers:
-            s.send_multipart(frames)
 
-    def recv() -> StepResult:
-        results = [decode(from_workers.recv_multipart()) for _ in to_workers]
-        return results[0]
-
-    loop = StepLoop(sched, send, recv, overlap=args.overlap_schedule)
+def _serve(args: ServerArgs, sched: Scheduler, ranks: _Ranks, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+    """The scheduler's loop, until Shutdown."""
+    loop = StepLoop(sched, ranks.send, ranks.recv, overlap=args.overlap_schedule)
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
-    running = True
-    while running:
+    for w in ranks.watches:  # a rank lost while idle fails the engine now, not at the next request
+        poller.register(w, zmq.POLLIN)
+    while True:
         idle = not loop.busy
         timeout = None if idle else 0
         window_end: float | None = None
-        while poller.poll(timeout):
+        while events := dict(poller.poll(timeout)):
+            ranks.check(events)
+            if inbox not in events:
+                continue
             msg = decode(inbox.recv_multipart())
             if isinstance(msg, GenerateReq):
                 try:
@@ -163,19 +267,12 @@ def scheduler_main(args: ServerArgs, ipc_dir: str, num_workers: int) -> None:
             elif isinstance(msg, FlushCacheReq):
                 outbox.send_multipart(encode(FlushCacheOut(msg.req_id, sched.flush_cache())))
             elif isinstance(msg, Shutdown):
-                running = False
-                break
+                return
             # Woken from idle: gather the rest of a burst (a batch's requests arrive a few hundred microseconds
             # apart) for up to ARRIVAL_WINDOW_MS before planning, so that they see each other and share their
             # prefix (in-batch sharing).
             if idle and window_end is None:
                 window_end = time.monotonic() + ARRIVAL_WINDOW_MS / 1000
             timeout = max(0, int((window_end - time.monotonic()) * 1000)) if window_end is not None else 0
-        if not running:
-            break
         for out in loop.step():
             outbox.send_multipart(encode(out))
-    for s in to_workers:
-        s.send_multipart(encode(Shutdown()))
-    ctx.destroy(linger=2000)  # let the workers' Shutdown go out
-    os._exit(0)
