@@ -8,6 +8,11 @@ with `call_soon_threadsafe`). A consumer that goes away (handle aborted, task ca
 garbage-collected, per-chunk timeout or total deadline expired) aborts its requests on the scheduler, which
 frees their memory. Metrics and flush replies are matched to their request by id.
 
+With `--dp M` (without DP attention) there are M engine replicas, each with its own scheduler, workers and
+radix cache, and one PUSH socket to each; their replies share one PULL. A `DPRouter` chooses each request's
+replica (`--load-balance-method`); an abort goes to the request's replica; metrics are gathered from every
+replica and added up; a flush goes to all. One replica behaves exactly as an engine without DP.
+
 `submit`, `abort`, `get_metrics`, `flush_cache` and `close` are called on the manager's loop; `abort` may be
 called from any thread.
 """
@@ -27,6 +32,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from runtime.dp_router import DPRouter
 from runtime.engine_processes import EngineProcesses
 from runtime.errors import EngineError, EngineOverloaded
 from runtime.grammar import GrammarKey, check_grammar
@@ -74,6 +80,7 @@ def _put_all(items: list[tuple[_Sink, StreamChunk | BaseException]]) -> None:
 class _Entry:
     sample: SampleStream
     sink: _Sink
+    replica: int
 
 
 class RequestHandle:
@@ -178,6 +185,8 @@ class TokenizerManager:
         # Chunks for consumers on other event loops, handed over once per burst of replies (one wake-up).
         self._foreign: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, StreamChunk | BaseException]]] = {}
         self._grammars_ok: collections.OrderedDict[GrammarKey, None] = collections.OrderedDict()
+        self.num_replicas: int = procs.num_replicas
+        self.router = DPRouter(self.num_replicas, args.load_balance_method)
 
     # --- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -188,10 +197,13 @@ class TokenizerManager:
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self.procs.endpoint("sched_out"))
         self._ctx = zmq.Context()
-        self._push = self._ctx.socket(zmq.PUSH)  # sync sends on this loop's thread: never block (no HWM)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.setsockopt(zmq.SNDHWM, 0)
-        self._push.connect(self.procs.endpoint("sched_in"))
+        self._push: list[zmq.Socket] = []  # one per replica
+        for i in range(self.num_replicas):
+            push = self._ctx.socket(zmq.PUSH)  # sync sends on this loop's thread: never block (no HWM)
+            push.setsockopt(zmq.LINGER, 0)
+            push.setsockopt(zmq.SNDHWM, 0)
+            push.connect(self.procs.endpoint(f"sched_in_{i}"))
+            self._push.append(push)
         self._task = asyncio.create_task(self._receive(), name="radixk3-tokenizer-manager")
         self.procs.on_death(self._on_death)
 
@@ -209,7 +221,8 @@ class TokenizerManager:
                 pass
         self._fail_all(EngineError(SHUT_DOWN))
         self._pull.close(linger=0)
-        self._push.close(linger=0)
+        for push in self._push:
+            push.close(linger=0)
         self._actx.term()
         self._ctx.term()
 
@@ -239,7 +252,8 @@ class TokenizerManager:
 
     def _fail_all(self, err: EngineError) -> None:
         reqs, self._reqs = self._reqs, {}
-        for entry in reqs.values():
+        for rid, entry in reqs.items():
+            self.router.finished(rid)
             self._deliver(entry.sink, err)
         waiters, self._waiters = self._waiters, {}
         for fut in waiters.values():
@@ -285,6 +299,7 @@ class TokenizerManager:
                 return  # already failed or forgotten
             if msg.finished is not None:
                 del self._reqs[msg.rid]
+                self.router.finished(msg.rid)
             self._deliver(entry.sink, entry.sample.chunk(msg))
         elif isinstance(msg, MetricsOut):
             self._resolve(msg.req_id, msg.metrics)
@@ -296,8 +311,8 @@ class TokenizerManager:
         if fut is not None and not fut.done():  # a reply nobody waits for any more is dropped
             fut.set_result(value)
 
-    def _send(self, msg: Any) -> None:
-        self._push.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+    def _send(self, msg: Any, replica: int) -> None:
+        self._push[replica].send_multipart(encode(msg), flags=zmq.NOBLOCK)
 
     # --- requests --------------------------------------------------------------------------------------
     async def check_grammars(self, sampling_params: list[Any]) -> None:
@@ -376,10 +391,10 @@ class TokenizerManager:
                                       return_text_in_logprobs)
             msgs.append(GenerateReq(r, ids, sp, return_logprob, logprob_start_len, top_logprobs_num, stream=True))
         frames = [encode(m) for m in msgs]  # encoded before anything is registered: a failure leaves nothing
-        for r in rids:
-            self._reqs[r] = _Entry(samples[r], sink)
-        for f in frames:
-            self._push.send_multipart(f, flags=zmq.NOBLOCK)
+        for r, f in zip(rids, frames, strict=True):
+            replica = self.router.route(r, ids)
+            self._reqs[r] = _Entry(samples[r], sink, replica)
+            self._push[replica].send_multipart(f, flags=zmq.NOBLOCK)
         deadline_at = None
         if deadline is not None:
             deadline_at = consumer.time() + deadline
@@ -422,31 +437,38 @@ class TokenizerManager:
         if self._closed:
             return
         for r in rids:
-            if r in self._reqs:  # its final chunk ("abort") comes back from the scheduler
-                self._send(AbortReq(r))
+            if (entry := self._reqs.get(r)) is not None:  # its final chunk ("abort") comes back from the scheduler
+                self._send(AbortReq(r), entry.replica)
 
-    async def _ask(self, msg_type: type, timeout: float | None) -> Any:
+    async def _ask(self, msg_type: type, timeout: float | None) -> list[Any]:
+        """Send `msg_type(req_id)` to every replica; their replies in replica order."""
         self._check_thread()
         self._check_alive()
-        req_id = f"q{next(self._ids)}"
-        fut = self._loop.create_future()  # type: ignore[union-attr]
-        self._waiters[req_id] = fut
+        req_ids = [f"q{next(self._ids)}" for _ in range(self.num_replicas)]
+        futs = [self._loop.create_future() for _ in req_ids]  # type: ignore[union-attr]
+        self._waiters.update(zip(req_ids, futs, strict=True))
         try:
-            self._send(msg_type(req_id))
+            for i, req_id in enumerate(req_ids):
+                self._send(msg_type(req_id), i)
             async with asyncio.timeout(timeout):
-                return await fut
+                return list(await asyncio.gather(*futs))
         finally:
-            self._waiters.pop(req_id, None)
+            for req_id in req_ids:
+                self._waiters.pop(req_id, None)
 
     async def get_metrics(self, timeout: float | None = 10.0) -> dict[str, Any]:
         """The scheduler's counters (running, queued, prefill tokens computed, cached tokens, state checkpoint
-        hits/misses, pool bytes per side, evictions, retractions, checkpoints), plus pending requests here."""
-        metrics = await self._ask(MetricsReq, timeout)
+        hits/misses, pool bytes per side, evictions, retractions, checkpoints), plus pending requests here.
+        With several replicas every count is their sum (so cached / prompt tokens is the engine's hit rate),
+        and `replicas` lists each replica's own counters."""
+        per = await self._ask(MetricsReq, timeout)
+        metrics = per[0] if len(per) == 1 else sum_metrics(per) | {"replicas": per}
         return metrics | {"pending_requests": len(self._reqs)}
 
     async def flush_cache(self, timeout: float | None = 10.0) -> bool:
-        """Empty the radix cache if nothing is running or queued; returns whether it did."""
-        return await self._ask(FlushCacheReq, timeout)
+        """Empty the radix cache of every replica that has nothing running or queued; returns whether all
+        did."""
+        return all(await self._ask(FlushCacheReq, timeout))
 
     def model_info(self) -> dict[str, Any]:
         self._check_alive()
@@ -462,6 +484,15 @@ class TokenizerManager:
             "eos_token_id": cfg.eos_token_id,
             "is_generation": True,
         }
+
+
+def sum_metrics(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
+    """Replicas' counters added up, key by key (every scheduler counter is a count or a byte total)."""
+    out: dict[str, Any] = {}
+    for m in per_replica:
+        for k, v in m.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 def _check_seconds(name: str, value: Any) -> None:
