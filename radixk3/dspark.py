@@ -127,9 +127,10 @@ class DSparkModel(nn.Module):
         return [layer.self_attn.latent(c, positions) for layer in self.layers]
 
     # --- step 2/3: the block --------------------------------------------------------------------------
-    def block_inputs(self, anchors: Tensor, context_lens: Tensor) -> tuple[Tensor, Tensor]:
-        """Embedded block tokens [N*B, H] (anchor, then noise) and their positions [N*B]."""
-        n, b = anchors.numel(), self.config.block_size
+    def block_inputs(self, anchors: Tensor, context_lens: Tensor, block: int | None = None) -> tuple[Tensor, Tensor]:
+        """Embedded block tokens [N*B, H] (anchor, then noise) and their positions [N*B]; B = `block`, by
+        default the config's `block_size`."""
+        n, b = anchors.numel(), block or self.config.block_size
         ids = torch.full((n, b), self.config.dspark_noise_token_id, dtype=torch.int64, device=anchors.device)
         ids[:, 0] = anchors
         pos = context_lens.to(anchors.device)[:, None] + torch.arange(b, device=anchors.device)
@@ -148,17 +149,19 @@ class DSparkModel(nn.Module):
         return self.final_norm(x)
 
     def _finish(self, h: Tensor, n: int) -> DraftPass:
-        h = h.view(n, self.config.block_size, -1)
+        h = h.view(n, -1, h.shape[-1])
         w = self.target.lm_head.weight.detach()
         return DraftPass(F.linear(h.to(w.dtype), w), h)
 
-    def draft_block(self, context: Sequence[Tensor], cu_context: Tensor, anchors: Tensor) -> DraftPass:
+    def draft_block(self, context: Sequence[Tensor], cu_context: Tensor, anchors: Tensor,
+                    block: int | None = None) -> DraftPass:
         """No-cache reference pass. context: per draft layer the packed context latents [sum L_i, kv_dim] of N
-        sequences (`context_latents` at positions 0..L_i-1), cu_context [N+1]; anchors [N] (position L_i)."""
-        n, b = anchors.numel(), self.config.block_size
+        sequences (`context_latents` at positions 0..L_i-1), cu_context [N+1]; anchors [N] (position L_i);
+        `block` tokens per sequence (default: `block_size`)."""
+        n, b = anchors.numel(), block or self.config.block_size
         dev = anchors.device
         lens = cu_context[1:] - cu_context[:-1]
-        x, positions = self.block_inputs(anchors, lens)
+        x, positions = self.block_inputs(anchors, lens, b)
         total_ctx = int(cu_context[-1])
         # kv of sequence i: its context rows, then its block rows (stored after all context rows).
         seq = torch.repeat_interleave(torch.arange(n, device=dev), lens + b)
@@ -175,14 +178,14 @@ class DSparkModel(nn.Module):
         return self._finish(self._run_layers(x, positions, attend), n)
 
     def draft_block_paged(self, anchors: Tensor, cache: HybridCache, block_table: Tensor, context_lens: Tensor,
-                          page_size: int) -> DraftPass:
+                          page_size: int, block: int | None = None) -> DraftPass:
         """Cached pass: positions [0, L_i) of each sequence hold context latents in `cache` (`store_context`);
         the block's latents are stored at positions L_i..L_i+B-1 (the table must cover them), then the block
         attends over all L_i + B rows non-causally (`mla_paged_prefill(causal=False)`)."""
-        n, b = anchors.numel(), self.config.block_size
+        n, b = anchors.numel(), block or self.config.block_size
         dev = anchors.device
         lens = context_lens.to(dev)
-        x, positions = self.block_inputs(anchors, lens)
+        x, positions = self.block_inputs(anchors, lens, b)
         seq = torch.arange(n, device=dev).repeat_interleave(b)
         slots = paged_slots(block_table, seq, positions, page_size)
         paged = PagedKV(block_table, lens + b, page_size)
@@ -217,9 +220,10 @@ class DSparkModel(nn.Module):
         return MarkovDraft(torch.stack(tokens, 1), torch.stack(probs, 1))
 
     def draft(self, context: Sequence[Tensor], cu_context: Tensor, anchors: Tensor, *, greedy: bool = True,
-              temperature: float = 1.0, generator: torch.Generator | None = None) -> MarkovDraft:
+              temperature: float = 1.0, generator: torch.Generator | None = None,
+              block: int | None = None) -> MarkovDraft:
         """`draft_block` then `markov_draft` (no-cache, greedy by default)."""
-        base = self.draft_block(context, cu_context, anchors).logits
+        base = self.draft_block(context, cu_context, anchors, block).logits
         return self.markov_draft(base, anchors, greedy=greedy, temperature=temperature, generator=generator)
 
 

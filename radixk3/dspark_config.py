@@ -10,14 +10,13 @@ the ones not built here (`enable_confidence_head`, `sample_from_anchor=False`) a
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from radixk3.config import ConfigError, ModelConfig
+from radixk3.config import ConfigError, ModelConfig, read_config_json
 
 MODEL_TYPE = "k3_dspark"
 ARCHITECTURE = "K3DSparkModel"
@@ -151,16 +150,7 @@ class DSparkConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> DSparkConfig:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"config.json not found at {path}")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_hf_dict(raw)
+        return cls.from_hf_dict(read_config_json(path))
 
 
 def k3_tiny_dspark_preset() -> DSparkConfig:

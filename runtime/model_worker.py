@@ -131,9 +131,16 @@ class ModelWorker:
         )
 
     def _forward(self, batch: ForwardBatch, prenorm: list[torch.Tensor] | None) -> torch.Tensor:
-        """The target's step; the pre-norm hiddens are asked for only when a proposer reads them."""
+        """The target's step; the pre-norm hiddens (or a DSpark proposer's aux states: the target's states after
+        its `aux_layer_ids`, concatenated) are asked for only when a proposer reads them."""
         if prenorm is None:
             return self.model.forward_batch(batch, self.cache).float()
+        ids = self.proposer.aux_layer_ids if self.proposer is not None else ()
+        if ids:
+            aux = dict.fromkeys(ids, torch.empty(0))
+            logits = self.model.forward_batch(batch, self.cache, aux=aux).float()
+            prenorm.append(torch.cat([aux[i] for i in ids], dim=-1))
+            return logits
         return self.model.forward_batch(batch, self.cache, prenorm=prenorm).float()
 
     def _verify(self, plan: StepPlan) -> StepResult:

@@ -249,25 +249,38 @@ def pool_budget(layout: PoolLayout, args: ServerArgs) -> int:
 
 def pool_layout(cfg: ModelConfig, args: ServerArgs) -> PoolLayout:
     """The pool layout; the scheduler (metadata) and the worker (bytes) must both derive it from here. With a
-    draft model (`--speculative-algorithm draft`) its config is read from its checkpoint and nested."""
+    draft model (`--speculative-algorithm draft`) its config is read from its checkpoint and nested. Under
+    `--tp` every part is this rank's: KDA heads / tp (the draft model is sharded as the target is); the MLA
+    latents are whole on every rank."""
     dtype = serving_dtype(cfg, args)
-    layout = dataclasses.replace(PoolLayout.from_config(cfg, page_size=args.page_size), kv_dtype=dtype)
+    tp = args.tp_size
+    layout = dataclasses.replace(PoolLayout.from_config(cfg, tp, page_size=args.page_size), kv_dtype=dtype)
     if args.speculative_algorithm == "draft":
         from radixk3.config import ModelConfig
 
         assert args.speculative_draft_model is not None
         dcfg = ModelConfig.from_file(args.speculative_draft_model)
         check_draft_config(cfg, dcfg)
-        draft = dataclasses.replace(PoolLayout.from_config(dcfg, page_size=args.page_size), kv_dtype=dtype)
+        draft = dataclasses.replace(PoolLayout.from_config(dcfg, tp, page_size=args.page_size), kv_dtype=dtype)
         layout = dataclasses.replace(layout, draft=draft)
     if args.speculative_algorithm == "mtp":
         if cfg.num_nextn_predict_layers < 1:
             raise ValueError("--speculative-algorithm mtp: the checkpoint has no MTP layers "
                              "(num_nextn_predict_layers=0)")
         # The MTP layers' latents ride in every token row, after the target's (no KDA state: MLA only).
-        mtp = dataclasses.replace(PoolLayout.from_config(cfg, page_size=args.page_size), kv_dtype=dtype,
+        mtp = dataclasses.replace(PoolLayout.from_config(cfg, tp, page_size=args.page_size), kv_dtype=dtype,
                                   num_kda_layers=0, num_mla_layers=cfg.num_nextn_predict_layers)
         layout = dataclasses.replace(layout, draft=mtp)
+    if args.speculative_algorithm == "dspark":
+        from radixk3.dspark_config import DSparkConfig
+
+        assert args.speculative_draft_model is not None
+        dcfg = DSparkConfig.from_file(args.speculative_draft_model)
+        dcfg.check_target(cfg)
+        # The drafter's context latents: one MLA-only latent per draft layer in every token row (no KDA state).
+        ds = dataclasses.replace(PoolLayout.from_config(cfg, page_size=args.page_size), kv_dtype=dtype,
+                                 num_kda_layers=0, num_mla_layers=dcfg.num_hidden_layers, kv_dim=dcfg.kv_dim)
+        layout = dataclasses.replace(layout, draft=ds)
     return layout
 
 

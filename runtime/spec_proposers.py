@@ -31,21 +31,24 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from kernels.sampling import SamplingTensors, hash_uniform
 from kernels.sampling_row import SamplingRow
-from kernels.spec_sampling import kept
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
 from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
 from runtime.pool_buffer import PoolBuffer
 from runtime.pool_layout import check_draft_config, serving_dtype
 from runtime.server_args import ServerArgs
+from runtime.spec_drafts import any_sampled, choose, window_layout
+from runtime.spec_dspark import load_dspark_proposer
+from runtime.spec_mtp import MTPProposer
 
-MODEL_PROPOSERS = ("draft", "mtp")
+MODEL_PROPOSERS = ("draft", "mtp", "dspark")
 
 
 class Proposer(Protocol):
     needs_hidden: bool  # whether the worker hands the target's pre-norm hiddens to observe / after_verify
+    # Non-empty: `hidden` is instead the target's states after these layers, concatenated per token (DSpark).
+    aux_layer_ids: tuple[int, ...]
 
     def observe(self, batch: ForwardBatch, hidden: Tensor | None, next_last: Tensor, rows: Tensor) -> None:
         """After a target extend or decode step over `batch` and its sampling: `hidden` the new tokens'
@@ -65,16 +68,9 @@ class Proposer(Protocol):
         committed, `last[i]` the token sampled after them, `hidden` the target's pre-norm hiddens [T, H]."""
 
 
-def window_layout(cu_seqlens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per packed token: its sequence and its window position; and the window lengths."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
-    pos = torch.arange(int(cu_seqlens[-1]), device=lens.device) - cu_seqlens[:-1][seq]
-    return seq, pos, lens
-
-
 class DraftModelProposer:
     needs_hidden = False
+    aux_layer_ids: tuple[int, ...] = ()
 
     def __init__(self, model: KimiForCausalLM, buffer: PoolBuffer, window: SpecWindow) -> None:
         self.model = model
@@ -97,8 +93,7 @@ class DraftModelProposer:
         starts = batch.cu_seqlens[:-1]
         width = int(lens.max())
         vocab = self.model.config.vocab_size
-        sampled = any(r.temperature > 0 and r.top_k != 1 for req in params for r in req)
-        probs = torch.zeros(lens.numel(), width - 1, vocab, device=ids.device) if sampled else None
+        probs = torch.zeros(lens.numel(), width - 1, vocab, device=ids.device) if any_sampled(params) else None
         for j in range(1, width + 1):
             keep = pos < j  # each window's first min(j, len) tokens
             sub_lens = lens.clamp(max=j)
@@ -110,13 +105,11 @@ class DraftModelProposer:
             drafting = (lens > j).nonzero().squeeze(1)
             if not drafting.numel():
                 continue
-            if probs is None:
-                ids[starts[drafting] + j] = logits[drafting].argmax(-1)
-                continue
-            rows_j = [params[i][j - 1] for i in drafting.tolist()]
-            d, q = draw_drafts(logits[drafting].float(), SamplingTensors.build(rows_j, ids.device))
+            d, q = choose(logits[drafting].float(),
+                          None if probs is None else [params[i][j - 1] for i in drafting.tolist()])
             ids[starts[drafting] + j] = d
-            probs[drafting, j - 1] = q
+            if probs is not None:
+                probs[drafting, j - 1] = q
         return probs
 
     def commit(self, state_slots: Tensor, rows: Tensor, num_tokens: Tensor, check: bool) -> None:
@@ -128,106 +121,6 @@ class DraftModelProposer:
         self.window.commit(c.recurrent, c.conv, state_slots, rows, num_tokens)
         if before is not None:
             check_committed_states(self.window, before, c.recurrent, c.conv, state_slots, rows, num_tokens)
-
-
-class MTPProposer:
-    """The target's own MTP layer drafts (`--speculative-algorithm mtp`). Its latent KV at position p holds
-    fuse(embed(token p+1), h_p), h_p the target's pre-norm final hidden there, in the pool's MLA-only nested part
-    (every token row), so radix hits, copies and retraction carry it. `observe` (after sampling) runs the layer
-    over each step's new positions, the last one with the sampled token, and keeps per page-table row its output
-    there: the mtp logits of that output are draft 1 of the next verify window [x_L, d1..dk]. Draft j > 1 chains
-    one more MTP step at position L+j-2 on (d_{j-1}, the previous step's output); those chained entries are
-    rewritten by `after_verify`, which reruns the layer over the committed positions with the verify's target
-    hiddens and tokens. Only MTP layer 0 is run (every chained step reuses it): a further layer's KV would need
-    tokens two positions ahead at the last committed position. The last position of a prompt chunk that does not
-    sample keeps a stale entry (its next token is the next chunk's first): only acceptance can suffer, never
-    outputs. Sampled requests draw drafts from the tempered, truncated MTP distribution (as the draft model)."""
-
-    needs_hidden = True
-
-    def __init__(self, model: KimiForCausalLM, buffer: PoolBuffer, num_rows: int) -> None:
-        cfg = model.config
-        if cfg.num_nextn_predict_layers < 1:
-            raise ValueError("--speculative-algorithm mtp: the checkpoint has no MTP layers")
-        self.model = model
-        self.cache = HybridCache(recurrent=[], conv=[],
-                                 latent=[buffer.kv(i, draft=True) for i in range(cfg.num_nextn_predict_layers)])
-        # Per page-table row: the MTP output at the last committed position (its logits give draft 1).
-        self.last_out = torch.zeros(num_rows, cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=model.device)
-
-    def _run(self, batch: ForwardBatch, hidden: Tensor, next_last: Tensor, rows: Tensor) -> None:
-        """MTP layer 0 over `batch`'s new positions: next token = the following new token, or `next_last`."""
-        ids = batch.input_ids
-        last = batch.last_token_index()
-        next_ids = torch.roll(ids, -1)
-        next_ids[last] = next_last.clamp(min=0)  # a chunk that did not sample: a stale entry (see class doc)
-        sub = dataclasses.replace(batch, input_ids=next_ids, logits_index=None, attn_backend=None, spec=None)
-        out = self.model.forward_mtp_batch(0, sub, hidden, self.cache).hidden
-        have = next_last >= 0
-        self.last_out[rows[have]] = out[last[have]].to(self.last_out.dtype)
-
-    def observe(self, batch: ForwardBatch, hidden: Tensor | None, next_last: Tensor, rows: Tensor) -> None:
-        if batch.mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
-            assert hidden is not None
-            self._run(batch, hidden, next_last, rows)
-
-    def propose(self, batch: ForwardBatch, rows: Tensor, params: list[list[SamplingRow]]) -> Tensor | None:
-        ids = batch.input_ids
-        _, _, lens = window_layout(batch.cu_seqlens)
-        starts = batch.cu_seqlens[:-1]
-        width = int(lens.max())
-        vocab = self.model.config.vocab_size
-        sampled = any(r.temperature > 0 and r.top_k != 1 for req in params for r in req)
-        probs = torch.zeros(lens.numel(), width - 1, vocab, device=ids.device) if sampled else None
-        out = self.last_out[rows]
-        for j in range(1, width):
-            drafting = (lens > j).nonzero().squeeze(1)
-            logits = self.model.mtp_logits(0, out[drafting]).float()
-            if probs is None:
-                d = logits.argmax(-1)
-            else:
-                rows_j = [params[i][j - 1] for i in drafting.tolist()]
-                d, q = draw_drafts(logits, SamplingTensors.build(rows_j, ids.device))
-                probs[drafting, j - 1] = q
-            ids[starts[drafting] + j] = d
-            more = lens[drafting] > j + 1
-            if not bool(more.any()):
-                continue
-            # Chain: one MTP step at position L+j-1 on (d_j, previous output) for the windows that draft on.
-            on = drafting[more]
-            cu = torch.arange(on.numel() + 1, device=ids.device)
-            step = ForwardBatch.from_table(ForwardMode.DECODE, d[more], cu, batch.prefix_lens[on] + j - 1,
-                                           batch.state_slots[on], batch.block_table[on], batch.page_size)
-            new = self.model.forward_mtp_batch(0, step, out[on], self.cache).hidden
-            out = out.clone()
-            out[on] = new.to(out.dtype)
-        return probs
-
-    def commit(self, state_slots: Tensor, rows: Tensor, num_tokens: Tensor, check: bool) -> None:
-        pass  # no recurrent state: after_verify rewrites the committed positions' latents
-
-    def after_verify(self, batch: ForwardBatch, hidden: Tensor, num_tokens: Tensor, last: Tensor,
-                     rows: Tensor) -> None:
-        seq, pos, _ = window_layout(batch.cu_seqlens)
-        keep = pos < num_tokens[seq]
-        cu = torch.nn.functional.pad(num_tokens.cumsum(0), (1, 0))
-        sub = ForwardBatch.from_table(ForwardMode.EXTEND, batch.input_ids[keep], cu, batch.prefix_lens,
-                                      batch.state_slots, batch.block_table, batch.page_size)
-        self._run(sub, hidden[keep], last, rows)
-
-
-def draw_drafts(logits: Tensor, p: SamplingTensors) -> tuple[Tensor, Tensor]:
-    """Drafts [M] and their proposal distributions q [M, V]: greedy rows a point mass at the argmax, sampled
-    rows a Gumbel-max draw from the tempered, truncated softmax, on the plain sampler's stream."""
-    argmax = logits.argmax(-1)
-    q = torch.zeros_like(logits).scatter_(1, argmax[:, None], 1.0)
-    z = logits / torch.where(p.greedy, 1.0, p.temperature)[:, None]
-    keep = kept(z, p)
-    soft = torch.where(keep, z, float("-inf")).softmax(-1)
-    gumbel = -torch.log(-torch.log(hash_uniform(p.seed, p.step, logits.shape[-1])))
-    drawn = torch.where(keep, z + gumbel, float("-inf")).argmax(-1)
-    g = p.greedy[:, None]
-    return torch.where(p.greedy, argmax, drawn), torch.where(g, q, soft)
 
 
 def load_draft_model(args: ServerArgs, target: KimiForCausalLM) -> KimiForCausalLM:
@@ -253,5 +146,8 @@ def build_proposer(args: ServerArgs, target: KimiForCausalLM, buffer: PoolBuffer
                                      args.speculative_num_draft_tokens + 1, buffer.layout.kv_dtype, target.device,
                                      record_inputs=args.debug_spec_state)
         return DraftModelProposer(draft, buffer, window)
+    if alg == "dspark":
+        assert args.speculative_draft_model is not None
+        return load_dspark_proposer(args.speculative_draft_model, target, buffer)
     raise NotImplementedError(f"--speculative-algorithm {alg}: no worker proposer yet (available: ngram, "
                               f"{', '.join(MODEL_PROPOSERS)})")

@@ -149,7 +149,3 @@ def test_seeded_sampling_with_a_draft_model_is_reproducible(model, checkpoints, 
     assert m.draft_tokens > 0 and m.accepted_tokens / m.draft_tokens > 0.9, (m.accepted_tokens, m.draft_tokens)
 
 
-def test_unbuilt_proposers_refuse_clearly(model, checkpoints) -> None:  # noqa: ANN001
-    with pytest.raises(NotImplementedError, match="no worker proposer"):
-        LocalEngine(ServerArgs(speculative_algorithm="dspark", speculative_draft_model=str(checkpoints["other"])),
-                    model)

@@ -1,0 +1,46 @@
+"""What the worker's model proposers share: the packed verify window's layout, and drawing drafts from a
+proposal distribution q on the plain sampler's stream."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels.sampling import SamplingTensors, hash_uniform
+from kernels.sampling_row import SamplingRow
+from kernels.spec_sampling import kept
+
+
+def window_layout(cu_seqlens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per packed token: its sequence and its window position; and the window lengths."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+    pos = torch.arange(int(cu_seqlens[-1]), device=lens.device) - cu_seqlens[:-1][seq]
+    return seq, pos, lens
+
+
+def any_sampled(params: list[list[SamplingRow]]) -> bool:
+    """Whether some window position samples (then drafts are drawn and their q handed to the verifier)."""
+    return any(r.temperature > 0 and r.top_k != 1 for req in params for r in req)
+
+
+def draw_drafts(logits: Tensor, p: SamplingTensors) -> tuple[Tensor, Tensor]:
+    """Drafts [M] and their proposal distributions q [M, V]: greedy rows a point mass at the argmax, sampled
+    rows a Gumbel-max draw from the tempered, truncated softmax, on the plain sampler's stream."""
+    argmax = logits.argmax(-1)
+    q = torch.zeros_like(logits).scatter_(1, argmax[:, None], 1.0)
+    z = logits / torch.where(p.greedy, 1.0, p.temperature)[:, None]
+    keep = kept(z, p)
+    soft = torch.where(keep, z, float("-inf")).softmax(-1)
+    gumbel = -torch.log(-torch.log(hash_uniform(p.seed, p.step, logits.shape[-1])))
+    drawn = torch.where(keep, z + gumbel, float("-inf")).argmax(-1)
+    g = p.greedy[:, None]
+    return torch.where(p.greedy, argmax, drawn), torch.where(g, q, soft)
+
+
+def choose(logits: Tensor, rows: list[SamplingRow] | None) -> tuple[Tensor, Tensor | None]:
+    """One draft per row of `logits` [M, V] (fp32): the argmax when `rows` is None (every request greedy), else
+    `draw_drafts` under each row's sampling parameters, with q."""
+    if rows is None:
+        return logits.argmax(-1), None
+    return draw_drafts(logits, SamplingTensors.build(rows, logits.device))
