@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -20,7 +21,15 @@ from safetensors.torch import save_file
 
 from radixk3.config import ModelConfig
 from radixk3.model import KimiForCausalLM, build_model
-from radixk3.tensor_names import checkpoint_name, model_name, public_layout, public_tensors, quantised_reason
+from radixk3.tensor_names import (
+    Shard,
+    checkpoint_name,
+    model_name,
+    public_layout,
+    public_shards,
+    public_tensors,
+    quantised_reason,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -35,6 +44,9 @@ def builtin_tokenizer_path() -> Path:
 
 
 def write_checkpoint(model: KimiForCausalLM, out_dir: str | Path, *, num_shards: int = 1) -> Path:
+    if public_shards(model):
+        raise CheckpointError("this model is a tensor-parallel shard (it holds part of some tensors): save the "
+                              "unsharded model (built or loaded without --tp) instead")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
@@ -98,16 +110,39 @@ def _fit_shape(name: str, t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return t
 
 
+def _read(sf: Any, name: str, ckpt: str, shape: tuple[int, ...], shard: Shard | None) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `ckpt` (model name `name`, the whole tensor when unsharded), of
+    local `shape`: a slice read when the file's layout is the model's, else the whole (small) tensor refitted."""
+    full_shape = shard.full_shape if shard is not None else shape
+    sl = sf.get_slice(ckpt)
+    on_disk = tuple(sl.get_shape())
+    if on_disk == tuple(full_shape):
+        t = sl[shard.index] if shard is not None and shard.index is not None else sl[()]
+    else:
+        t = _fit_shape(name, sf.get_tensor(ckpt), torch.Size(full_shape))
+        if tuple(t.shape) != tuple(full_shape):
+            raise CheckpointError(f"tensor {ckpt!r} has shape {on_disk}, expected {tuple(full_shape)}")
+        if shard is not None and shard.index is not None:
+            t = t[shard.index]
+    if tuple(t.shape) != shape:  # the shard does not match the rank's view: a bug, not a bad file
+        raise CheckpointError(f"tensor {ckpt!r}: read {tuple(t.shape)} for a view of {shape}")
+    return t
+
+
 def load_model(path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
                ) -> KimiForCausalLM:
-    """Load a checkpoint directory of either format; every tensor must be present, expected and well shaped."""
+    """Load a checkpoint directory of either format; every tensor must be present, expected and well shaped.
+    Under TP (`parallel.init_parallel` before) the model is this rank's shard, and only its part of each
+    sharded tensor is read (`get_slice`)."""
     path = Path(path)
     cfg = ModelConfig.from_file(path)
     if dtype is not None:
         cfg = cfg.replace(dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype])
     with torch.device("meta"):
         skeleton = KimiForCausalLM(cfg)
-    expected = set(public_layout(skeleton))  # public names; several may fill one fused parameter
+    shards = public_shards(skeleton)
+    # Public names; several may fill one fused parameter. Tensors that other ranks hold alone are expected too.
+    expected = set(public_layout(skeleton)) | {n for n, s in shards.items() if s.index is None}
     files: dict[str, tuple[str, Path]] = {}  # public model name -> (checkpoint name, file)
     for ckpt, f in sorted(_weight_files(path).items()):
         name = model_name(cfg, ckpt)
@@ -134,15 +169,13 @@ def load_model(path: str | Path, *, device: torch.device | str = "cpu", dtype: t
     for f, names in by_file.items():
         with safe_open(f, framework="pt") as sf:
             for name in names:
+                shard = shards.get(name)
+                if shard is not None and shard.index is None:
+                    continue  # another rank's: present in the checkpoint, not read here
                 ckpt = files[name][0]
-                t = sf.get_tensor(ckpt)
+                t = _read(sf, name, ckpt, tuple(state[name].shape), shard)
                 reason = quantised_reason(ckpt, t.dtype)
                 if reason is not None:
                     raise CheckpointError(f"tensor {ckpt!r} has {reason}: quantised weights are not supported yet")
-                t = _fit_shape(name, t, state[name].shape)
-                if tuple(t.shape) != tuple(state[name].shape):
-                    raise CheckpointError(
-                        f"tensor {ckpt!r} has shape {tuple(t.shape)}, expected {tuple(state[name].shape)}"
-                    )
                 state[name].copy_(t.to(state[name].dtype))
     return model.to(device).eval()

@@ -11,6 +11,8 @@ start from zeros whatever their slot holds.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -19,35 +21,58 @@ from kernels.kda import kda_chunked, kda_gate, l2norm
 from radixk3.config import ModelConfig
 from radixk3.forward_batch import ForwardBatch
 from radixk3.layers import FusedLinear, FusedWeight, gated_rms_norm
+from radixk3.parallel import parallel_state, shard_range
+from radixk3.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from radixk3.tensor_names import Shard
 
 
 class KDAAttention(nn.Module):
+    """Under TP the heads are split: q|k|v and their short convs by channel, A_log / dt_bias, beta (`b_proj`) and
+    the gate's full-rank projections (`f_b`, `g_b` or `g_proj`) by head; the low-rank `*_a` projections and the
+    per-head-dim o_norm are replicated; o_proj is row-parallel (its all-reduce makes the output whole)."""
+
     def __init__(self, cfg: ModelConfig, kda_index: int) -> None:
         super().__init__()
         hid, h, d, w = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel_size
         p = h * d
+        state = parallel_state()
+        self.heads = shard_range(h, state.tp_rank, state.tp_size)  # this rank's heads
+        self.full_heads = h
         self.kda_index = kda_index  # which of the cache's KDA state tensors is ours
-        self.num_heads, self.head_dim = h, d
+        self.num_heads, self.head_dim = h // state.tp_size, d
+        local_p = self.num_heads * d
         self.eps = cfg.kda_o_norm_eps
         self.lower_bound = cfg.kda_gate_lower_bound
         # q|k|v in one GEMM and their short convs as one [3P, 1, W] weight; the checkpoint keeps
         # `{q,k,v}_proj.weight` and `{q,k,v}_conv1d.weight` (see `tensor_names.public_layout`).
-        self.qkv_proj = FusedLinear(hid, [("q_proj", p), ("k_proj", p), ("v_proj", p)])
-        self.qkv_conv1d = FusedWeight([("q_conv1d", p), ("k_conv1d", p), ("v_conv1d", p)], (1, w))
+        self.qkv_proj = FusedLinear(hid, [("q_proj", p), ("k_proj", p), ("v_proj", p)], unit=d)
+        self.qkv_conv1d = FusedWeight([("q_conv1d", p), ("k_conv1d", p), ("v_conv1d", p)], (1, w), unit=d)
         # Kimi-Linear checkpoints hold A_log as [1, 1, H, 1], K3 ones as [H].
-        self.A_log = nn.Parameter(torch.zeros(h) if cfg.is_k3_format else torch.zeros(1, 1, h, 1))
-        self.dt_bias = nn.Parameter(torch.zeros(p))
+        h_local = self.num_heads
+        self.A_log = nn.Parameter(torch.zeros(h_local) if cfg.is_k3_format else torch.zeros(1, 1, h_local, 1))
+        self.dt_bias = nn.Parameter(torch.zeros(local_p))
         self.f_a_proj = nn.Linear(hid, d, bias=False)
-        self.f_b_proj = nn.Linear(d, p, bias=False)
-        self.b_proj = nn.Linear(hid, h, bias=False)
+        self.f_b_proj = ColumnParallelLinear(d, p, unit=d)
+        self.b_proj = ColumnParallelLinear(hid, h)
         if cfg.kda_full_rank_gate:
-            self.g_proj = nn.Linear(hid, p, bias=False)
+            self.g_proj = ColumnParallelLinear(hid, p, unit=d)
         else:
             self.g_a_proj = nn.Linear(hid, d, bias=False)
-            self.g_b_proj = nn.Linear(d, p, bias=False)
+            self.g_b_proj = ColumnParallelLinear(d, p, unit=d)
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(d))
-        self.o_proj = nn.Linear(p, hid, bias=False)
+        self.o_proj = RowParallelLinear(p, hid, unit=d)
+
+    def public_shards(self, local_name: str) -> Iterator[tuple[str, Shard]]:
+        """A_log and dt_bias by head (the projections declare their own shards)."""
+        if self.num_heads == self.full_heads:
+            return
+        heads, d = self.heads, self.head_dim
+        if self.A_log.dim() == 1:
+            yield f"{local_name}.A_log", Shard((self.full_heads,), (heads,))
+        else:
+            yield f"{local_name}.A_log", Shard((1, 1, self.full_heads, 1), (slice(None), slice(None), heads))
+        yield f"{local_name}.dt_bias", Shard((self.full_heads * d,), (slice(heads.start * d, heads.stop * d),))
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         """Pre-sigmoid output gate [T, H*D]."""

@@ -17,45 +17,45 @@ from torch import nn
 
 from kernels import moe
 from radixk3.config import ModelConfig
-
-# (parameter attribute, public tensor name relative to the module's parent, index of its part in the parameter)
-PublicPart = tuple[str, str, tuple[int | slice, ...]]
-
-
-def _row_parts(attr: str, parts: Sequence[tuple[str, int]]) -> Iterator[PublicPart]:
-    start = 0
-    for name, rows in parts:
-        yield attr, f"{name}.weight", (slice(start, start + rows),)
-        start += rows
+from radixk3.parallel import shard_range
+from radixk3.parallel_linear import ColumnParallelLinear, PublicPart, RowParallelLinear, TPRank, row_parts
+from radixk3.tensor_names import Shard
 
 
-class FusedLinear(nn.Linear):
+class FusedLinear(ColumnParallelLinear):
     """Bias-free projections of one input in one GEMM. The weight stacks, in row order, the checkpoint's
-    separate tensors `{name}.weight` (siblings of this module) of the given row counts."""
+    separate tensors `{name}.weight` (siblings of this module) of the given (full) row counts; under TP this
+    rank's rows of each, split in whole `unit`s (heads)."""
 
-    def __init__(self, in_features: int, parts: Sequence[tuple[str, int]]) -> None:
-        super().__init__(in_features, sum(rows for _, rows in parts), bias=False)
-        self.parts = tuple(parts)
-        self.sizes = [rows for _, rows in parts]
+    def __init__(self, in_features: int, parts: Sequence[tuple[str, int]], unit: int = 1) -> None:
+        super().__init__(in_features, parts=parts, unit=unit)
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self(x).split(self.sizes, dim=-1)
 
-    def public_parts(self, local_name: str) -> Iterator[PublicPart]:
-        return _row_parts("weight", self.parts)
 
-
-class FusedWeight(nn.Module):
+class FusedWeight(nn.Module, TPRank):
     """A weight [sum rows, *inner] stacking the checkpoint's tensors `{name}.weight` by rows (KDA's three short
-    convs as one [3P, 1, W] depthwise weight, so the conv needs no per-call concatenation)."""
+    convs as one [3P, 1, W] depthwise weight, so the conv needs no per-call concatenation); under TP this rank's
+    rows of each part, in whole `unit`s."""
 
-    def __init__(self, parts: Sequence[tuple[str, int]], inner: Sequence[int]) -> None:
+    def __init__(self, parts: Sequence[tuple[str, int]], inner: Sequence[int], unit: int = 1) -> None:
         super().__init__()
+        self._take_rank()
         self.parts = tuple(parts)
-        self.weight = nn.Parameter(torch.zeros(sum(rows for _, rows in parts), *inner))
+        self.inner = tuple(inner)
+        self.row_slices = [shard_range(rows, self.tp_rank, self.tp_size, unit) for _, rows in parts]
+        self.sizes = [s.stop - s.start for s in self.row_slices]
+        self.weight = nn.Parameter(torch.zeros(sum(self.sizes), *inner))
 
     def public_parts(self, local_name: str) -> Iterator[PublicPart]:
-        return _row_parts("weight", self.parts)
+        return row_parts("weight", [(name, rows) for (name, _), rows in zip(self.parts, self.sizes, strict=True)])
+
+    def public_shards(self, local_name: str) -> Iterator[tuple[str, Shard]]:
+        if self.tp_size == 1:
+            return
+        for (name, rows), index in zip(self.parts, self.row_slices, strict=True):
+            yield f"{name}.weight", Shard((rows, *self.inner), (index,))
 
 
 class RMSNorm(nn.Module):
@@ -88,12 +88,15 @@ class GLU(moe.GLU):
 
 
 class MLP(nn.Module):
-    """GLU MLP: down(act(gate x) * up x), gate and up in one GEMM (checkpoint: `gate_proj`, `up_proj`)."""
+    """GLU MLP: down(act(gate x) * up x), gate and up in one GEMM (checkpoint: `gate_proj`, `up_proj`). Under TP
+    the intermediate dim is split (gate|up column-parallel, down row-parallel); `reduce_results` False leaves the
+    output a partial sum for the caller to all-reduce with others (an MoE's shared and routed experts)."""
 
-    def __init__(self, hidden: int, intermediate: int, act: moe.GLU | None = None) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: moe.GLU | None = None, *,
+                 reduce_results: bool = True) -> None:
         super().__init__()
         self.gate_up_proj = FusedLinear(hidden, [("gate_proj", intermediate), ("up_proj", intermediate)])
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.down_proj = RowParallelLinear(intermediate, hidden, reduce_results=reduce_results)
         self.act = act or GLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,29 +15,37 @@ from kernels.mla import mla_attention
 from radixk3.config import ModelConfig
 from radixk3.forward_batch import ForwardBatch
 from radixk3.layers import RMSNorm
+from radixk3.parallel import parallel_state
+from radixk3.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 
 class MLAAttention(nn.Module):
+    """Under TP the query heads are split (q_proj or q_b_proj, kv_b_proj and the Gated-MLA g_proj by head;
+    o_proj row-parallel); q_a / kv_a and their norms are replicated, so every rank computes, stores and reads
+    the whole latent of every token (the latent KV is not sharded, as SGLang does for MLA)."""
+
     def __init__(self, cfg: ModelConfig, mla_index: int) -> None:
         super().__init__()
         hid, h = cfg.hidden_size, cfg.num_attention_heads
         self.mla_index = mla_index
-        self.num_heads = h
+        self.num_heads = h // parallel_state().tp_size
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         self.scale = (self.nope + self.rope) ** -0.5
         q_dim = h * (self.nope + self.rope)
+        qk = self.nope + self.rope
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(hid, q_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(hid, q_dim, unit=qk)
         else:
             self.q_a_proj = nn.Linear(hid, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.mla_q_norm_eps)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, q_dim, unit=qk)
         self.kv_a_proj_with_mqa = nn.Linear(hid, cfg.kv_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.mla_kv_norm_eps)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(h * self.v_dim, hid, bias=False)
-        self.g_proj = nn.Linear(hid, h * self.v_dim, bias=False) if cfg.mla_use_output_gate else None
+        kv_b_rows = self.nope + self.v_dim  # per head
+        self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, h * kv_b_rows, unit=kv_b_rows)
+        self.o_proj = RowParallelLinear(h * self.v_dim, hid, unit=self.v_dim)
+        self.g_proj = ColumnParallelLinear(hid, h * self.v_dim, unit=self.v_dim) if cfg.mla_use_output_gate else None
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):

@@ -22,7 +22,8 @@ from radixk3.decoder_layer import DecoderLayer
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.layers import RMSNorm
 from radixk3.mtp import MTPLayer, MTPOutput, run_mtp_layer
-from radixk3.tensor_names import public_tensors
+from radixk3.parallel_linear import ParallelLMHead, VocabParallelEmbedding
+from radixk3.tensor_names import public_shards, public_tensors
 
 # Tensors that stay fp32 whatever the model dtype (as the reference implementations keep them).
 FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "gate.weight", "gate.e_score_correction_bias")
@@ -39,7 +40,7 @@ class KimiModel(nn.Module):
         super().__init__()
         attn_res = cfg.attn_res_block_size is not None
         self.attn_res_block_size = cfg.attn_res_block_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, attn_res=attn_res) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if attn_res:
@@ -54,7 +55,7 @@ class KimiForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = KimiModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
 
     @property
     def device(self) -> torch.device:
@@ -165,36 +166,51 @@ class KimiForCausalLM(nn.Module):
         return self
 
 
+def _draw(name: str, shape: tuple[int, ...], gen: torch.Generator, safe_gate: bool) -> torch.Tensor:
+    """Seeded values of public tensor `name` at its full `shape` (fan-in from the full shape)."""
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(1, 16, generator=gen).log()
+    if name.endswith("dt_bias") and safe_gate:
+        # lb * sigmoid(exp(A_log) (f + dt_bias)): a bias in (-3, -1) gives mostly mild decays and some
+        # up to the bound (Mamba's dt_bias, near -5, would leave the safe gate at ~0: no decay at all).
+        return torch.empty(shape).uniform_(-3, -1, generator=gen)
+    if name.endswith("dt_bias"):
+        # Inverse softplus of dt ~ logU(1e-3, 1e-1), as Mamba/fla initialise it.
+        dt = torch.exp(torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+        return dt + torch.log(-torch.expm1(-dt))
+    if "norm" in name:
+        return 1 + 0.1 * torch.randn(shape, generator=gen)
+    if "conv1d" in name:
+        return torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+    if name.endswith("embed_tokens.weight"):
+        return torch.randn(shape, generator=gen)
+    if name.endswith("res_proj.weight"):
+        # AttnRes pseudo-queries train from zero (uniform mixing); small random ones keep the softmax
+        # non-uniform without the peaked mixtures that make a random network amplify rounding.
+        return 0.3 * torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+    return torch.randn(shape, generator=gen) / math.sqrt(shape[-1])  # linear [out, in]
+
+
 @torch.no_grad()
 def init_random_(model: KimiForCausalLM, seed: int) -> KimiForCausalLM:
     """Seeded random weights with healthy activations: fan-in scaled linears, fla-style decay parameters.
     Drawn per public (checkpoint) tensor in name order, into views of the fused parameters: the values for a
-    seed do not depend on how the model fuses its projections or stacks its experts."""
+    seed do not depend on how the model fuses its projections or stacks its experts. Under TP every public
+    tensor is drawn at its full shape, in the same order, and this rank keeps its part (`Shard.index`; the
+    tensors other ranks hold alone are drawn and dropped), so a sharded model is exactly a shard of the
+    unsharded one."""
     gen = torch.Generator().manual_seed(seed)
     safe_gate = model.config.kda_gate_lower_bound is not None
-    for name, p in sorted(public_tensors(model, params_only=True).items()):
-        if name.endswith("A_log"):
-            p.copy_(torch.empty(p.shape).uniform_(1, 16, generator=gen).log())
-        elif name.endswith("dt_bias") and safe_gate:
-            # lb * sigmoid(exp(A_log) (f + dt_bias)): a bias in (-3, -1) gives mostly mild decays and some
-            # up to the bound (Mamba's dt_bias, near -5, would leave the safe gate at ~0: no decay at all).
-            p.copy_(torch.empty(p.shape).uniform_(-3, -1, generator=gen))
-        elif name.endswith("dt_bias"):
-            # Inverse softplus of dt ~ logU(1e-3, 1e-1), as Mamba/fla initialise it.
-            dt = torch.exp(torch.empty(p.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
-            p.copy_(dt + torch.log(-torch.expm1(-dt)))
-        elif "norm" in name:
-            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-        elif "conv1d" in name:
-            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
-        elif name.endswith("embed_tokens.weight"):
-            p.copy_(torch.randn(p.shape, generator=gen))
-        elif name.endswith("res_proj.weight"):
-            # AttnRes pseudo-queries train from zero (uniform mixing); small random ones keep the softmax
-            # non-uniform without the peaked mixtures that make a random network amplify rounding.
-            p.copy_(0.3 * torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
-        else:  # linear [out, in]
-            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+    views = public_tensors(model, params_only=True)
+    shards = public_shards(model)
+    remote = {n for n, s in shards.items() if s.index is None}
+    for name in sorted(set(views) | remote):
+        shard = shards.get(name)
+        full = _draw(name, shard.full_shape if shard else tuple(views[name].shape), gen, safe_gate)
+        if shard is None:
+            views[name].copy_(full)
+        elif shard.index is not None:
+            views[name].copy_(full[shard.index])
     for name, b in sorted(model.named_buffers()):
         if name.endswith("e_score_correction_bias"):
             b.copy_(0.05 * torch.randn(b.shape, generator=gen))

@@ -23,6 +23,7 @@ from radixk3.config import ModelConfig
 from radixk3.decoder_layer import DecoderLayer
 from radixk3.forward_batch import ForwardBatch, HybridCache
 from radixk3.layers import RMSNorm
+from radixk3.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 
 
 class MTPOutput(NamedTuple):
@@ -34,7 +35,7 @@ class SharedHead(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)  # loaded, never run: lm_head replaces it
 
 
 class MTPLayer(DecoderLayer):
@@ -45,7 +46,7 @@ class MTPLayer(DecoderLayer):
         self.hnorm = RMSNorm(hid, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * hid, hid, bias=False)
         self.shared_head = SharedHead(cfg)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, hid) if index == 0 else None
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, hid) if index == 0 else None
 
     def fuse(self, embedded: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         embedded = embedded.masked_fill((positions == 0).unsqueeze(-1), 0)

@@ -8,7 +8,9 @@ read `parallel_state()` when they are built, to size their shards, and when they
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -96,3 +98,23 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(state.tp_size)]
     dist.all_gather(parts, x.contiguous(), group=state.group)
     return torch.cat(parts, dim=dim)
+
+
+@contextlib.contextmanager
+def replicated() -> Iterator[None]:
+    """Build modules inside this block unsharded (single-rank state): every TP rank then holds the whole module
+    and runs it without collectives (e.g. a small drafter that stays replicated under --tp)."""
+    saved = _STATE
+    set_parallel_state(ParallelState())
+    try:
+        yield
+    finally:
+        set_parallel_state(saved)
+
+
+def shard_range(n: int, rank: int, size: int, unit: int = 1) -> slice:
+    """Rank `rank`'s contiguous part of `n` items split evenly over `size` ranks, in whole `unit`s (heads)."""
+    if n % (size * unit):
+        raise ValueError(f"{n} items ({n // unit} units of {unit}) do not split evenly over tp={size}")
+    part = n // size
+    return slice(rank * part, (rank + 1) * part)

@@ -18,11 +18,17 @@ thirds of `self_attn.qkv_proj.weight` and `{q,k,v}_conv1d.weight` those of `self
 `block_sparse_moe.experts.{e}.w1/w3.weight` the halves of `experts.w13_weight[e]` and `experts.{e}.w2.weight`
 is `experts.w2_weight[e]`. Everything else is its own parameter. Loading copies each checkpoint tensor into its
 view, saving writes each view under its public name.
+
+Tensor parallelism: a rank may hold only part of a public tensor. A module that does declares
+`public_shards(local_name)` (as `public_parts`, names relative to its parent): the public tensor's full shape
+and the index of this rank's part in it (`Shard`; index None: another rank holds it all). `public_shards(model)`
+collects them; the view `public_tensors` gives for a sharded name is this rank's part, `full[index]`.
 """
 
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -124,3 +130,23 @@ def public_tensors(module: nn.Module, *, params_only: bool = False) -> dict[str,
         for public, (name, index) in public_layout(module).items()
         if params is None or name in params
     }
+
+
+class Shard(NamedTuple):
+    full_shape: tuple[int, ...]  # the checkpoint (public) tensor's full shape
+    index: tuple[int | slice, ...] | None  # the part of it this rank holds; None: held by another rank only
+
+
+def public_shards(module: nn.Module) -> dict[str, Shard]:
+    """Public name (relative to `module`) -> this rank's `Shard` of it, for every tensor held only in part (or
+    not at all: index None). A public name absent from it is held whole. Empty for an unsharded model."""
+    shards: dict[str, Shard] = {}
+    for mname, sub in module.named_modules():
+        declare = getattr(sub, "public_shards", None)
+        if declare is None or not mname:
+            continue
+        parent, _, local = mname.rpartition(".")
+        prefix = parent + "." if parent else ""
+        for public, shard in declare(local):
+            shards[prefix + public] = shard
+    return shards
