@@ -11,18 +11,27 @@ import orjson
 
 from radixk3.checkpoint import CheckpointError, write_random_checkpoint
 from radixk3.config import BUILTIN_PRESET, PRESETS, TRUE_SIZE_PRESETS, ConfigError, ModelConfig, preset
-from radixk3.plan import memory_plan
+from radixk3.plan import EXPERT_FORMATS, memory_plan, parallel_plan, parse_bytes
 
 
 def _plan(args: argparse.Namespace) -> None:
     cfg = preset(args.preset)
-    plan = memory_plan(cfg, args.tp)
+    mem = None if args.mem_bytes is None else parse_bytes(args.mem_bytes)
+    par = parallel_plan(cfg, args.tp, args.ep, args.dp, args.enable_dp_attention, mem, args.expert_format)
+    plan = memory_plan(cfg, par.attn_tp)
     if args.json:
-        print(orjson.dumps(plan._asdict() | {"preset": args.preset}).decode())
+        print(orjson.dumps(plan._asdict() | par.as_dict() | {"preset": args.preset}).decode())
         return
     mtp = f" (+ {cfg.num_nextn_predict_layers} MTP)" if cfg.num_nextn_predict_layers else ""
-    print(f"preset {args.preset} ({cfg.model_type}), TP={plan.tp}: {cfg.num_kda_layers} KDA + "
+    print(f"preset {args.preset} ({cfg.model_type}), TP={par.tp} EP={par.ep} DP={par.dp}"
+          f"{' with DP attention' if par.dp_attention else ''} on {par.devices} devices: {cfg.num_kda_layers} KDA + "
           f"{cfg.num_mla_layers} MLA layers{mtp}")
+    if par.dp_attention:
+        print(f"  DP attention: {par.dp} groups of {par.attn_tp} ranks, each with its own requests and KV; attention "
+              f"and each request's KDA state split {par.attn_tp} ways ({par.dp}x a plain --tp {par.tp} state), "
+              f"the MoE and MLPs split {par.tp} ways")
+    elif par.dp > 1:
+        print(f"  {par.dp} replicas of --tp {par.tp}, each with its own requests and KV")
     print(f"  KDA state per request per rank: {plan.state_bytes_per_request / 1e6:.2f} MB "
           f"({plan.state_bytes_per_request} bytes; recurrent {plan.recurrent_bytes_per_layer} "
           f"+ conv {plan.conv_bytes_per_layer} bytes per layer)")
@@ -30,6 +39,22 @@ def _plan(args: argparse.Namespace) -> None:
     print(f"  one state weighs as much as {plan.tokens_per_state:,.0f} tokens of KV")
     if plan.mtp_kv_bytes_per_token:
         print(f"  MTP draft KV per token per rank: {plan.mtp_kv_bytes_per_token} bytes (not in the pool figures)")
+    w = par.weights
+    print(f"  weights per rank: {w.total / 1e9:.2f} GB (routed experts {w.routed_experts / 1e9:.2f} GB as "
+          f"{args.expert_format or cfg.dtype}, other split tensors {w.sharded / 1e9:.2f} GB, replicated "
+          f"{w.replicated / 1e9:.2f} GB)")
+    if par.mem_bytes is None or par.pool_bytes is None:
+        print("  (give --mem-bytes for the pool: device memory per rank less the weights)")
+    elif par.pool_bytes <= 0:
+        print(f"  memory per rank {par.mem_bytes / 1e9:.2f} GB: the weights exceed it by {-par.pool_bytes / 1e9:.2f} "
+              f"GB: no pool (more ranks, or --expert-format)")
+    else:
+        print(f"  memory per rank {par.mem_bytes / 1e9:.2f} GB: pool {par.pool_bytes / 1e9:.2f} GB = "
+              f"{par.states_fit:,} KDA states or {par.tokens_fit:,} KV tokens per rank (state blocks "
+              f"{par.state_block_bytes} B aligned)")
+        if par.groups > 1:
+            print(f"  system ({par.groups} groups): {par.states_fit * par.groups:,} states or "
+                  f"{par.tokens_fit * par.groups:,} tokens")
 
 
 # Drafter presets: (writer's target preset); a drafter stores no embedding or lm_head, only the target's sizes.
@@ -103,9 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixk3", description="Serving runtime for Kimi-K3-class hybrid models")
     sub = p.add_subparsers(dest="command", required=True)
 
-    plan = sub.add_parser("plan", help="per-request KDA state and per-token MLA KV sizes")
+    plan = sub.add_parser("plan", help="per-rank KDA state, MLA KV, weight and pool sizes under a parallel layout")
     plan.add_argument("--preset", default="kimi-k3", choices=sorted(PRESETS))
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    plan.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides --tp)")
+    plan.add_argument("--dp", type=int, default=1, help="data-parallel replicas, or DP attention groups")
+    plan.add_argument("--enable-dp-attention", action="store_true", help="attention data-parallel over the TP ranks")
+    plan.add_argument("--mem-bytes", default=None, help="device memory per rank (e.g. 141GB, 141e9, 128GiB)")
+    plan.add_argument("--expert-format", default=None, choices=sorted(EXPERT_FORMATS),
+                      help="routed experts stored quantised (default: the model dtype)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(fn=_plan)
 

@@ -1,14 +1,45 @@
-"""Per-rank memory plan: what one request's KDA state and one token's MLA KV weigh.
+"""Per-rank memory plan: what one request's KDA state and one token's MLA KV weigh, what the weights of one
+rank weigh under a parallel layout, and what the unified pool left beside them holds.
 
 The figures are the target model's, the ones the unified pool holds. MTP layers (native K3) are MLA layers with
 their own latent KV when they run as a draft; that is reported apart and not added in.
+
+Parallel layouts (`parallel_plan`):
+- `--tp N [--ep M]`: one group of N ranks. Attention heads, the shared experts, the dense MLPs, the embedding
+  and the LM head are split N ways; the routed experts are spread over all N ranks (E/M experts per EP rank,
+  each expert's intermediate dim split over the N/M ranks inside it: E*I/N of the routed weights on every
+  rank, whatever M); the router, LatentMoE's down/up projections, norms and the low-rank attention
+  projections are replicated. Every request has a KDA state shard (H/N heads) on every rank; the MLA latent
+  KV is not sharded (one 576-wide latent shared by all heads), so every rank holds every token's latent.
+- `--dp D` replicas: D independent engines of `--tp N` each (N*D devices); each rank's figures are the tp N
+  ones, and the system holds D times the requests and tokens.
+- `--dp D --enable-dp-attention` (D divides N): N devices; attention is data-parallel, D groups of N/D ranks
+  each serving its own requests with attention split N/D ways (each rank holds H*D/N KDA heads of its group's
+  states: D times the state bytes of plain tp N, and attention weights D times larger), while the MoE, dense
+  MLPs, embedding and head stay split over all N. The latent KV of a token lives only in its group, so the
+  system holds D times the tokens of plain tp N for about the same memory.
+
+The pool figures mirror `runtime.pool_layout` (state regions aligned to ALIGN bytes, KV pages of page_size
+tokens); `radixk3` does not import `runtime`, and a test checks that the two agree.
 """
 
 from __future__ import annotations
 
+import functools
+from fractions import Fraction
 from typing import NamedTuple
 
+import torch
+
 from radixk3.config import ConfigError, ModelConfig
+
+# runtime.pool_layout.ALIGN: every state region starts on this many bytes (checked equal in a test).
+ALIGN = 256
+# Bytes per routed-expert weight as stored: the model dtype, or a quantised checkpoint's format with its scales.
+EXPERT_FORMATS = {
+    "fp8": Fraction(1) + Fraction(4, 128 * 128),  # e4m3 + one fp32 scale per 128x128 block
+    "mxfp4": Fraction(1, 2) + Fraction(1, 32),  # e2m1 + one e8m0 scale per 32 values
+}
 
 
 class MemoryPlan(NamedTuple):
@@ -33,3 +64,130 @@ def memory_plan(cfg: ModelConfig, tp: int = 1) -> MemoryPlan:
     kv = cfg.num_mla_layers * cfg.kv_dim * elt
     mtp_kv = cfg.num_nextn_predict_layers * cfg.kv_dim * elt
     return MemoryPlan(tp, recurrent, conv, state, kv, state / kv if kv else float("inf"), mtp_kv)
+
+
+class WeightBytes(NamedTuple):
+    """One rank's weights (rank 0; every rank holds the same amount up to vocabulary padding)."""
+
+    routed_experts: int  # this rank's part of the routed experts
+    sharded: int  # its part of every other split tensor (attention, shared experts, dense MLP, embedding, head)
+    replicated: int  # tensors every rank holds whole (router, LatentMoE projections, norms, low-rank projections)
+
+    @property
+    def total(self) -> int:
+        return self.routed_experts + self.sharded + self.replicated
+
+
+@functools.lru_cache(maxsize=8)  # one `radixk3 plan` builds each layout once
+def _meta_params(cfg: ModelConfig, tp: int, ep: int) -> dict[str, tuple[int, bool]]:
+    """name -> (elements, is a routed expert tensor) of rank 0's parameters, from the model itself built on the
+    meta device under that layout (no memory: the true-size presets too)."""
+    from radixk3.model import KimiForCausalLM
+    from radixk3.parallel import ParallelState, parallel_state, set_parallel_state
+
+    saved = parallel_state()
+    set_parallel_state(ParallelState(tp_rank=0, tp_size=tp, ep_rank=0, ep_size=ep))
+    try:
+        with torch.device("meta"):
+            model = KimiForCausalLM(cfg)
+    finally:
+        set_parallel_state(saved)
+    return {n: (p.numel(), n.endswith(("experts.w13_weight", "experts.w2_weight")) and "shared" not in n)
+            for n, p in model.named_parameters()}
+
+
+def weight_bytes(cfg: ModelConfig, tp: int = 1, ep: int = 1, attn_tp: int | None = None,
+                 expert_format: str | None = None) -> WeightBytes:
+    """Rank 0's weight bytes under `--tp tp --ep ep`; `attn_tp` (DP attention: tp / dp) splits the attention
+    layers that many ways instead; `expert_format` stores the routed experts as fp8 or mxfp4."""
+    if expert_format is not None and expert_format not in EXPERT_FORMATS:
+        raise ConfigError(f"unknown expert format {expert_format!r}; choose one of {sorted(EXPERT_FORMATS)}")
+    elt = cfg.torch_dtype.itemsize
+    expert_elt = EXPERT_FORMATS[expert_format] if expert_format else Fraction(elt)
+    whole = _meta_params(cfg, 1, 1)
+    main = _meta_params(cfg, tp, ep)
+    attn = main if attn_tp in (None, tp) else _meta_params(cfg, attn_tp, 1)
+    routed = sharded = replicated = 0
+    for name, (n, is_expert) in main.items():
+        if ".self_attn." in name:
+            n = attn[name][0]
+        if is_expert:
+            routed += n
+        elif n == whole[name][0]:
+            replicated += n
+        else:
+            sharded += n
+    return WeightBytes(int(-(-routed * expert_elt // 1)), sharded * elt, replicated * elt)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class ParallelPlan(NamedTuple):
+    tp: int
+    ep: int
+    dp: int
+    dp_attention: bool
+    attn_tp: int  # ways the attention (and a request's KDA state) is split
+    devices: int
+    weights: WeightBytes
+    state_block_bytes: int  # one request's KDA state on one rank, aligned as in the pool
+    kv_token_bytes: int  # one token's latent KV on one rank
+    mem_bytes: int | None  # device memory per rank
+    pool_bytes: int | None  # mem_bytes less the weights (negative: the weights do not fit; None: no mem_bytes)
+    states_fit: int  # per rank, with the pool all states
+    tokens_fit: int  # per rank, with the pool all KV
+    groups: int  # independent request groups in the system (replicas or DP attention groups)
+
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = self._asdict()
+        out["weights"] = self.weights._asdict() | {"total": self.weights.total}
+        out |= {"system_states_fit": self.states_fit * self.groups, "system_tokens_fit": self.tokens_fit * self.groups}
+        return out
+
+
+def pool_counts(state_block_bytes: int, kv_token_bytes: int, pool_bytes: int, page_size: int = 1) -> tuple[int, int]:
+    """(state slots, token slots) of a pool of pool_bytes, as `runtime.pool_layout.PoolLayout.geometry`."""
+    total = pool_bytes - pool_bytes % ALIGN
+    return total // state_block_bytes, total // (page_size * kv_token_bytes) * page_size
+
+
+def state_block_bytes(cfg: ModelConfig, tp: int) -> int:
+    """One request's KDA state block on one rank, each region ALIGN-aligned (`PoolLayout.state_block_bytes`)."""
+    mp = memory_plan(cfg, tp)
+    return cfg.num_kda_layers * (round_up(mp.recurrent_bytes_per_layer, ALIGN)
+                                 + round_up(mp.conv_bytes_per_layer, ALIGN))
+
+
+def parallel_plan(cfg: ModelConfig, tp: int = 1, ep: int = 1, dp: int = 1, dp_attention: bool = False,
+                  mem_bytes: int | None = None, expert_format: str | None = None) -> ParallelPlan:
+    for flag, v in (("--tp", tp), ("--ep", ep), ("--dp", dp)):
+        if v < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {v}")
+    if tp % ep:
+        raise ConfigError(f"--ep {ep} must divide --tp {tp}")
+    if dp_attention and tp % dp:
+        raise ConfigError(f"--dp {dp} must divide --tp {tp} with DP attention")
+    attn_tp = tp // dp if dp_attention else tp
+    mp = memory_plan(cfg, attn_tp)
+    weights = weight_bytes(cfg, tp, ep, attn_tp, expert_format)
+    sb = state_block_bytes(cfg, attn_tp)
+    pool = None if mem_bytes is None else mem_bytes - weights.total
+    states, tokens = pool_counts(sb, mp.kv_bytes_per_token, pool) if pool is not None and pool > 0 else (0, 0)
+    return ParallelPlan(tp, ep, dp, dp_attention, attn_tp, tp if dp_attention else tp * dp, weights, sb,
+                        mp.kv_bytes_per_token, mem_bytes, pool, states, tokens, dp)
+
+
+def parse_bytes(text: str) -> int:
+    """'141e9', '141GB', '141G' (10^9), '128GiB' (2^30), or plain bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+    s = text.strip().lower()
+    for suffix, mult in units.items():
+        if s.endswith(suffix) and s[: -len(suffix)].strip():
+            return int(float(s[: -len(suffix)]) * mult)
+    try:
+        return int(float(s))
+    except ValueError:
+        raise ConfigError(f"--mem-bytes {text!r}: expected bytes, e.g. 141e9, 141GB or 128GiB") from None
