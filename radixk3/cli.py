@@ -120,6 +120,12 @@ def _serve(args: argparse.Namespace) -> None:
     server_args = ServerArgs.from_cli_args(args)
     if server_args.model is not None:
         ModelConfig.from_file(server_args.model)  # a bad directory gets a one-line error before any process starts
+    if server_args.node_rank > 0:  # another node: only its ranks, serving node 0's plans until it stops
+        from runtime.node import run_node
+
+        if run_node(server_args) != 0:
+            raise GenerateError(f"node {server_args.node_rank}: a rank failed or node 0 went away")
+        return
     if run_server(server_args) != 0:
         raise GenerateError("the server failed to start (see the log above)")
 
@@ -163,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="the HTTP server: native (/generate) and OpenAI-compatible (/v1) APIs",
                            description="Starts the engine with the ServerArgs flags below (--model/--model-path "
                                        "DIR; default: the built-in tiny model) behind FastAPI on uvicorn; "
-                                       "SIGTERM drains in-flight requests and exits.")
+                                       "SIGTERM drains in-flight requests and exits. With --nnodes N "
+                                       "--node-rank R > 0 --dist-init-addr HOST:PORT it runs only node R's "
+                                       "ranks (no HTTP) until node 0 shuts down or goes away.")
     ServerArgs.add_cli_args(serve)
     serve.set_defaults(fn=_serve)
     return p

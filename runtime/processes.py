@@ -121,11 +121,14 @@ def worker_main(args: ServerArgs, topo: Topology, replica: int, rank: int) -> No
     poller = zmq.Poller()
     poller.register(plans, zmq.POLLIN)
     poller.register(scheduler_watch, zmq.POLLIN)
+    scheduler_gone = False
     while True:
         events = dict(poller.poll())
-        if scheduler_watch in events and _disconnected(scheduler_watch):
-            os._exit(1)  # nobody left to serve; the group may be broken, so no orderly teardown
-        if plans not in events:
+        if scheduler_watch in events:
+            scheduler_gone |= _disconnected(scheduler_watch)
+        if plans not in events:  # plans first: a Shutdown may be waiting behind the scheduler's exit
+            if scheduler_gone and not plans.poll(0):
+                os._exit(1)  # nobody left to serve; the group may be broken, so no orderly teardown
             continue
         msg = decode(plans.recv_multipart())
         if isinstance(msg, Shutdown):

@@ -1,0 +1,176 @@
+"""The multi-process Engine past one rank: greedy tokens with --tp 2 (radix on; with n-gram and MTP speculation),
+--tp 2 --ep 2, and two loopback "nodes" (node 1 a `radixk3 serve --node-rank 1` subprocess) are identical, token
+for token, to --tp 1 over the exactness prompt set. The --tp 1 side is the same runtime in one process
+(LocalEngine, itself checked against the no-cache greedy loop in test_engine_exactness)."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from radixk3.checkpoint import load_model, write_random_checkpoint
+from radixk3.config import BUILTIN_PRESET, BUILTIN_SEED, preset
+from radixk3.model import KimiForCausalLM, build_model
+from runtime.engine import Engine
+from runtime.local_engine import LocalEngine
+from runtime.server_args import ServerArgs
+
+MAX_NEW = 6
+GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+MEM = 8 << 20
+ROOT = Path(__file__).resolve().parents[2]
+Waves = list[list[list[int]]]
+
+
+def _waves(model: KimiForCausalLM) -> tuple[Waves, Waves]:
+    """test_engine_exactness's three waves (few-shot, shared system prompt, unrelated, duplicate; next turns that
+    extend earlier outputs; branches inside a cached prefix), with the --tp 1 outputs of each."""
+    ref = LocalEngine(ServerArgs(mem_bytes=MEM), model)
+    g = random.Random(5)
+    v = model.config.vocab_size
+
+    def rand(n: int) -> list[int]:
+        return [g.randrange(v) for _ in range(n)]
+
+    shots = rand(48)
+    system = rand(20)
+    wave1 = [shots + rand(g.randrange(3, 12)) for _ in range(12)]
+    wave1 += [system + rand(g.randrange(2, 30)) for _ in range(8)]
+    wave1 += [rand(g.randrange(5, 60)) for _ in range(4)]
+    wave1.append(list(wave1[0]))
+    ref1 = ref.generate(wave1, GREEDY)
+    wave2 = [p + o + rand(g.randrange(1, 9)) for p, o in zip(wave1[:14], ref1[:14], strict=True)]
+    wave2 += [p + o for p, o in zip(wave1[14:20], ref1[14:20], strict=True)]
+    wave2 += [shots[: g.randrange(10, 48)] + rand(4) for _ in range(6)]
+    wave3 = [list(p) for p in wave2[:6]] + [shots + rand(3) for _ in range(4)]
+    return [wave1, wave2, wave3], [ref1, ref.generate(wave2, GREEDY), ref.generate(wave3, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def builtin() -> tuple[Waves, Waves]:
+    return _waves(build_model(preset(BUILTIN_PRESET), seed=BUILTIN_SEED))
+
+
+@pytest.fixture(scope="module")
+def native_mtp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Waves, Waves]:
+    """A k3-tiny-native checkpoint (it has an MTP layer; k3-tiny has none) and its --tp 1 outputs."""
+    out = write_random_checkpoint(preset("k3-tiny-native"), tmp_path_factory.mktemp("native"), seed=12)
+    model = load_model(out)
+    assert model.config.num_nextn_predict_layers >= 1
+    waves, refs = _waves(model)
+    return out, waves[:2], refs[:2]
+
+
+def _run(engine: Engine, waves: Waves) -> Waves:
+    return [[r["output_ids"] for r in engine.generate(wave, GREEDY, timeout=120)] for wave in waves]
+
+
+def _all_gone(engine: Engine) -> None:
+    engine.shutdown()
+    assert not any(p.is_alive() for p in engine.procs.procs)
+
+
+CONFIGS = {
+    "tp2": dict(tp_size=2),
+    "tp2_ep2": dict(tp_size=2, ep_size=2),
+    "tp2_ngram": dict(tp_size=2, speculative_algorithm="ngram"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_tp2_greedy_equals_tp1(name: str, builtin: tuple[Waves, Waves]) -> None:
+    waves, refs = builtin
+    engine = Engine(mem_bytes=MEM, **CONFIGS[name])
+    try:
+        assert engine.procs.num_replicas == 1 and len(engine.procs.ranks) == 2
+        assert _run(engine, waves) == refs
+        m = engine.get_metrics()
+        assert m["cached_tokens"] > 0  # the radix cache is on and hit
+    finally:
+        _all_gone(engine)
+
+
+def test_tp2_mtp_greedy_equals_tp1(native_mtp: tuple[Path, Waves, Waves]) -> None:
+    ckpt, waves, refs = native_mtp
+    engine = Engine(str(ckpt), mem_bytes=MEM, tp_size=2, speculative_algorithm="mtp")
+    try:
+        assert _run(engine, waves) == refs
+    finally:
+        _all_gone(engine)
+
+
+def _free_ports(n: int) -> int:
+    """A base port P with P .. P+n-1 all free now (the multi-node port layout is consecutive)."""
+    for _ in range(100):
+        base = random.randrange(20000, 60000)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def test_two_loopback_nodes_equal_tp1(builtin: tuple[Waves, Waves]) -> None:
+    waves, refs = builtin
+    base = _free_ports(4)  # one replica of 2 ranks: rendezvous, 2 plan sockets, 1 result socket
+    flags = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{base}", "--mem-bytes", str(MEM)]
+    node1 = subprocess.Popen([sys.executable, "-m", "radixk3.cli", "serve", *flags, "--node-rank", "1"], cwd=ROOT,
+                             env=os.environ | {"PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
+    try:
+        engine = Engine(mem_bytes=MEM, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=f"127.0.0.1:{base}")
+        try:
+            assert [rid.rank for rid in engine.procs.ranks] == [0]  # node 0 runs rank 0 only
+            assert _run(engine, waves) == refs
+        finally:
+            _all_gone(engine)
+        _, err = node1.communicate(timeout=30)  # node 0's Shutdown ends node 1 cleanly
+        assert node1.returncode == 0, err[-2000:]
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait(timeout=10)
+
+
+def test_node1_exits_when_node0_goes_away() -> None:
+    """Node 0's scheduler killed: node 1's rank sees its plan socket close and exits, leaving nothing behind."""
+    base = _free_ports(4)
+    flags = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{base}", "--mem-bytes", str(MEM)]
+    node1 = subprocess.Popen([sys.executable, "-m", "radixk3.cli", "serve", *flags, "--node-rank", "1"], cwd=ROOT,
+                             env=os.environ | {"PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
+    try:
+        engine = Engine(mem_bytes=MEM, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=f"127.0.0.1:{base}")
+        try:
+            sched = engine.procs.procs[-1]
+            os.kill(sched.pid, 9)
+            start = time.monotonic()
+            _, err = node1.communicate(timeout=30)
+            assert node1.returncode != 0 and time.monotonic() - start < 30
+            assert "node 0 went away" in err
+            engine.procs.watcher.join(timeout=10)
+            assert engine.procs.dead is not None
+        finally:
+            _all_gone(engine)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait(timeout=10)
+
+
+def test_dp_attention_is_refused_clearly() -> None:
+    with pytest.raises(Exception, match="enable-dp-attention is not built"):
+        Engine(mem_bytes=MEM, tp_size=2, dp_size=2, enable_dp_attention=True)
