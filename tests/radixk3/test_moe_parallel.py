@@ -205,6 +205,7 @@ def _model_ids() -> torch.Tensor:
 
 
 def _model_rank_main(rank: int, port: int, out_dir: str) -> None:
+    from radixk3.checkpoint import load_model
     from radixk3.model import build_model
 
     torch.set_num_threads(1)
@@ -212,6 +213,10 @@ def _model_rank_main(rank: int, port: int, out_dir: str) -> None:
     try:
         with torch.no_grad():
             logits = {name: build_model(preset(name), seed=0)(_model_ids()) for name in MODEL_PRESETS}
+            # Loaded: each rank reads its experts' slices and skips the other rank's experts.
+            loaded = load_model(Path(out_dir) / "ckpt")
+            assert loaded.model.layers[1].block_sparse_moe.experts.w13_weight.shape[0] == 4
+            logits["loaded"] = loaded(_model_ids())
         torch.save(logits, Path(out_dir) / f"rank{rank}.pt")
     finally:
         destroy_parallel()
@@ -219,15 +224,18 @@ def _model_rank_main(rank: int, port: int, out_dir: str) -> None:
 
 def test_whole_model_tp2_ep2_logits(tmp_path: Path) -> None:
     """k3-tiny (Kimi-Linear MoE) and k3-tiny-native (LatentMoE with norm) built sharded (tp 2, ep 2: each rank
-    holds half the experts, whole) give the unsharded no-cache logits within 1e-5."""
+    holds half the experts, whole) give the unsharded no-cache logits within 1e-5; so does a tp2 ep2 load of a
+    k3-tiny-native checkpoint."""
+    from radixk3.checkpoint import write_random_checkpoint
     from radixk3.model import build_model
 
+    write_random_checkpoint(preset("k3-tiny-native"), tmp_path / "ckpt", seed=2)
     run_ranks(_model_rank_main, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    for name in MODEL_PRESETS:
-        assert preset(name).torch_dtype == torch.float32
+    for name, cfg, seed in [*((n, preset(n), 0) for n in MODEL_PRESETS), ("loaded", preset("k3-tiny-native"), 2)]:
+        assert cfg.torch_dtype == torch.float32
         with torch.no_grad():
-            ref = build_model(preset(name), seed=0)(_model_ids())
+            ref = build_model(cfg, seed=seed)(_model_ids())
         for r in range(WORLD):
             torch.testing.assert_close(ranks[r][name], ref, rtol=0, atol=1e-5, msg=f"{name} rank {r}")
 
