@@ -26,6 +26,7 @@ from kernels.conv1d_pool import conv1d_decode, conv1d_replay
 from kernels.kda_pool import kda_decode, kda_replay
 from kernels.pool_slots import scatter_slots
 from radixk3.config import ModelConfig
+from radixk3.parallel import parallel_state
 
 SPEC_STATE_MODES = ("replay", "snapshot")
 
@@ -57,7 +58,8 @@ class SpecWindow:
         """`record_inputs`: keep the per-token inputs in snapshot mode too (for `check_committed_states`)."""
         if mode not in SPEC_STATE_MODES:
             raise ValueError(f"spec state mode must be one of {SPEC_STATE_MODES}, got {mode!r}")
-        h, d, c, n = cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_dim, cfg.num_kda_layers
+        tp = parallel_state().tp_size  # the window holds this rank's KDA heads, as its pool part does
+        h, d, c, n = cfg.kda_num_heads // tp, cfg.kda_head_dim, cfg.conv_dim // tp, cfg.num_kda_layers
 
         def each(shape: tuple[int, ...], dt: torch.dtype, on: bool) -> list[Tensor]:
             return [torch.zeros(rows, width, *shape, dtype=dt, device=device) for _ in range(n)] if on else []

@@ -19,11 +19,12 @@ import torch.multiprocessing as mp
 
 from radixk3.checkpoint import CheckpointError, load_model, write_checkpoint
 from radixk3.config import ModelConfig, preset
-from radixk3.forward_batch import ForwardBatch, HybridCache
+from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM, build_model
 from radixk3.mtp import allocate_mtp_cache
 from radixk3.parallel import ParallelState, destroy_parallel, init_parallel, set_parallel_state, shard_range
 from radixk3.parallel_linear import ColumnParallelLinear, ParallelLMHead, VocabParallelEmbedding
+from radixk3.spec_window import SpecWindow, WindowRows
 from radixk3.tensor_names import Shard, public_shards, public_tensors
 from runtime.pool_buffer import PoolBuffer
 from runtime.pool_layout import pool_layout
@@ -69,8 +70,9 @@ def _cache(model: KimiForCausalLM, tp: int) -> tuple[HybridCache, list[int]]:
 
 
 def _run(model: KimiForCausalLM, tp: int) -> dict[str, torch.Tensor]:
-    """No-cache logits of two packed sequences; cached logits: both extended (one in two chunks), then three
-    batched decode steps; the MTP layer's no-cache and cached logits when the model has one."""
+    """No-cache logits of two packed sequences; cached logits: both extended (one in two chunks), three batched
+    decode steps, a verify window (ReplaySSM), its commit and a decode step after it; the MTP layer's no-cache
+    and cached logits when the model has one."""
     a, b = _ids(37, 1), _ids(23, 2)
     out: dict[str, torch.Tensor] = {}
     out["nocache"] = model(torch.tensor(a + b), torch.tensor([0, len(a), len(a) + len(b)]))
@@ -90,6 +92,20 @@ def _run(model: KimiForCausalLM, tp: int) -> dict[str, torch.Tensor]:
         seq_b.append(nxt[1])
         steps.append(model.forward_batch(batch, cache))
     out["cached"] = torch.cat(steps)
+    # A speculative verify window (ReplaySSM) of 3 drafts each, 2 and 1 of them committed, then a decode step.
+    window = SpecWindow.allocate(model.config, "replay", rows=2, width=3, dtype=model.config.torch_dtype)
+    drafts = [_ids(3, 3), _ids(3, 4)]
+    verify = ForwardBatch.build(drafts, [len(seq_a), len(seq_b)], [sa, sb],
+                                [slots_a[: len(seq_a) + 3], slots_b[: len(seq_b) + 3]], all_logits=True)
+    verify.mode = ForwardMode.VERIFY
+    verify.spec = WindowRows(window, torch.tensor([0, 1]))
+    out["verify"] = model.forward_batch(verify, cache)
+    window.commit(cache.recurrent, cache.conv, torch.tensor([sa, sb]), torch.tensor([0, 1]), torch.tensor([2, 1]))
+    seq_a += drafts[0][:2]
+    seq_b += drafts[1][:1]
+    step = ForwardBatch.build([[7], [8]], [len(seq_a), len(seq_b)], [sa, sb],
+                              [slots_a[: len(seq_a) + 1], slots_b[: len(seq_b) + 1]])
+    out["after_commit"] = model.forward_batch(step, cache)
     out["tokens"] = torch.tensor(seq_a + seq_b)
     if model.config.num_nextn_predict_layers:
         hidden = model.prenorm_hidden(torch.tensor(a), torch.tensor([0, len(a)]))
@@ -141,6 +157,8 @@ def test_sharded_forward_equals_unsharded(tmp_path: Path, name: str) -> None:
     _run_ranks(tmp_path, name)
     ref = _run(full, 1)
     assert not ref["nocache"].isnan().any()
+    seq_a = ref["tokens"][:42].tolist() + [7]  # the cached path is the model: after the commit too
+    assert (full(torch.tensor(seq_a))[-1] - ref["after_commit"][0]).abs().max().item() < TOL
     for r in range(WORLD):
         got = torch.load(tmp_path / f"rank{r}.pt")
         for source in ("random", "loaded"):
