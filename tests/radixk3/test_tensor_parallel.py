@@ -117,13 +117,14 @@ def _run(model: KimiForCausalLM, tp: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _rank_main(rank: int, port: int, out_dir: str, name: str) -> None:
+def _rank_main(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     init_parallel(rank, WORLD, f"tcp://127.0.0.1:{port}", timeout_s=TIMEOUT_S / 2)
     try:
-        results = {"random": _run(build_model(preset(name), seed=SEED), WORLD),
-                   "loaded": _run(load_model(Path(out_dir) / "ckpt"), WORLD)}
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        for name in PRESETS:  # one spawn for every case: process start-up dominates
+            results = {"random": _run(build_model(preset(name), seed=SEED), WORLD),
+                       "loaded": _run(load_model(Path(out_dir) / name), WORLD)}
+            torch.save(results, Path(out_dir) / f"{name}.rank{rank}.pt")
     finally:
         destroy_parallel()
 
@@ -134,9 +135,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_ranks(out_dir: Path, name: str) -> None:
+def _run_ranks(out_dir: Path) -> None:
     """Spawn WORLD ranks; fail (and kill them) past TIMEOUT_S."""
-    ctx = mp.start_processes(_rank_main, args=(_free_port(), str(out_dir), name), nprocs=WORLD, join=False,
+    ctx = mp.start_processes(_rank_main, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=False,
                              start_method="spawn")
     try:
         t0 = time.monotonic()
@@ -150,17 +151,25 @@ def _run_ranks(out_dir: Path, name: str) -> None:
             p.join(5)
 
 
+@pytest.fixture(scope="module")
+def ranks_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Both presets' checkpoints (the unsharded seeded models), then the two ranks' results on them."""
+    out = tmp_path_factory.mktemp("tp")
+    for name in PRESETS:
+        write_checkpoint(build_model(preset(name), seed=SEED), out / name)
+    _run_ranks(out)
+    return out
+
+
 @pytest.mark.parametrize("name", PRESETS)
-def test_sharded_forward_equals_unsharded(tmp_path: Path, name: str) -> None:
+def test_sharded_forward_equals_unsharded(ranks_dir: Path, name: str) -> None:
     full = build_model(preset(name), seed=SEED)
-    write_checkpoint(full, tmp_path / "ckpt")
-    _run_ranks(tmp_path, name)
     ref = _run(full, 1)
     assert not ref["nocache"].isnan().any()
     seq_a = ref["tokens"][:42].tolist() + [7]  # the cached path is the model: after the commit too
     assert (full(torch.tensor(seq_a))[-1] - ref["after_commit"][0]).abs().max().item() < TOL
     for r in range(WORLD):
-        got = torch.load(tmp_path / f"rank{r}.pt")
+        got = torch.load(ranks_dir / f"{name}.rank{r}.pt")
         for source in ("random", "loaded"):
             assert set(got[source]) == set(ref)
             for key, want in ref.items():
