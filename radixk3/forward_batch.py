@@ -17,6 +17,7 @@ import torch
 
 from kernels.state_checkpoints import StateCheckpoints
 from radixk3.config import ModelConfig
+from radixk3.parallel import parallel_state
 
 if TYPE_CHECKING:
     from radixk3.attention_backend import AttentionBackend
@@ -40,11 +41,12 @@ class HybridCache:
     def allocate(
         cls, cfg: ModelConfig, num_state_slots: int, num_kv_slots: int, device: torch.device | str = "cpu"
     ) -> HybridCache:
-        h, d, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel_size
+        tp = parallel_state().tp_size  # this rank's KDA heads, as a model built in the same state holds
+        h, d, w = cfg.kda_num_heads // tp, cfg.kda_head_dim, cfg.conv_kernel_size
         dt = cfg.torch_dtype
         return cls(
             recurrent=[torch.zeros(num_state_slots, h, d, d, device=device) for _ in cfg.kda_layers],
-            conv=[torch.zeros(num_state_slots, cfg.conv_dim, w - 1, dtype=dt, device=device) for _ in cfg.kda_layers],
+            conv=[torch.zeros(num_state_slots, 3 * h * d, w - 1, dtype=dt, device=device) for _ in cfg.kda_layers],
             latent=[torch.zeros(num_kv_slots, cfg.kv_dim, dtype=dt, device=device) for _ in cfg.mla_layers],
         )
 

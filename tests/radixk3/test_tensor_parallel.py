@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from radixk3.checkpoint import CheckpointError, load_model, write_checkpoint
 from radixk3.config import ModelConfig, preset
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
+from radixk3.generate import greedy_cached
 from radixk3.model import KimiForCausalLM, build_model
 from radixk3.mtp import allocate_mtp_cache
 from radixk3.parallel import ParallelState, destroy_parallel, init_parallel, set_parallel_state, shard_range
@@ -107,6 +108,7 @@ def _run(model: KimiForCausalLM, tp: int) -> dict[str, torch.Tensor]:
                               [slots_a[: len(seq_a) + 1], slots_b[: len(seq_b) + 1]])
     out["after_commit"] = model.forward_batch(step, cache)
     out["tokens"] = torch.tensor(seq_a + seq_b)
+    out["greedy"] = torch.tensor(greedy_cached(model, a[:9], 4))  # over `HybridCache.allocate` at this rank's heads
     if model.config.num_nextn_predict_layers:
         hidden = model.prenorm_hidden(torch.tensor(a), torch.tensor([0, len(a)]))
         mtp = model.forward_mtp(0, torch.tensor(a[1:] + [0]), hidden)
@@ -175,7 +177,7 @@ def test_sharded_forward_equals_unsharded(ranks_dir: Path, name: str) -> None:
             for key, want in ref.items():
                 g = got[source][key]
                 assert g.shape == want.shape, (source, key)
-                if key == "tokens":  # greedy tokens identical
+                if key in ("tokens", "greedy"):  # greedy tokens identical
                     assert torch.equal(g, want), (name, source, r)
                 else:
                     err = (g - want).abs().max().item()
