@@ -17,11 +17,12 @@ from torch import nn
 
 from radixk3.attention_backend import AttentionBackend
 from radixk3.attn_res import attn_res_forward
-from radixk3.config import ModelConfig
+from radixk3.config import ConfigError, ModelConfig
 from radixk3.decoder_layer import DecoderLayer
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.layers import RMSNorm
 from radixk3.mtp import MTPLayer, MTPOutput, run_mtp_layer
+from radixk3.parallel import parallel_state
 from radixk3.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 from radixk3.tensor_names import public_shards, public_tensors
 
@@ -50,9 +51,19 @@ class KimiModel(nn.Module):
         self.mtp_layers = nn.ModuleList(MTPLayer(cfg, i) for i in range(cfg.num_nextn_predict_layers))
 
 
+def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+    """A clear error, before any layer is built, when `cfg`'s heads or dense dims do not split over `tp` ranks
+    (the MoE checks its own split)."""
+    for key, n in (("kda_num_heads", cfg.kda_num_heads), ("num_attention_heads", cfg.num_attention_heads),
+                   ("intermediate_size", cfg.intermediate_size)):
+        if n % tp:
+            raise ConfigError(f"--tp {tp} must divide {key} ({n})")
+
+
 class KimiForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        check_tensor_parallel(cfg, parallel_state().tp_size)
         self.config = cfg
         self.model = KimiModel(cfg)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)

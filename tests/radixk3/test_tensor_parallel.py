@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 from radixk3.checkpoint import CheckpointError, load_model, write_checkpoint
-from radixk3.config import ModelConfig, preset
+from radixk3.config import ConfigError, ModelConfig, preset
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.generate import greedy_cached
 from radixk3.model import KimiForCausalLM, build_model
@@ -271,3 +271,15 @@ def test_pool_layout_is_this_ranks_share() -> None:
     assert two.conv_shape == (kda.conv_weight().shape[0], cfg.conv_kernel_size - 1)
     with pytest.raises(ValueError, match="does not split"):
         pool_layout(cfg, ServerArgs(tp_size=4, mem_bytes=POOL_BYTES))
+
+
+def test_a_split_that_does_not_fit_is_refused_clearly() -> None:
+    cfg = preset("k3-tiny")  # 2 KDA heads, 2 MLA heads
+    set_parallel_state(ParallelState(tp_rank=0, tp_size=4))
+    try:
+        with pytest.raises(ConfigError, match="--tp 4 must divide kda_num_heads"):
+            build_model(cfg)
+        with pytest.raises(ConfigError, match="--tp 4 must divide num_attention_heads"):
+            build_model(dataclasses.replace(cfg, kda_num_heads=4))
+    finally:
+        set_parallel_state(ParallelState())
