@@ -1,13 +1,15 @@
 """Regression tests, through the multi-process Engine, for each fault issue 10 observed: bad parameters that
 passed the door and failed a whole step, silent negative indexing, loose types, streams and timeouts that
 left requests running, stale or blocking metrics, no request id at submit time, no incremental text, a
-thread hop per async chunk, the script without a `__main__` guard, and masked logprobs."""
+thread hop per async chunk, the script without a `__main__` guard, and masked logprobs; and (issue 13) a
+--tp 2 rank that dies or hangs."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -240,3 +242,43 @@ def test_a_script_without_a_main_guard_runs(tmp_path) -> None:  # noqa: ANN001
                          env=os.environ | {"PYTHONPATH": ROOT}, check=False)
     assert res.returncode == 0, res.stderr[-2000:]
     assert len(eval(res.stdout.strip().splitlines()[-1])) == 3
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_dead_or_hung_rank_fails_the_whole_engine_fast(how: str) -> None:
+    """--tp 2: rank 1 SIGKILLed, or SIGSTOPped (a hang: rank 0's collective times out after --dist-timeout).
+    Every pending request fails with an error naming the rank, within a bound; no process is left behind."""
+    timeout_s = 5.0
+    eng = Engine(mem_bytes=8 << 20, tp_size=2, dist_timeout=timeout_s)
+    try:
+        pids = [p.pid for p in eng.procs.procs]
+        streams = [eng.stream(list(range(20 + i, 60 + i)), LONG, timeout=120) for i in range(3)]
+        for s in streams:
+            next(s)  # all three running
+        os.kill(eng.procs.worker(0, 1).pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        start = time.monotonic()
+        for s in streams:
+            with pytest.raises(EngineError) as failed:
+                for _ in s:
+                    pass
+            assert "rank 1 of replica 0" in str(failed.value)
+        assert time.monotonic() - start < (10 if how == "kill" else timeout_s + 15)
+        if how == "stop":
+            assert "stopped" in str(failed.value) and "collective failed" in str(failed.value)
+        eng.procs.watcher.join(timeout=30)
+        deadline = time.monotonic() + 15
+        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_gone(p) for p in pids), "a process was left behind"
+        with pytest.raises(EngineError):
+            eng.generate("again", {"max_new_tokens": 1})
+    finally:
+        eng.shutdown()
