@@ -119,6 +119,14 @@ def _run(model: KimiForCausalLM, tp: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _padded_config() -> ModelConfig:
+    return dataclasses.replace(preset("k3-tiny"), vocab_size=4095)  # odd: padded to 4096 over two ranks
+
+
+def _padded_ids() -> torch.Tensor:
+    return torch.tensor(_ids(17, 9)) % 4095
+
+
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     init_parallel(rank, WORLD, f"tcp://127.0.0.1:{port}", timeout_s=TIMEOUT_S / 2)
@@ -127,6 +135,8 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
             results = {"random": _run(build_model(preset(name), seed=SEED), WORLD),
                        "loaded": _run(load_model(Path(out_dir) / name), WORLD)}
             torch.save(results, Path(out_dir) / f"{name}.rank{rank}.pt")
+        padded = build_model(_padded_config(), seed=SEED)
+        torch.save(padded(_padded_ids()), Path(out_dir) / f"padded.rank{rank}.pt")
     finally:
         destroy_parallel()
 
@@ -182,6 +192,14 @@ def test_sharded_forward_equals_unsharded(ranks_dir: Path, name: str) -> None:
                 else:
                     err = (g - want).abs().max().item()
                     assert err < TOL, f"{name} {source} rank {r} {key}: max |diff| {err}"
+
+
+def test_padded_vocabulary_forward(ranks_dir: Path) -> None:
+    want = build_model(_padded_config(), seed=SEED)(_padded_ids())
+    assert want.shape == (17, 4095)
+    for r in range(WORLD):
+        got = torch.load(ranks_dir / f"padded.rank{r}.pt")
+        assert got.shape == want.shape and (got - want).abs().max().item() < TOL
 
 
 # --- without processes -------------------------------------------------------------------------------------
@@ -243,7 +261,7 @@ def test_saving_a_shard_is_refused(tmp_path: Path) -> None:
         write_checkpoint(model, tmp_path)
 
 
-def test_padded_vocabulary() -> None:
+def test_padded_vocabulary(tmp_path: Path) -> None:
     """A vocabulary that does not split over tp is padded; the padding is neither public nor in the logits."""
     emb0, emb1 = _as_rank(0, VocabParallelEmbedding, 7, 4), _as_rank(1, VocabParallelEmbedding, 7, 4)
     assert emb0.weight.shape == emb1.weight.shape == (4, 4)
@@ -256,6 +274,10 @@ def test_padded_vocabulary() -> None:
     full = public_tensors(build_model(cfg, seed=SEED))
     local = public_tensors(_as_rank(1, build_model, cfg, SEED))
     assert torch.equal(local["lm_head.weight"], full["lm_head.weight"][2048:])
+    write_checkpoint(build_model(cfg, seed=SEED), tmp_path)
+    loaded = _as_rank(1, load_model, tmp_path)
+    assert torch.equal(public_tensors(loaded)["model.embed_tokens.weight"], full["model.embed_tokens.weight"][2048:])
+    assert bool((loaded.lm_head.weight[-1] == 0).all())  # the padding row
 
 
 def test_pool_layout_is_this_ranks_share() -> None:
