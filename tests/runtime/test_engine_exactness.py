@@ -5,6 +5,7 @@ and off, mixed prefill/decode steps, and a pool small enough to force eviction, 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -23,8 +24,9 @@ def model():  # noqa: ANN201
     return build_model(preset("k3-tiny"), seed=11)
 
 
-def _waves(model) -> list[list[list[int]]]:  # noqa: ANN001
-    """Three waves of prompts sharing prefixes in several patterns; later waves extend earlier outputs."""
+def _waves(model, reference: Callable[[list[list[int]]], list[list[int]]] | None = None) -> list[list[list[int]]]:  # noqa: ANN001
+    """Three waves of prompts sharing prefixes in several patterns; later waves extend earlier outputs (the
+    plain greedy loop's, or `reference`'s: an engine already shown equal to it, which is faster)."""
     g = random.Random(5)
     v = model.config.vocab_size
 
@@ -37,7 +39,7 @@ def _waves(model) -> list[list[list[int]]]:  # noqa: ANN001
     wave1 += [system + rand(g.randrange(2, 30)) for _ in range(8)]  # shared system prompt
     wave1 += [rand(g.randrange(5, 60)) for _ in range(4)]  # unrelated
     wave1.append(list(wave1[0]))  # exact duplicate
-    ref1 = [greedy_reference(model, p, MAX_NEW) for p in wave1]
+    ref1 = reference(wave1) if reference is not None else [greedy_reference(model, p, MAX_NEW) for p in wave1]
     wave2 = [p + o + rand(g.randrange(1, 9)) for p, o in zip(wave1[:14], ref1[:14], strict=True)]  # next turn
     wave2 += [p + o for p, o in zip(wave1[14:20], ref1[14:20], strict=True)]  # prompt = earlier prompt + output
     wave2 += [shots[: g.randrange(10, 48)] + rand(4) for _ in range(6)]  # branch inside a cached prefix
