@@ -1,4 +1,21 @@
-"""The MTP proposer (`--speculative-algorithm mtp`): the target's own MTP layers draft."""
+"""The MTP proposer (`--speculative-algorithm mtp`): the target's own MTP layers draft, chained as vLLM's
+`KimiK3MTP` runs them (draft j + 1 from layer j % n, n = `num_nextn_predict_layers`, each step's output the next
+step's h).
+
+Each layer m keeps its latent KV in the pool's MLA-only nested part (every token row), so radix hits, copies and
+retraction carry it. At a committed position p (the target ran it, its next token x_{p+1} is known), layer m's
+entry is the chain's: layer 0 on (x_{p+1}, h_p), h_p the target's pre-norm final hidden; layer m > 0 on
+(x_{p+1}, layer m-1's output at p-1) (the target's h_0 at position 0, or when p-1 was never run here, as after a
+radix hit). `observe` (after sampling) runs every layer over each step's new positions, the last one with the
+sampled token, and keeps per page-table row each layer's output at the last committed position L-1: layer 0's
+logits there give draft 1 of the next verify window [x_L, d_1..d_k]. Draft j + 1 runs layer m = j % n at
+position L-1+j on (d_j, the previous step's output); first it catches layer m's KV up over the chain positions
+it has not written this round (inputs: the drafts and the chain's outputs), so no layer ever attends over a slot
+it did not write for this window. `after_verify` reruns every layer over the committed positions with the
+verify's target hiddens and tokens, overwriting the chain's entries. The last position of a prompt chunk that
+does not sample keeps a stale entry (its next token is the next chunk's first): only acceptance can suffer,
+never outputs. Sampled requests draw drafts from the tempered, truncated MTP distribution (as the draft model).
+"""
 
 from __future__ import annotations
 
@@ -15,18 +32,6 @@ from runtime.spec_drafts import any_sampled, choose, window_layout
 
 
 class MTPProposer:
-    """The target's own MTP layer drafts (`--speculative-algorithm mtp`). Its latent KV at position p holds
-    fuse(embed(token p+1), h_p), h_p the target's pre-norm final hidden there, in the pool's MLA-only nested part
-    (every token row), so radix hits, copies and retraction carry it. `observe` (after sampling) runs the layer
-    over each step's new positions, the last one with the sampled token, and keeps per page-table row its output
-    there: the mtp logits of that output are draft 1 of the next verify window [x_L, d1..dk]. Draft j > 1 chains
-    one more MTP step at position L+j-2 on (d_{j-1}, the previous step's output); those chained entries are
-    rewritten by `after_verify`, which reruns the layer over the committed positions with the verify's target
-    hiddens and tokens. Only MTP layer 0 is run (every chained step reuses it): a further layer's KV would need
-    tokens two positions ahead at the last committed position. The last position of a prompt chunk that does not
-    sample keeps a stale entry (its next token is the next chunk's first): only acceptance can suffer, never
-    outputs. Sampled requests draw drafts from the tempered, truncated MTP distribution (as the draft model)."""
-
     needs_hidden = True
     aux_layer_ids: tuple[int, ...] = ()
 
@@ -35,21 +40,35 @@ class MTPProposer:
         if cfg.num_nextn_predict_layers < 1:
             raise ValueError("--speculative-algorithm mtp: the checkpoint has no MTP layers")
         self.model = model
+        self.num_layers = cfg.num_nextn_predict_layers
         self.cache = HybridCache(recurrent=[], conv=[],
-                                 latent=[buffer.kv(i, draft=True) for i in range(cfg.num_nextn_predict_layers)])
-        # Per page-table row: the MTP output at the last committed position (its logits give draft 1).
-        self.last_out = torch.zeros(num_rows, cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=model.device)
+                                 latent=[buffer.kv(i, draft=True) for i in range(self.num_layers)])
+        dtype, dev = model.lm_head.weight.dtype, model.device
+        # Per layer and page-table row: the layer's output at the row's last committed position `last_pos`.
+        self.last_out = torch.zeros(self.num_layers, num_rows, cfg.hidden_size, dtype=dtype, device=dev)
+        self.last_pos = torch.full((num_rows,), -1, dtype=torch.int64, device=dev)
 
     def _run(self, batch: ForwardBatch, hidden: Tensor, next_last: Tensor, rows: Tensor) -> None:
-        """MTP layer 0 over `batch`'s new positions: next token = the following new token, or `next_last`."""
+        """Every MTP layer over `batch`'s new positions: next token = the following new token, or `next_last`."""
         ids = batch.input_ids
         last = batch.last_token_index()
         next_ids = torch.roll(ids, -1)
-        next_ids[last] = next_last.clamp(min=0)  # a chunk that did not sample: a stale entry (see class doc)
+        next_ids[last] = next_last.clamp(min=0)  # a chunk that did not sample: a stale entry (see module doc)
         sub = dataclasses.replace(batch, input_ids=next_ids, logits_index=None, attn_backend=None, spec=None)
-        out = self.model.forward_mtp_batch(0, sub, hidden, self.cache).hidden
-        have = next_last >= 0
-        self.last_out[rows[have]] = out[last[have]].to(self.last_out.dtype)
+        first = batch.cu_seqlens[:-1]
+        # The previous position's layer m-1 output is known here iff this row's last run ended just before.
+        carried = (self.last_pos[rows] == batch.prefix_lens - 1) & (batch.prefix_lens > 0)
+        before = self.last_out[:, rows]  # a copy (advanced indexing): the loop overwrites last_out
+        h = hidden
+        for m in range(self.num_layers):
+            if m > 0:  # layer m reads layer m-1's output one position back
+                shifted = torch.roll(h, 1, dims=0)
+                shifted[first] = torch.where(carried[:, None], before[m - 1].to(h.dtype),
+                                             hidden[first].to(h.dtype))
+                h = shifted
+            h = self.model.forward_mtp_batch(m, sub, h, self.cache).hidden
+            self.last_out[m, rows] = h[last].to(self.last_out.dtype)
+        self.last_pos[rows] = batch.seq_lens - 1
 
     def observe(self, batch: ForwardBatch, hidden: Tensor | None, next_last: Tensor, rows: Tensor) -> None:
         if batch.mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
@@ -63,25 +82,34 @@ class MTPProposer:
         width = int(lens.max())
         vocab = self.model.config.vocab_size
         probs = torch.zeros(lens.numel(), width - 1, vocab, device=ids.device) if any_sampled(params) else None
-        out = self.last_out[rows]
+        # chain[:, s]: the chain's output at position L-1+s (s = 0: layer 0's at the last committed position).
+        chain = self.last_out.new_zeros(lens.numel(), width, self.last_out.shape[-1])
+        chain[:, 0] = self.last_out[0, rows]
+        written = [0] * self.num_layers  # per layer: the last chain step whose position it has written
         for j in range(1, width):
             drafting = (lens > j).nonzero().squeeze(1)
-            logits = self.model.mtp_logits(0, out[drafting]).float()
+            logits = self.model.mtp_logits((j - 1) % self.num_layers, chain[drafting, j - 1]).float()
             d, q = choose(logits, None if probs is None else [params[i][j - 1] for i in drafting.tolist()])
+            ids[starts[drafting] + j] = d
             if probs is not None:
                 probs[drafting, j - 1] = q
-            ids[starts[drafting] + j] = d
-            more = lens[drafting] > j + 1
-            if not bool(more.any()):
+            on = drafting[lens[drafting] > j + 1]
+            if not on.numel():
                 continue
-            # Chain: one MTP step at position L+j-1 on (d_j, previous output) for the windows that draft on.
-            on = drafting[more]
-            cu = torch.arange(on.numel() + 1, device=ids.device)
-            step = ForwardBatch.from_table(ForwardMode.DECODE, d[more], cu, batch.prefix_lens[on] + j - 1,
-                                           batch.state_slots[on], batch.block_table[on], batch.page_size)
-            new = self.model.forward_mtp_batch(0, step, out[on], self.cache).hidden
-            out = out.clone()
-            out[on] = new.to(out.dtype)
+            # Step j: layer m at position L-1+j on (d_j, chain[j-1]), after catching its KV up over the steps
+            # since it last wrote (inputs: the token after each position and the chain one position back).
+            m = j % self.num_layers
+            steps = torch.arange(written[m] + 1, j + 1, device=ids.device)
+            c = steps.numel()
+            tok = ids[(starts[on][:, None] + steps).reshape(-1)]
+            hid = chain[on][:, steps - 1].reshape(-1, chain.shape[-1])
+            cu = torch.arange(0, (on.numel() + 1) * c, c, device=ids.device)
+            mode = ForwardMode.DECODE if c == 1 else ForwardMode.EXTEND
+            step = ForwardBatch.from_table(mode, tok, cu, batch.prefix_lens[on] + written[m], batch.state_slots[on],
+                                           batch.block_table[on], batch.page_size)
+            out = self.model.forward_mtp_batch(m, step, hid, self.cache).hidden
+            chain[on, j] = out[cu[1:] - 1].to(chain.dtype)
+            written[m] = j
         return probs
 
     def commit(self, state_slots: Tensor, rows: Tensor, num_tokens: Tensor, check: bool) -> None:

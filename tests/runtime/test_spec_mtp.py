@@ -1,7 +1,8 @@
 """The MTP proposer (`--speculative-algorithm mtp`, runtime/spec_proposers.py) end to end on `k3-tiny-native`
-random weights (one MTP layer, its latents nested in the target's pool): greedy outputs equal the plain no-cache
-greedy loop (k = 1, 3: k > 1 chains the one layer; radix on and off; page sizes 1 and 16), with the state-parity
-hook on; seeded sampled runs repeat; a checkpoint without MTP layers is refused."""
+random weights (one MTP layer, and two, their latents nested in the target's pool): greedy outputs equal the plain
+no-cache greedy loop (k = 1, 3, 6: k > n chains the layers cyclically; radix on and off; page sizes 1 and 16), with
+the state-parity hook on; drafts equal the no-cache MTP chain; seeded sampled runs repeat; a checkpoint without
+MTP layers is refused."""
 
 from __future__ import annotations
 
@@ -31,7 +32,24 @@ def model():  # noqa: ANN201
 
 
 @pytest.fixture(scope="module")
+def model2():  # noqa: ANN201
+    """Two MTP layers: drafts chain layer 0, layer 1, then layer 0 again (k > 2)."""
+    return build_model(dataclasses.replace(preset("k3-tiny-native"), num_nextn_predict_layers=2), seed=12)
+
+
+@pytest.fixture(scope="module")
 def workload(model):  # noqa: ANN001, ANN201
+    return _workload(model)
+
+
+@pytest.fixture(scope="module")
+def workload2(model2):  # noqa: ANN001, ANN201
+    """As `workload`, the references from the plain engine (itself tested against the no-cache loop)."""
+    prompts = _workload(model2, refs=False)[0]
+    return prompts, LocalEngine(ServerArgs(), model2).generate(prompts, GREEDY)
+
+
+def _workload(model, refs: bool = True):  # noqa: ANN001, ANN202
     g = random.Random(3)
     vocab = model.config.vocab_size
 
@@ -42,7 +60,7 @@ def workload(model):  # noqa: ANN001, ANN201
     prompts = [shots + rand(g.randrange(2, 9)) for _ in range(2)]  # shared prefix: radix hits
     prompts += [rand(g.randrange(5, 25)) for _ in range(2)]
     prompts.append(list(prompts[0]))
-    return prompts, [greedy_reference(model, p, MAX_NEW) for p in prompts]
+    return prompts, [greedy_reference(model, p, MAX_NEW) for p in prompts] if refs else []
 
 
 def _engine(model, **kw) -> LocalEngine:  # noqa: ANN001
@@ -56,10 +74,21 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize(("name", "k"), [("radix", 1), ("radix", 3), ("no_radix", 3), ("page16", 1), ("page16", 3)])
+@pytest.mark.parametrize(("name", "k"), [("radix", 1), ("radix", 3), ("radix", 6), ("no_radix", 3), ("page16", 1),
+                                       ("page16", 6)])
 def test_greedy_with_mtp_equals_plain(model, workload, name: str, k: int) -> None:  # noqa: ANN001
     prompts, refs = workload
     eng = _engine(model, speculative_num_draft_tokens=k, **CONFIGS[name])
+    assert eng.generate(prompts, GREEDY) == refs
+    m = eng.scheduler.metrics
+    assert m.verify_steps > 0 and m.draft_tokens > 0
+    eng.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize(("name", "k"), [("radix", 3), ("no_radix", 6), ("page16", 6)])
+def test_greedy_with_two_mtp_layers_equals_plain(model2, workload2, name: str, k: int) -> None:  # noqa: ANN001
+    prompts, refs = workload2
+    eng = _engine(model2, speculative_num_draft_tokens=k, **CONFIGS[name])
     assert eng.generate(prompts, GREEDY) == refs
     m = eng.scheduler.metrics
     assert m.verify_steps > 0 and m.draft_tokens > 0
@@ -96,57 +125,61 @@ def test_refuses_a_checkpoint_without_mtp_layers() -> None:
 
 
 def _reference_chain(model, seq: list[int], k: int) -> tuple[list[int], list[torch.Tensor]]:  # noqa: ANN001
-    """No-cache drafts for the window at position L = len(seq) - 1, and the MTP outputs they come from: MTP
-    layer 0 over (h_p, token p+1) for p < L, then chained over its own outputs and drafts."""
+    """No-cache drafts for the window at position L = len(seq) - 1, and each MTP layer's output at L-1. Committed
+    positions p < L: layer 0 on (token p+1, h_p), layer m > 0 on (token p+1, layer m-1's output at p-1; h_0 at
+    p = 0). Draft j+1 from layer j % n at position L-1+j on (d_j, the chain's output one position back), that
+    layer's entries caught up over the chain positions it skipped."""
+    n = model.config.num_nextn_predict_layers
     ids = torch.tensor(seq)
     h = model.prenorm_hidden(ids, torch.tensor([0, len(seq)]))[:-1]
-    nxt, drafts, outs = ids[1:], [], []
-    for _ in range(k):
-        out = model.forward_mtp(0, nxt, h)
-        d = out.logits[-1].argmax()
-        drafts.append(int(d))
-        outs.append(out.hidden[-1])
-        h, nxt = torch.cat([h, out.hidden[-1:]]), torch.cat([nxt, d[None]])
-    return drafts, outs
+    nxt = ids[1:]
+    toks, hids, outs = [], [], []
+    for m in range(n):
+        hin = h if m == 0 else torch.cat([h[:1], outs[-1][:-1]])
+        outs.append(model.forward_mtp(m, nxt, hin).hidden)
+        toks.append(nxt)
+        hids.append(hin)
+    chain, drafts, written = [outs[0][-1]], [], [0] * n
+    for j in range(1, k + 1):
+        drafts.append(int(model.mtp_logits((j - 1) % n, chain[j - 1][None]).argmax()))
+        if j == k:
+            break
+        m = j % n
+        for s in range(written[m] + 1, j + 1):
+            toks[m] = torch.cat([toks[m], torch.tensor([drafts[s - 1]])])
+            hids[m] = torch.cat([hids[m], chain[s - 1][None]])
+        chain.append(model.forward_mtp(m, toks[m], hids[m]).hidden[-1])
+        written[m] = j
+    return drafts, [o[-1] for o in outs]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_drafts_are_the_no_cache_mtp_chain(model, workload, page_size: int) -> None:  # noqa: ANN001
-    """Every verify window's drafts and the MTP outputs behind them equal the no-cache MTP chain on the
-    committed tokens: the cached MTP latents, the catch-up after each verify and the chain are right (not only
-    harmless to the outputs)."""
-    prompts, refs = workload
-    k = 3
-    eng = _engine(model, speculative_num_draft_tokens=k, page_size=page_size)
+@pytest.mark.parametrize(("layers", "page_size", "k"), [(1, 16, 3), (2, 1, 6)])
+def test_drafts_are_the_no_cache_mtp_chain(model, model2, workload, workload2, layers: int,  # noqa: ANN001
+                                           page_size: int, k: int) -> None:
+    """Every verify window's drafts, and each MTP layer's output at the last committed position, equal the
+    no-cache MTP chain on the committed tokens: the cached MTP latents of every layer, the catch-up after each
+    verify and the chain are right (not only harmless to the outputs)."""
+    target = model if layers == 1 else model2
+    prompts, refs = workload if layers == 1 else workload2
+    eng = _engine(target, speculative_num_draft_tokens=k, page_size=page_size)
     proposer = eng.worker.proposer
-    seen: list[tuple[int, list[int], list[torch.Tensor]]] = []
-    chain: list[torch.Tensor] = []
-    real_propose, real_mtp = proposer.propose, model.forward_mtp_batch
+    seen: list[tuple[int, list[int], torch.Tensor]] = []
+    real_propose = proposer.propose
 
     def record(batch, rows, params):  # noqa: ANN001, ANN202
-        chain.clear()
-        outs = [proposer.last_out[int(rows[0])].clone()]
-        proposer.model.forward_mtp_batch = mtp
-        try:
-            probs = real_propose(batch, rows, params)
-        finally:
-            del proposer.model.forward_mtp_batch
-        seen.append((int(batch.prefix_lens[0]), batch.input_ids[1:].tolist(), outs + list(chain)))
+        outs = proposer.last_out[:, int(rows[0])].clone()
+        probs = real_propose(batch, rows, params)
+        seen.append((int(batch.prefix_lens[0]), batch.input_ids[1:].tolist(), outs))
         return probs
-
-    def mtp(*a, **kw):  # noqa: ANN002, ANN003, ANN202
-        out = real_mtp(*a, **kw)
-        chain.append(out.hidden[0].clone())
-        return out
 
     proposer.propose = record
     assert eng.generate([prompts[2]], GREEDY) == [refs[2]]
     full = prompts[2] + refs[2]
-    assert len(seen) > 3
+    assert len(seen) > 2
     for prefix, drafts, outs in seen:
-        ref_drafts, ref_outs = _reference_chain(model, full[: prefix + 1], len(drafts))
+        ref_drafts, ref_outs = _reference_chain(target, full[: prefix + 1], len(drafts))
         assert drafts == ref_drafts, prefix
-        torch.testing.assert_close(torch.stack(outs), torch.stack(ref_outs[: len(outs)]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(outs, torch.stack(ref_outs), atol=1e-4, rtol=1e-4)
 
 
 def test_trained_mtp_layer_accepts_drafts_on_gsm8k() -> None:
