@@ -11,7 +11,8 @@ from torch import Tensor
 
 from kernels.backend import kernel_backend
 from kernels.conv1d import conv_from_history, conv_history, conv_window, history_states
-from kernels.pool_slots import gather_slots, scatter_slots, window_positions
+from kernels.pool_slots import gather_slots, scatter_slots
+from kernels.spec_layout import WindowLayout, pad, unpad, window_layout
 from kernels.state_checkpoints import StateCheckpoints, check_num_tokens, check_slots
 
 
@@ -116,21 +117,38 @@ def conv1d_verify(
     activation: str | None = "silu",
     snapshots: Tensor | None = None,
     snapshot_rows: Tensor | None = None,
+    layout: WindowLayout | None = None,
 ) -> Tensor:
     """A speculative window: each sequence's new tokens (x [T, C] packed by cu_seqlens) convolved from its
     slot's conv state, which is NOT written back; each token's window is built and reduced exactly as
     `conv1d_decode` does, so the outputs equal plain decode's. With `snapshots` [R, W, C, width-1] the conv
     state after window position t of sequence i is also written to snapshots[snapshot_rows[i], t].
-    Returns y [T, C]. Torch on every backend."""
+    `layout`: the step's `window_layout(cu_seqlens, T)` when the caller has it. Returns y [T, C]. Torch on
+    every backend."""
+    lay = window_layout(cu_seqlens, x.shape[0]) if layout is None else layout
+    y = conv1d_verify_padded(pad(x, lay), weight, conv_pool, state_slots, activation=activation,
+                             snapshots=snapshots, snapshot_rows=snapshot_rows)
+    return unpad(y, lay)
+
+
+def conv1d_verify_padded(
+    x: Tensor,
+    weight: Tensor,
+    conv_pool: Tensor,
+    state_slots: Tensor,
+    *,
+    activation: str | None = "silu",
+    snapshots: Tensor | None = None,
+    snapshot_rows: Tensor | None = None,
+) -> Tensor:
+    """`conv1d_verify` over zero-padded windows x [N, L, C] -> y [N, L, C] (padded positions: dropped by the
+    caller). Every position's [C, width] window is reduced as decode reduces its one window."""
     width = weight.shape[-1]
-    seq, off, longest = window_positions(cu_seqlens, x.shape[0])
-    n = state_slots.numel()
+    n, length, c = x.shape
     hist = gather_slots(conv_pool, state_slots).to(x.dtype)  # [N, C, W-1]
-    padded = x.new_zeros(n, longest, x.shape[1])
-    padded[seq, off] = x
-    full = torch.cat([hist, padded.transpose(1, 2)], dim=-1)  # [N, C, W-1+L]
-    windows = full.unfold(-1, width, 1)  # [N, C, L, W]: window t ends at token t
-    y = conv_window(windows[seq, :, off], weight, activation)
+    full = torch.cat([hist, x.transpose(1, 2)], dim=-1)  # [N, C, W-1+L]
+    windows = full.unfold(-1, width, 1).transpose(1, 2)  # [N, L, C, W]: window t ends at token t
+    y = conv_window(windows.reshape(n * length, c, width), weight, activation)  # contiguous, as decode's
     if snapshots is not None and snapshot_rows is not None:
-        snapshots[snapshot_rows[seq], off] = windows[seq, :, off, 1:].to(snapshots.dtype)
-    return y.to(x.dtype)
+        snapshots[:, :length].index_copy_(0, snapshot_rows, windows[..., 1:].to(snapshots.dtype))
+    return y.to(x.dtype).view(n, length, c)

@@ -17,7 +17,8 @@ from torch import Tensor
 from kernels.backend import kernel_backend
 from kernels.kda import kda_gate, kda_read, kda_step, kda_step_, l2norm, seq_bounds
 from kernels.kda_chunk import chunk_scan, plan_chunks
-from kernels.pool_slots import gather_slots, scatter_slots, window_positions
+from kernels.pool_slots import gather_slots, scatter_slots
+from kernels.spec_layout import WindowLayout, pad, unpad, window_layout
 from kernels.state_checkpoints import StateCheckpoints, check_num_tokens, check_slots
 
 
@@ -168,10 +169,16 @@ def kda_replay(
             None, k, v, g, beta, state_pool, state_slots, num_tokens, 1.0, gate, beta_logits, qk_l2norm
         )
         return
-    s = gather_slots(state_pool, state_slots).float()
-    for t in range(max(num_tokens.tolist(), default=0)):
+    counts = num_tokens.tolist()
+    if not counts or max(counts) == 0:
+        return
+    s = gather_slots(state_pool, state_slots).float()  # our copy: updated in place while every row advances
+    every = min(counts)
+    for t in range(max(counts)):
         step = preprocess_step(k[:, t], v[:, t], g[:, t], beta[:, t], gate, beta_logits, qk_l2norm)
-        s = torch.where((num_tokens > t).view(-1, 1, 1, 1), kda_step(s, *step), s)
+        # the same elementwise ops either way, so the same bits; rows past their count keep their state
+        s = kda_step_(s, *step) if t < every else torch.where((num_tokens > t).view(-1, 1, 1, 1),
+                                                              kda_step(s, *step), s)
     scatter_slots(state_pool, state_slots, s)
 
 
@@ -188,24 +195,43 @@ def kda_verify(
     scale: float | None = None,
     snapshots: Tensor | None = None,
     snapshot_rows: Tensor | None = None,
+    layout: WindowLayout | None = None,
 ) -> Tensor:
     """A speculative window: each sequence's new tokens (inputs as `kda_decode`, packed by cu_seqlens) run one
     by one from its slot's state, which is NOT written back. Per token this is decode's arithmetic
     (`kda_step`, `kda_read`), so the outputs equal plain decode's and a later `kda_replay` of the same inputs
     ends on exactly the state decode would. With `snapshots` [R, W, H, K, V] (the snapshot baseline) the state
     after window position t of sequence i is also written to snapshots[snapshot_rows[i], t]. Returns o [T, H, V].
-    Torch on every backend (windows are a few tokens)."""
+    `layout`: the step's `window_layout(cu_seqlens, T)` when the caller has it. Torch on every backend."""
+    lay = window_layout(cu_seqlens, q.shape[0]) if layout is None else layout
+    o = kda_verify_padded(*(pad(x, lay) for x in (q, k, v, g, beta)), state_pool, state_slots, scale=scale,
+                          snapshots=snapshots, snapshot_rows=snapshot_rows)
+    return unpad(o, lay)
+
+
+def kda_verify_padded(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_slots: Tensor,
+    *,
+    scale: float | None = None,
+    snapshots: Tensor | None = None,
+    snapshot_rows: Tensor | None = None,
+) -> Tensor:
+    """`kda_verify` over zero-padded windows: q, k, g [N, W, H, K], v [N, W, H, V], beta [N, W, H] -> o
+    [N, W, H, V] in v's dtype. Position t of every window is one batched step (elementwise, so a row's bits do
+    not depend on its batch-mates); a padded position (zero k, v, beta and log decay) leaves the state as it
+    was, and its output is dropped by the caller."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    t_total = q.shape[0]
-    seq, off, width = window_positions(cu_seqlens, t_total)
     s = gather_slots(state_pool, state_slots).float()
-    o = torch.empty(t_total, *v.shape[1:], dtype=torch.float32, device=v.device)
-    for t in range(width):
-        at = (off == t).nonzero().squeeze(1)  # the tokens at window position t, one per long-enough sequence
-        rows = seq[at]
-        s_t = kda_step(s[rows], k[at], v[at], g[at], beta[at])
-        o[at] = kda_read(s_t, q[at], scale)
-        s[rows] = s_t
+    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for t in range(q.shape[1]):
+        s = kda_step(s, k[:, t], v[:, t], g[:, t], beta[:, t])
+        o[:, t] = kda_read(s, q[:, t], scale)
         if snapshots is not None and snapshot_rows is not None:
-            snapshots[snapshot_rows[rows], t] = s_t
+            snapshots[:, t].index_copy_(0, snapshot_rows, s)
     return o.to(v.dtype)

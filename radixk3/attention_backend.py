@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 from kernels.backend import kernel_backend
-from kernels.conv1d_pool import conv1d_decode, conv1d_prefill, conv1d_verify
-from kernels.kda_pool import kda_decode, kda_prefill, kda_verify
+from kernels.conv1d_pool import conv1d_decode, conv1d_prefill, conv1d_verify_padded
+from kernels.kda_pool import kda_decode, kda_prefill, kda_verify_padded
+from kernels.mla import mla_attention
 from kernels.mla_paged import (
     PagedKV,
     check_paged,
@@ -33,7 +35,7 @@ from kernels.mla_paged import (
     mla_store,
     sequence_slots,
 )
-from kernels.pool_slots import window_positions
+from kernels.spec_layout import pad, unpad, window_layout
 from kernels.state_checkpoints import StateCheckpoints, check_slots
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 
@@ -49,7 +51,8 @@ class AttentionBackend:
                 raise ValueError("a verify batch needs its draft window (batch.spec)")
             if not bool((batch.prefix_lens > 0).all()):
                 raise ValueError("a verify window starts after a cached prefix: every prefix must be non-empty")
-            self._seq, self._off, _ = window_positions(batch.cu_seqlens, int(batch.input_ids.numel()))
+            lay = batch.spec.layout
+            self._lay = lay if lay is not None else window_layout(batch.cu_seqlens, int(batch.input_ids.numel()))
         self.has_state = batch.prefix_lens > 0
         self.paged = PagedKV(batch.block_table, batch.seq_lens, batch.page_size)
         self._kv_rows: Tensor | None = None  # every cached token's KV slot (torch MLA), built by the first layer
@@ -106,8 +109,10 @@ class AttentionBackend:
             w = b.spec
             assert w is not None
             snap = w.window.snap_conv[layer] if w.window.mode == "snapshot" else None
-            w.window.save_conv_inputs(layer, w.rows, self._seq, self._off, x)
-            return conv1d_verify(x, weight, pool, b.state_slots, b.cu_seqlens, snapshots=snap, snapshot_rows=w.rows)
+            xp = pad(x, self._lay)  # padded once: the ring and the window conv share it
+            w.window.save_conv_inputs(layer, w.rows, xp)
+            y = conv1d_verify_padded(xp, weight, pool, b.state_slots, snapshots=snap, snapshot_rows=w.rows)
+            return unpad(y, self._lay)
         return conv1d_prefill(x, weight, pool, state_slots=b.state_slots, cu_seqlens=b.cu_seqlens,
                               has_initial_state=self.has_state, checkpoints=self.checkpoints, validate=False)
 
@@ -121,9 +126,10 @@ class AttentionBackend:
             w = b.spec
             assert w is not None
             snap = w.window.snap_recurrent[layer] if w.window.mode == "snapshot" else None
-            w.window.save_kda_inputs(layer, w.rows, self._seq, self._off, k, v, g, beta)
-            return kda_verify(q, k, v, g, beta, pool, b.state_slots, b.cu_seqlens, snapshots=snap,
-                              snapshot_rows=w.rows)
+            qp, kp, vp, gp, bp = (pad(t, self._lay) for t in (q, k, v, g, beta))
+            w.window.save_kda_inputs(layer, w.rows, kp, vp, gp, bp)
+            o = kda_verify_padded(qp, kp, vp, gp, bp, pool, b.state_slots, snapshots=snap, snapshot_rows=w.rows)
+            return unpad(o, self._lay)
         return kda_prefill(q, k, v, g, beta, pool, state_slots=b.state_slots, cu_seqlens=b.cu_seqlens,
                            has_initial_state=self.has_state, checkpoints=self.checkpoints, validate=False)
 
@@ -137,6 +143,12 @@ class AttentionBackend:
         if self.decode:
             return mla_paged_decode(q_nope, q_pe, buf, kv_b_weight, self.paged, scale=scale, validate=False,
                                     kv_rows=self._kv_rows)
+        if self.verify and self._kv_rows is not None:
+            # A window's few queries each stand where a decode token would: decode's weight-absorbed form
+            # (scores against the latent), not prefill's, which expands K and V for the whole context.
+            cu_kv = torch.cat([self.paged.kv_lens.new_zeros(1), torch.cumsum(self.paged.kv_lens, 0)])
+            return mla_attention(q_nope, q_pe, buf, kv_b_weight, cu_q=self.batch.cu_seqlens, cu_kv=cu_kv,
+                                 scale=scale, absorbed=True, kv_rows=self._kv_rows)
         return mla_paged_prefill(q_nope, q_pe, buf, kv_b_weight, self.paged, cu_q=self.batch.cu_seqlens,
                                  scale=scale, validate=False, kv_rows=self._kv_rows)
 

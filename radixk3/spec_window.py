@@ -25,6 +25,7 @@ from torch import Tensor
 from kernels.conv1d_pool import conv1d_decode, conv1d_replay
 from kernels.kda_pool import kda_decode, kda_replay
 from kernels.pool_slots import scatter_slots
+from kernels.spec_layout import WindowLayout
 from radixk3.config import ModelConfig
 from radixk3.parallel import parallel_state
 
@@ -32,10 +33,12 @@ SPEC_STATE_MODES = ("replay", "snapshot")
 
 
 class WindowRows(NamedTuple):
-    """The window rows (page-table rows) of a verify batch's sequences, [N] int64, and the window itself."""
+    """The window rows (page-table rows) of a verify batch's sequences, [N] int64, and the window itself;
+    `layout` the step's packed <-> padded mapping when the caller has it (else the backend derives it)."""
 
     window: SpecWindow
     rows: Tensor
+    layout: WindowLayout | None = None
 
 
 @dataclass
@@ -79,28 +82,31 @@ class SpecWindow:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # --- filled by the attention backend during the verify forward -------------------------------------------
-    def save_conv_inputs(self, layer: int, rows: Tensor, seq: Tensor, off: Tensor, x: Tensor) -> None:
+    # Inputs arrive padded, [N, L, ...] with L <= width: one whole-row copy per tensor into the rows' ring.
+    def save_conv_inputs(self, layer: int, rows: Tensor, x: Tensor) -> None:
         if self.x:
-            self.x[layer][rows[seq], off] = x
+            self.x[layer][:, : x.shape[1]].index_copy_(0, rows, x)
 
-    def save_kda_inputs(self, layer: int, rows: Tensor, seq: Tensor, off: Tensor, k: Tensor, v: Tensor,
-                        g: Tensor, beta: Tensor) -> None:
+    def save_kda_inputs(self, layer: int, rows: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> None:
         if self.k:
-            r = rows[seq]
-            self.k[layer][r, off] = k
-            self.v[layer][r, off] = v
-            self.g[layer][r, off] = g.float()
-            self.beta[layer][r, off] = beta.float()
+            length = k.shape[1]
+            self.k[layer][:, :length].index_copy_(0, rows, k)
+            self.v[layer][:, :length].index_copy_(0, rows, v)
+            self.g[layer][:, :length].index_copy_(0, rows, g.float())
+            self.beta[layer][:, :length].index_copy_(0, rows, beta.float())
 
     # --- after acceptance --------------------------------------------------------------------------------
     def commit(self, recurrent: list[Tensor], conv: list[Tensor], state_slots: Tensor, rows: Tensor,
                num_tokens: Tensor) -> None:
         """Advance each sequence's live state by the first num_tokens[i] (>= 1) tokens of its window."""
+        longest = int(num_tokens.max()) if num_tokens.numel() else 0
         for layer in range(len(recurrent)):
             if self.mode == "replay":
-                kda_replay(self.k[layer][rows], self.v[layer][rows], self.g[layer][rows], self.beta[layer][rows],
-                           recurrent[layer], state_slots, num_tokens, validate=False)
-                conv1d_replay(self.x[layer][rows], conv[layer], state_slots, num_tokens, validate=False)
+                # only the positions some row commits are read back
+                k, v, g, b, x = (t[layer][:, :longest].index_select(0, rows)
+                                 for t in (self.k, self.v, self.g, self.beta, self.x))
+                kda_replay(k, v, g, b, recurrent[layer], state_slots, num_tokens, validate=False)
+                conv1d_replay(x, conv[layer], state_slots, num_tokens, validate=False)
             else:
                 last = num_tokens - 1
                 scatter_slots(recurrent[layer], state_slots, self.snap_recurrent[layer][rows, last])

@@ -84,3 +84,26 @@ def test_triton_equals_torch(monkeypatch: pytest.MonkeyPatch) -> None:
         res.append((y, yd, p))
     for a, b in zip(*res, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("lens", [[3, 1, 4], [2, 2]], ids=["ragged", "full"])
+def test_verify_is_decode_bit_for_bit_and_leaves_the_state(lens: list[int]) -> None:
+    """Outputs equal decode's up to the activation's last bit (SiLU's vector and tail paths differ with the
+    tensor size); the states (copies) bit for bit; the live states untouched."""
+    from kernels.conv1d_pool import conv1d_verify
+
+    x, w, pool, cu = data(lens, 8)
+    n = len(lens)
+    slots = torch.tensor([3, 11, 6][:n])
+    live = pool.clone()
+    snaps = torch.zeros(4, max(lens) + 1, C, W - 1)
+    snap_rows = torch.tensor([1, 3, 0][:n])
+    y = conv1d_verify(x, w, pool, slots, cu, snapshots=snaps, snapshot_rows=snap_rows)
+    assert torch.equal(pool, live)
+    decoded = pool.clone()
+    for i in range(n):
+        for t in range(lens[i]):
+            j = int(cu[i]) + t
+            y_ref = conv1d_decode(x[j : j + 1], w, decoded, slots[i : i + 1])
+            torch.testing.assert_close(y[j : j + 1], y_ref, rtol=0, atol=1e-6)
+            assert torch.equal(snaps[snap_rows[i], t], decoded[slots[i]])

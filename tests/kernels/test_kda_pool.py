@@ -204,3 +204,34 @@ def test_bad_slots_are_refused() -> None:
     with pytest.raises(ValueError, match="num_tokens"):
         r = raw_steps(1, 2, 0)
         kda_replay(r["k"], r["v"], r["g"], r["beta"], pool, torch.tensor([0]), torch.tensor([3]))
+
+
+@pytest.mark.parametrize("lens", [[3, 1, 4], [2, 2]], ids=["ragged", "full"])
+def test_verify_is_decode_bit_for_bit_and_leaves_the_state(lens: list[int]) -> None:
+    """kda_verify over packed windows (ragged: padded inside; full: views) == decode of each window's tokens
+    one by one, outputs bit for bit; the live states stay as they were; snapshots hold the state after each
+    window position."""
+    from kernels.kda_pool import kda_verify
+
+    n, width, t_total = len(lens), max(lens), sum(lens)
+    gen = torch.Generator().manual_seed(21)
+    q, k = (torch.nn.functional.normalize(torch.randn(t_total, H, K, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(t_total, H, V, generator=gen)
+    g = -torch.rand(t_total, H, K, generator=gen)
+    beta = torch.rand(t_total, H, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    slots = torch.tensor([4, 7, 1][:n])
+    pool = torch.randn(NUM_SLOTS, H, K, V, generator=gen)
+    live = pool.clone()
+    snaps = torch.zeros(5, width + 1, H, K, V)
+    snap_rows = torch.tensor([3, 0, 2][:n])
+    o = kda_verify(q, k, v, g, beta, pool, slots, cu, snapshots=snaps, snapshot_rows=snap_rows)
+    assert torch.equal(pool, live)
+    decoded = pool.clone()
+    for i in range(n):
+        for t in range(lens[i]):
+            j = int(cu[i]) + t
+            one = slice(j, j + 1)
+            o_ref = kda_decode(q[one], k[one], v[one], g[one], beta[one], decoded, slots[i : i + 1])
+            assert torch.equal(o[one], o_ref)
+            assert torch.equal(snaps[snap_rows[i], t], decoded[slots[i]])
