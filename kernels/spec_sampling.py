@@ -83,25 +83,23 @@ def kept(z: Tensor, p: SamplingTensors) -> Tensor:
     return keep & ((p.min_p[:, None] <= 0) | (z >= zmax + torch.log(p.min_p[:, None])))
 
 
-def verify_drafts(
-    logits: Tensor, drafts: Tensor, num_drafts: Tensor, rows: list[list[SamplingRow]],
-    histories: list[list[int]] | None = None, banned: list[list[list[int]]] | None = None,
-    draft_probs: Tensor | None = None, mask: TokenMask | None = None, top_logprobs_num: int = 0,
-) -> VerifyResult:
-    """logits [N, K+1, V] (raw target logits; position j predicts output index rows[i][j].step);
-    drafts [N, K] int64 (entries past num_drafts[i] ignored); num_drafts [N] int64 in [0, K];
-    rows[i][j]: position j's sampling row; histories[i]: the tokens generated before position 0 (None: none);
-    banned[i][j]: ids position j may not draw; draft_probs [N, K, V]: the drafter's distributions (None: point
-    masses at the drafts); mask: a grammar mask whose rows index the flattened positions i * (K+1) + j."""
+def plain_greedy(rows: list[list[SamplingRow]], banned: list[list[list[int]]] | None,
+                 mask: TokenMask | None) -> bool:
+    """Every position greedy with nothing that changes its logits (penalties, bans, a grammar mask): then
+    acceptance is an argmax compare on the raw logits, without the sampler's per-position tensors."""
+    if mask is not None or (banned is not None and any(b for req in banned for b in req)):
+        return False
+    return all((r.temperature <= 0.0 or r.top_k == 1) and not r.frequency_penalty and not r.presence_penalty
+               and r.repetition_penalty == 1.0 for req in rows for r in req)
+
+
+def _general(logits: Tensor, safe: Tensor, valid: Tensor, num_drafts: Tensor, rows: list[list[SamplingRow]],
+             histories: list[list[int]] | None, banned: list[list[list[int]]] | None, draft_probs: Tensor | None,
+             mask: TokenMask | None) -> tuple[Tensor, Tensor]:
+    """Acceptance with the full sampler: -> (accept [N, K] before the validity mask, own token [N, K+1])."""
     n, width, vocab = logits.shape
     k = width - 1
     dev = logits.device
-    if drafts.shape != (n, k) or num_drafts.shape != (n,):
-        raise ValueError(f"drafts {tuple(drafts.shape)} / num_drafts {tuple(num_drafts.shape)} for logits "
-                         f"{tuple(logits.shape)}")
-    num_drafts = num_drafts.to(dev)
-    valid = torch.arange(k, device=dev)[None] < num_drafts[:, None]  # [N, K]
-    safe = torch.where(valid, drafts.to(dev), 0)  # ignored entries may be any id: index with 0 instead
     flat_rows = _position_rows(rows, num_drafts.tolist(), width)
     p = SamplingTensors.build(flat_rows, dev)
     wants_pen = any(r.frequency_penalty or r.presence_penalty or r.repetition_penalty != 1.0 for r in flat_rows)
@@ -138,6 +136,34 @@ def verify_drafts(
         drawn = torch.where(valid, resid_draw, bonus[:, :k])
         own = torch.where(greedy, argmax, torch.cat([drawn, bonus[:, k:]], 1))
 
+    return accept, own
+
+
+def verify_drafts(
+    logits: Tensor, drafts: Tensor, num_drafts: Tensor, rows: list[list[SamplingRow]],
+    histories: list[list[int]] | None = None, banned: list[list[list[int]]] | None = None,
+    draft_probs: Tensor | None = None, mask: TokenMask | None = None, top_logprobs_num: int = 0,
+) -> VerifyResult:
+    """logits [N, K+1, V] (raw target logits; position j predicts output index rows[i][j].step);
+    drafts [N, K] int64 (entries past num_drafts[i] ignored); num_drafts [N] int64 in [0, K];
+    rows[i][j]: position j's sampling row; histories[i]: the tokens generated before position 0 (None: none);
+    banned[i][j]: ids position j may not draw; draft_probs [N, K, V]: the drafter's distributions (None: point
+    masses at the drafts); mask: a grammar mask whose rows index the flattened positions i * (K+1) + j."""
+    n, width, vocab = logits.shape
+    k = width - 1
+    dev = logits.device
+    if drafts.shape != (n, k) or num_drafts.shape != (n,):
+        raise ValueError(f"drafts {tuple(drafts.shape)} / num_drafts {tuple(num_drafts.shape)} for logits "
+                         f"{tuple(logits.shape)}")
+    num_drafts = num_drafts.to(dev)
+    valid = torch.arange(k, device=dev)[None] < num_drafts[:, None]  # [N, K]
+    safe = torch.where(valid, drafts.to(dev), 0)  # ignored entries may be any id: index with 0 instead
+    if plain_greedy(rows, banned, mask):
+        _position_rows(rows, num_drafts.tolist(), width)  # the same argument check
+        own = logits.argmax(-1)  # nothing adjusts a plain greedy row's logits: the general path's argmax
+        accept = safe == own[:, :k]
+    else:
+        accept, own = _general(logits, safe, valid, num_drafts, rows, histories, banned, draft_probs, mask)
     accept &= valid
     num_accepted = accept.long().cumprod(1).sum(1)
     pos = torch.arange(width, device=dev)[None]

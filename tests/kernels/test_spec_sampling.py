@@ -205,3 +205,40 @@ def test_drafts_from_the_target_itself_are_all_accepted() -> None:
     res = verify_drafts(TARGET.expand(n, K + 1, V), drafts, torch.full((n,), K), rows, draft_probs=p.expand(n, K, V))
     assert float((res.num_accepted == K).float().mean()) > 0.99
     assert math.isfinite(float(res.logprobs.sum()))
+
+
+def test_greedy_fast_path_equals_the_general_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain greedy rows take the argmax-compare fast path; forcing the full sampler path gives the same result
+    (drafts accepted at random places, ties in the logits, short windows)."""
+    import kernels.spec_sampling as ss
+
+    gen = torch.Generator().manual_seed(4)
+    n, k, vocab = 9, 5, 16
+    logits = (torch.randn(n, k + 1, vocab, generator=gen) * 2).round()  # rounding makes ties
+    own = logits.argmax(-1)
+    drafts = own[:, :k].clone()
+    for i in range(n):  # corrupt one draft (or none) per row
+        j = i % (k + 1)
+        if j < k:
+            drafts[i, j] = (drafts[i, j] + 1) % vocab
+    nds = torch.tensor([k - i % 3 for i in range(n)])
+    rows = [[SamplingRow(temperature=0.0, step=j) if i % 2 else SamplingRow(top_k=1, step=j)
+             for j in range(k + 1)] for i in range(n)]
+    assert ss.plain_greedy(rows, [[[]] * (k + 1)] * n, None)
+    fast = verify_drafts(logits, drafts, nds, rows, top_logprobs_num=3)
+    monkeypatch.setattr(ss, "plain_greedy", lambda *a: False)
+    slow = verify_drafts(logits, drafts, nds, rows, top_logprobs_num=3)
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a.nan_to_num(-9.0), b.nan_to_num(-9.0))
+    assert int(fast.num_accepted.sum()) > 0 and int((fast.num_accepted < nds).sum()) > 0
+
+
+def test_fast_path_only_for_rows_without_logit_changes() -> None:
+    from kernels.spec_sampling import plain_greedy
+
+    g = [[SamplingRow(temperature=0.0)] * 2]
+    assert plain_greedy(g, None, None) and plain_greedy(g, [[[], []]], None)
+    assert not plain_greedy(g, [[[], [3]]], None)  # a ban
+    assert not plain_greedy(g, None, TokenMask(torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32)))
+    assert not plain_greedy([[SamplingRow(temperature=0.0, repetition_penalty=1.2)]], None, None)
+    assert not plain_greedy([[SamplingRow(temperature=0.7)]], None, None)
