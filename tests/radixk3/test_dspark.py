@@ -206,9 +206,11 @@ def test_sequences_in_a_pack_are_independent(drafter: DSparkModel, target: KimiF
     torch.testing.assert_close(both[1:], alone, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_paged_block_equals_reference(drafter: DSparkModel, target: KimiForCausalLM, page_size: int) -> None:
-    lens, b = [5, 8], drafter.config.block_size
+@pytest.mark.parametrize(("page_size", "block"), [(1, None), (4, None), (4, 6), (1, 2)])
+def test_paged_block_equals_reference(drafter: DSparkModel, target: KimiForCausalLM, page_size: int,
+                                      block: int | None) -> None:
+    """Also at block lengths other than the trained one (the engine drafts k > block_size in one pass)."""
+    lens, b = [5, 8], block or drafter.config.block_size
     _, cu, ctx = packed_context(drafter, target, lens, 10)
     anchors = torch.tensor([11, 12])
     pages = [(n + b + page_size - 1) // page_size for n in lens]
@@ -220,8 +222,9 @@ def test_paged_block_equals_reference(drafter: DSparkModel, target: KimiForCausa
     pos = torch.cat([torch.arange(n) for n in lens])
     store_context(cache, ctx, paged_slots(table, seq, pos, page_size))
     with torch.no_grad():
-        ref = drafter.draft_block(ctx, cu, anchors)
-        got = drafter.draft_block_paged(anchors, cache, table, torch.tensor(lens), page_size)
+        ref = drafter.draft_block(ctx, cu, anchors, block)
+        got = drafter.draft_block_paged(anchors, cache, table, torch.tensor(lens), page_size, block)
+    assert got.logits.shape == (2, b, drafter.config.vocab_size)
     torch.testing.assert_close(got.logits, ref.logits, rtol=1e-5, atol=1e-4)
 
 
