@@ -242,6 +242,8 @@ def pool_budget(layout: PoolLayout, args: ServerArgs) -> int:
     if args.speculative_algorithm is not None:
         total -= layout.spec_window_bytes(args.spec_state, args.max_running_requests,
                                           args.speculative_num_draft_tokens + 1)
+    if args.speculative_algorithm == "draft" and layout.draft is not None:
+        total -= args.max_running_requests * layout.draft.state_payload_bytes  # its running state in drafting
     if total <= 0:
         raise ValueError(f"--mem-bytes {args.mem_bytes} does not even hold the speculative draft window")
     return total

@@ -10,12 +10,14 @@ exist and would have to park drafts per row across a retraction.
 Draft model (`--speculative-algorithm draft`): a small K3-family model whose KDA states and MLA latents live in
 the target's unified pool (`PoolLayout.draft`), at the same state slots and KV slots as the target's, so the
 allocator, the radix cache's copies and retraction carry them along. It runs every extend and decode step the
-target runs (`observe`: the same batch). In a verify step, draft round j runs the window's first j tokens in
-VERIFY mode from the draft's live state (never written while drafting) and takes draft j from the logits of
-its last one; a last round over the whole window records every position's inputs in the draft's own SpecWindow,
-so that after acceptance `commit` replays exactly the committed tokens into the draft's states (the same
-ReplaySSM / snapshot commit as the target's). Re-running the window prefix every round costs 1 + 2 + ... +
-(k+1) draft tokens instead of k+1; a running state kept in scratch across rounds would save that (not built).
+target runs (`observe`: the same batch). In a verify step the draft keeps a running state in scratch (per
+page-table row), copied from its live state, which is never written while drafting: round j runs window token j
+alone in VERIFY mode from the running state, which records its inputs at window position j of the draft's own
+SpecWindow and stores its MLA latent at the window's KV slot; draft j + 1 comes from its logits; the window's
+commit over that one position then advances the running state (replay: decode's arithmetic, bit for bit). So a
+window costs k + 1 draft tokens (the last round only records the last draft's inputs), and after acceptance
+`commit` replays exactly the committed tokens from the untouched live state (the same ReplaySSM / snapshot
+commit as the target's).
 Greedy requests draft the draft model's argmax. Sampled requests draw each draft from q = the draft's
 distribution under the request's temperature / top-k / top-p / min-p (no penalties, bans or grammar: q is only a
 proposal, any q keeps rejection sampling exact) with the plain sampler's counter-based stream (independent of the
@@ -81,6 +83,14 @@ class DraftModelProposer:
             conv=[buffer.conv_state(i, draft=True) for i in range(cfg.num_kda_layers)],
             latent=[buffer.kv(i, draft=True) for i in range(cfg.num_mla_layers)],
         )
+        # The running draft state across a verify step's draft rounds, per page-table row (scratch, outside the
+        # pool: `pool_budget` takes its bytes); the MLA latents go to the window's own KV slots in the pool.
+        rows = window.k[0].shape[0] if window.k else window.snap_recurrent[0].shape[0]
+        self.running = HybridCache(
+            recurrent=[torch.zeros(rows, *t.shape[1:], dtype=t.dtype, device=t.device) for t in self.cache.recurrent],
+            conv=[torch.zeros(rows, *t.shape[1:], dtype=t.dtype, device=t.device) for t in self.cache.conv],
+            latent=self.cache.latent,
+        )
 
     def observe(self, batch: ForwardBatch, hidden: Tensor | None, next_last: Tensor, rows: Tensor) -> None:
         if batch.mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
@@ -89,28 +99,42 @@ class DraftModelProposer:
 
     def propose(self, batch: ForwardBatch, rows: Tensor, params: list[list[SamplingRow]]) -> Tensor | None:
         ids = batch.input_ids
-        seq, pos, lens = window_layout(batch.cu_seqlens)
+        _, _, lens = window_layout(batch.cu_seqlens)
         starts = batch.cu_seqlens[:-1]
         width = int(lens.max())
         vocab = self.model.config.vocab_size
         probs = torch.zeros(lens.numel(), width - 1, vocab, device=ids.device) if any_sampled(params) else None
-        for j in range(1, width + 1):
-            keep = pos < j  # each window's first min(j, len) tokens
-            sub_lens = lens.clamp(max=j)
-            cu = torch.nn.functional.pad(sub_lens.cumsum(0), (1, 0))
-            sub = ForwardBatch.from_table(ForwardMode.VERIFY, ids[keep], cu, batch.prefix_lens, batch.state_slots,
-                                          batch.block_table, batch.page_size)
-            sub.spec = WindowRows(self.window, rows)
-            logits = self.model.forward_batch(sub, self.cache)  # at each sub-window's last token
-            drafting = (lens > j).nonzero().squeeze(1)
-            if not drafting.numel():
+        # The running state starts as the live one; the live state itself is never written while drafting.
+        for run, live in zip(self.running.recurrent + self.running.conv, self.cache.recurrent + self.cache.conv,
+                             strict=True):
+            run[rows] = live[batch.state_slots]
+        for j in range(width):
+            on = (lens > j).nonzero().squeeze(1)  # the windows that have a position j
+            cu = torch.arange(on.numel() + 1, device=ids.device)
+            sub = ForwardBatch.from_table(ForwardMode.VERIFY, ids[starts[on] + j], cu, batch.prefix_lens[on] + j,
+                                          rows[on], batch.block_table[on], batch.page_size)
+            shifted = self._window_from(j)
+            sub.spec = WindowRows(shifted, rows[on])  # records position j's inputs for the commit's replay
+            logits = self.model.forward_batch(sub, self.running)
+            more = lens[on] > j + 1
+            if not bool(more.any()):
                 continue
-            d, q = choose(logits[drafting].float(),
-                          None if probs is None else [params[i][j - 1] for i in drafting.tolist()])
-            ids[starts[drafting] + j] = d
+            drafting = on[more]
+            d, q = choose(logits[more].float(), None if probs is None else [params[i][j] for i in drafting.tolist()])
+            ids[starts[drafting] + j + 1] = d
             if probs is not None:
-                probs[drafting, j - 1] = q
+                probs[drafting, j] = q
+            # Advance the running state by token j: the same replay (or snapshot) commit, from scratch to scratch.
+            ones = torch.ones_like(drafting)
+            shifted.commit(self.running.recurrent, self.running.conv, rows[drafting], rows[drafting], ones)
         return probs
+
+    def _window_from(self, j: int) -> SpecWindow:
+        """The draft's window seen from position j (views): a one-token verify there records at position j."""
+        w = self.window
+        return dataclasses.replace(w, width=w.width - j, **{
+            f: [t[:, j:] for t in getattr(w, f)] for f in ("k", "v", "g", "beta", "x", "snap_recurrent",
+                                                            "snap_conv")})
 
     def commit(self, state_slots: Tensor, rows: Tensor, num_tokens: Tensor, check: bool) -> None:
         c = self.cache

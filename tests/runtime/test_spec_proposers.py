@@ -69,8 +69,8 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize(("name", "k"), [("radix", 1), ("radix", 3), ("no_radix", 3), ("page16", 1), ("page16", 3),
-                                       ("snapshot_page16", 3)])
+@pytest.mark.parametrize(("name", "k"), [("radix", 1), ("radix", 3), ("radix", 6), ("no_radix", 3), ("page16", 1),
+                                       ("page16", 6), ("snapshot_page16", 6)])
 def test_greedy_equals_plain_with_another_draft_model(model, checkpoints, workload, name: str, k: int) -> None:  # noqa: ANN001
     prompts, refs = workload
     eng = _engine(model, checkpoints["other"], speculative_num_draft_tokens=k, **CONFIGS[name])
@@ -80,7 +80,7 @@ def test_greedy_equals_plain_with_another_draft_model(model, checkpoints, worklo
     eng.scheduler.check_integrity()
 
 
-@pytest.mark.parametrize(("name", "k"), [("radix", 3), ("page16", 1), ("no_radix", 3), ("snapshot_page16", 3)])
+@pytest.mark.parametrize(("name", "k"), [("radix", 3), ("page16", 1), ("no_radix", 6), ("snapshot_page16", 3)])
 def test_self_draft_accepts_nearly_everything(model, checkpoints, workload, name: str, k: int) -> None:  # noqa: ANN001
     prompts, refs = workload
     eng = _engine(model, checkpoints["self"], speculative_num_draft_tokens=k, **CONFIGS[name])
@@ -103,7 +103,8 @@ def test_retraction_under_a_small_pool(model, checkpoints) -> None:  # noqa: ANN
     lay = pool_layout(model.config, base)
     pool = 9 * lay.state_block_bytes + 120 * lay.kv_token_bytes
     eng = _engine(model, checkpoints["other"], speculative_num_draft_tokens=k, max_running_requests=8,
-                  mem_bytes=pool + lay.spec_window_bytes("replay", 8, k + 1), chunked_prefill_size=40,
+                  mem_bytes=pool + lay.spec_window_bytes("replay", 8, k + 1) + 8 * lay.draft.state_payload_bytes,
+                  chunked_prefill_size=40,
                   schedule_conservativeness=0.0)
     assert eng.generate(prompts, sampling) == refs
     assert eng.scheduler.metrics.retractions > 0
@@ -149,3 +150,36 @@ def test_seeded_sampling_with_a_draft_model_is_reproducible(model, checkpoints, 
     assert m.draft_tokens > 0 and m.accepted_tokens / m.draft_tokens > 0.9, (m.accepted_tokens, m.draft_tokens)
 
 
+
+
+def test_drafting_runs_k_plus_1_draft_tokens_per_window(model, checkpoints, workload) -> None:  # noqa: ANN001
+    """The running draft state: a verify step's draft forwards run one token per window per round, k + 1
+    tokens per window in all (not 1 + 2 + ... + (k + 1)); outputs stay exact, self-drafts stay accepted."""
+    prompts, refs = workload
+    k = 6
+    eng = _engine(model, checkpoints["self"], speculative_num_draft_tokens=k)
+    proposer = eng.worker.proposer
+    draft = proposer.model
+    counts: list[tuple[int, int]] = []  # (draft tokens run, window tokens) per verify step
+    real_propose, real_forward = proposer.propose, draft.forward_batch
+    run: list[int] = []
+
+    def forward(batch, cache, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        run.append(int(batch.input_ids.numel()))
+        return real_forward(batch, cache, *a, **kw)
+
+    def record(batch, rows, params):  # noqa: ANN001, ANN202
+        run.clear()
+        draft.forward_batch = forward
+        try:
+            probs = real_propose(batch, rows, params)
+        finally:
+            del draft.forward_batch
+        counts.append((sum(run), int(batch.input_ids.numel())))
+        return probs
+
+    proposer.propose = record
+    assert eng.generate(prompts, GREEDY) == refs
+    assert counts and all(ran == window for ran, window in counts), counts
+    m = eng.scheduler.metrics
+    assert m.accepted_tokens / m.draft_tokens > 0.9, (m.accepted_tokens, m.draft_tokens)
