@@ -8,7 +8,10 @@ accepted length and output tok/s per proposer, with and without speculation, at 
     greedy, one plain run and one run per proposer per batch size, all in this run.
     Batch 1 sends one question at a time; batch B sends B at once.
 
-    python bench/spec.py [--json] [--proposers ngram,mtp,draft] [--k 3] [--questions 16]
+    python bench/spec.py [--json] [--proposers ngram,mtp,draft,dspark] [--k 3] [--ngram-k 8] [--questions 16]
+
+The n-gram proposer drafts up to --ngram-k tokens, fewer after a short match (`runtime.ngram.draft_budget`);
+the model proposers draft --k.
 """
 
 from __future__ import annotations
@@ -81,8 +84,9 @@ def run_engine(target: Path, texts: list[str], batch: int, max_new: int, **spec:
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--proposers", default="ngram,mtp,draft", help=f"comma-separated, of {', '.join(PROPOSERS)}")
-    p.add_argument("--k", type=int, default=3, help="draft tokens per verify step")
+    p.add_argument("--proposers", default=",".join(PROPOSERS), help=f"comma-separated, of {', '.join(PROPOSERS)}")
+    p.add_argument("--k", type=int, default=3, help="draft tokens per verify step (model proposers)")
+    p.add_argument("--ngram-k", type=int, default=8, help="most draft tokens per verify step (n-gram)")
     p.add_argument("--questions", type=int, default=16)
     p.add_argument("--shots", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -121,7 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"(b) batch {batch}: plain {plain['tok_s']:.1f} tok/s ({plain['tokens']} tokens)")
         fig[f"plain_tok_s_b{batch}"] = plain["tok_s"]
         for name in proposers:
-            spec: dict[str, Any] = {"speculative_algorithm": name, "speculative_num_draft_tokens": a.k}
+            k = a.ngram_k if name == "ngram" else a.k
+            spec: dict[str, Any] = {"speculative_algorithm": name, "speculative_num_draft_tokens": k}
             if name in paths:
                 if paths[name] is None:
                     print(f"    {name}: no trained checkpoint in the pair, skipped")
@@ -130,11 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             got = run_engine(pair.target, texts, batch, a.max_new_tokens, **spec)
             same = got["texts"] == plain["texts"]
             speedup = got["tok_s"] / plain["tok_s"]
-            print(f"    {name:7s} accept length {got['accept_length']:.2f}  {got['tok_s']:.1f} tok/s  "
+            print(f"    {name:7s} k {k}  accept length {got['accept_length']:.2f}  {got['tok_s']:.1f} tok/s  "
                   f"speedup {speedup:.2f}x  outputs identical to plain: {same}")
             fig.setdefault(name, {})[f"b{batch}"] = {
                 "accept_length": got["accept_length"], "spec_tok_s": got["tok_s"], "plain_tok_s": plain["tok_s"],
-                "speedup": speedup, "identical": same}
+                "speedup": speedup, "identical": same, "k": k}
     for name in proposers:  # the issue's keys per proposer: batch 1 figures at the top level of each
         if name in fig and "b1" in fig[name]:
             fig[name] |= {key: fig[name]["b1"][key] for key in ("accept_length", "spec_tok_s", "plain_tok_s",

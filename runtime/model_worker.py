@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from kernels.sampling import SampleResult, SamplingRow, TokenMask, sample
+from kernels.spec_layout import pad, window_layout
 from kernels.spec_sampling import VerifyResult, verify_drafts
 from kernels.state_checkpoints import StateCheckpoints
 from radixk3.config import BUILTIN_PRESET, preset
@@ -159,7 +160,8 @@ class ModelWorker:
         draft_probs = None
         if self.proposer is not None:  # before the target reads the window: its drafts replace the placeholders
             draft_probs = self.proposer.propose(batch, rows, rows_of)
-        batch.spec = WindowRows(self.window, rows)
+        lay = window_layout(batch.cu_seqlens, int(batch.input_ids.numel()))  # once: the backend reuses it
+        batch.spec = WindowRows(self.window, rows, lay)
         cache = self.cache
         before = None
         if self.args.debug_spec_state:
@@ -167,21 +169,17 @@ class ModelWorker:
                       [t.index_select(0, batch.state_slots) for t in cache.conv])
         pre: list[torch.Tensor] | None = [] if self.proposer is not None and self.proposer.needs_hidden else None
         logits = self._forward(batch, pre)
-        # Sampled rows come sequence after sequence, one per window position: pad them to [N, width, V].
-        seq = np.repeat(np.arange(n), lens)
-        pos = np.arange(int(cu[-1])) - cu[:-1][seq]
-        padded = logits.new_zeros(n, width, logits.shape[-1])
-        padded[torch.from_numpy(seq), torch.from_numpy(pos)] = logits[: len(seq)]
-        ids = batch.input_ids
-        drafts = ids.new_zeros(n, width - 1)
-        has = pos > 0
-        drafts[torch.from_numpy(seq[has]), torch.from_numpy(pos[has] - 1)] = ids[torch.from_numpy(np.flatnonzero(has))]
+        # Sampled rows come sequence after sequence, one per window position: padded to [N, width, V].
+        padded = pad(logits[: lay.total], lay)
+        drafts = pad(batch.input_ids, lay)[:, 1:]  # zeros past a window's drafts (ignored)
         banned = [plan.banned[starts[i] : starts[i] + lens[i]] for i in range(n)]
         histories = [self.tables.histories.get(int(r), []) for r in plan.rows]
         mask = None
         if len(plan.grammar_rows):  # constrained requests never draft: their one position is masked as in decode
             g = np.asarray(plan.grammar_rows, dtype=np.int64)
             bitmask = torch.from_numpy(np.array(plan.grammar_mask, dtype=np.int32).reshape(len(g), -1))
+            seq = np.repeat(np.arange(n), lens)
+            pos = np.arange(int(cu[-1])) - cu[:-1][seq]
             mask = TokenMask(torch.from_numpy(seq[g] * width + pos[g]), bitmask)
         res, row_errors = self._accept(padded, drafts, torch.from_numpy(lens - 1), rows_of, histories, banned,
                                        plan.top_logprobs_num, mask, draft_probs)

@@ -432,7 +432,9 @@ class Scheduler:
     def _propose(self, req: Req) -> list[int]:
         """The drafts of `req`'s verify window: up to k, never past max_new_tokens (the window also emits the
         target's own token). n-gram drafts are looked up here; a model proposer's are -1 for the worker."""
-        if not req.params.speculative or req.grammar is not None or req.pending_samples:
+        # (no pending-sample check: speculation turns the overlap scheduler off, so the window's first token,
+        # last step's sample, is always known here)
+        if not req.params.speculative or req.grammar is not None:
             return []
         k = min(self.args.speculative_num_draft_tokens, req.params.max_new_tokens - len(req.output_ids) - 1)
         if k <= 0:
@@ -441,7 +443,7 @@ class Scheduler:
             return [-1] * k
         if req.ngram is None:
             req.ngram = NgramIndex(self.args.speculative_ngram_min, self.args.speculative_ngram_max)
-        return req.ngram.propose(req.all_ids, k)
+        return req.ngram.propose_adaptive(req.all_ids, k)
 
     def _follow(self, req: Req, match: MatchResult, sources: list[Req]) -> bool:
         """Whether `req` should wait for a leader to checkpoint a prefix they share (in-batch prefix caching);
