@@ -79,31 +79,26 @@ def _inputs(cfg: ModelConfig) -> list[torch.Tensor]:
     return [x, x[:1], x[:0]]  # a prefill, a one-token decode (the kernel's one-token path), no tokens
 
 
-def _rank_main(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    base = init_parallel(rank, WORLD, f"tcp://127.0.0.1:{port}", timeout_s=TIMEOUT_S / 2)
+def _block_cases(rank: int, base: ParallelState) -> dict[str, list[torch.Tensor]]:
     results: dict[str, list[torch.Tensor]] = {}
-    try:
-        for ep in (1, 2):
-            state = ParallelState(base.tp_rank, base.tp_size, rank // (WORLD // ep), ep, base.group)
-            for name, cfg in _configs().items():
-                full = _full_moe(cfg, seed=3)
-                set_parallel_state(state)
-                shard = MoE(cfg).eval()
-                _load_shard(shard, full)
-                assert sum(p.numel() for p in shard.experts.parameters()) * WORLD == sum(
-                    p.numel() for p in full.experts.parameters())
-                with torch.no_grad():
-                    results[f"{name}/ep{ep}"] = [shard(x) for x in _inputs(cfg)]
-                    # The experts really are split: this rank's routed part alone is far from the whole.
-                    x0 = _inputs(cfg)[0]
-                    w, ids = shard.gate(x0)
-                    u = x0 if shard.routed_expert_down_proj is None else shard.routed_expert_down_proj(x0)
-                    part, whole = shard.experts(u, w, ids), full.experts(u, w, ids)
-                    assert (part - whole).abs().max() > 1e-2
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        destroy_parallel()
+    for ep in (1, 2):
+        state = ParallelState(base.tp_rank, base.tp_size, rank // (WORLD // ep), ep, base.group)
+        for name, cfg in _configs().items():
+            full = _full_moe(cfg, seed=3)
+            set_parallel_state(state)
+            shard = MoE(cfg).eval()
+            _load_shard(shard, full)
+            assert sum(p.numel() for p in shard.experts.parameters()) * WORLD == sum(
+                p.numel() for p in full.experts.parameters())
+            with torch.no_grad():
+                results[f"{name}/ep{ep}"] = [shard(x) for x in _inputs(cfg)]
+                # The experts really are split: this rank's routed part alone is far from the whole.
+                x0 = _inputs(cfg)[0]
+                w, ids = shard.gate(x0)
+                u = x0 if shard.routed_expert_down_proj is None else shard.routed_expert_down_proj(x0)
+                part, whole = shard.experts(u, w, ids), full.experts(u, w, ids)
+                assert (part - whole).abs().max() > 1e-2
+    return results
 
 
 def _free_port() -> int:
@@ -128,9 +123,8 @@ def run_ranks(fn: object, out_dir: Path, *args: object) -> None:
             p.join(5)
 
 
-def test_sharded_moe_equals_unsharded(tmp_path: Path) -> None:
-    run_ranks(_rank_main, tmp_path)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+def test_sharded_moe_equals_unsharded(rank_results: list[dict]) -> None:
+    ranks = [r["blocks"] for r in rank_results]
     cases = 0
     for name, cfg in _configs().items():
         full = _full_moe(cfg, seed=3)
@@ -204,34 +198,48 @@ def _model_ids() -> torch.Tensor:
     return torch.randint(0, 4096, (2, 11), generator=torch.Generator().manual_seed(5))
 
 
-def _model_rank_main(rank: int, port: int, out_dir: str) -> None:
+def _model_cases(rank: int, base: ParallelState, out_dir: str) -> dict[str, torch.Tensor]:
     from radixk3.checkpoint import load_model
     from radixk3.model import build_model
 
+    set_parallel_state(ParallelState(base.tp_rank, base.tp_size, rank, 2, base.group))  # tp 2, ep 2
+    with torch.no_grad():
+        logits = {name: build_model(preset(name), seed=0)(_model_ids()) for name in MODEL_PRESETS}
+        # Loaded: each rank reads its experts' slices and skips the other rank's experts.
+        loaded = load_model(Path(out_dir) / "ckpt")
+        assert loaded.model.layers[1].block_sparse_moe.experts.w13_weight.shape[0] == 4
+        logits["loaded"] = loaded(_model_ids())
+    return logits
+
+
+def _rank_main(rank: int, port: int, out_dir: str) -> None:
+    """One spawn for every case (process start-up dominates): the MoE blocks, then the whole models."""
     torch.set_num_threads(1)
-    init_parallel(rank, WORLD, f"tcp://127.0.0.1:{port}", ep_size=2, timeout_s=TIMEOUT_S / 2)
+    base = init_parallel(rank, WORLD, f"tcp://127.0.0.1:{port}", timeout_s=TIMEOUT_S / 2)
     try:
-        with torch.no_grad():
-            logits = {name: build_model(preset(name), seed=0)(_model_ids()) for name in MODEL_PRESETS}
-            # Loaded: each rank reads its experts' slices and skips the other rank's experts.
-            loaded = load_model(Path(out_dir) / "ckpt")
-            assert loaded.model.layers[1].block_sparse_moe.experts.w13_weight.shape[0] == 4
-            logits["loaded"] = loaded(_model_ids())
-        torch.save(logits, Path(out_dir) / f"rank{rank}.pt")
+        out = {"blocks": _block_cases(rank, base), "model": _model_cases(rank, base, out_dir)}
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     finally:
         destroy_parallel()
 
 
-def test_whole_model_tp2_ep2_logits(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    from radixk3.checkpoint import write_random_checkpoint
+
+    out_dir = tmp_path_factory.mktemp("moe_parallel")
+    write_random_checkpoint(preset("k3-tiny-native"), out_dir / "ckpt", seed=2)
+    run_ranks(_rank_main, out_dir)
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def test_whole_model_tp2_ep2_logits(rank_results: list[dict]) -> None:
     """k3-tiny (Kimi-Linear MoE) and k3-tiny-native (LatentMoE with norm) built sharded (tp 2, ep 2: each rank
     holds half the experts, whole) give the unsharded no-cache logits within 1e-5; so does a tp2 ep2 load of a
     k3-tiny-native checkpoint."""
-    from radixk3.checkpoint import write_random_checkpoint
     from radixk3.model import build_model
 
-    write_random_checkpoint(preset("k3-tiny-native"), tmp_path / "ckpt", seed=2)
-    run_ranks(_model_rank_main, tmp_path)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    ranks = [r["model"] for r in rank_results]
     for name, cfg, seed in [*((n, preset(n), 0) for n in MODEL_PRESETS), ("loaded", preset("k3-tiny-native"), 2)]:
         assert cfg.torch_dtype == torch.float32
         with torch.no_grad():
