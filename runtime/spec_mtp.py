@@ -13,8 +13,8 @@ position L-1+j on (d_j, the previous step's output); first it catches layer m's 
 it has not written this round (inputs: the drafts and the chain's outputs), so no layer ever attends over a slot
 it did not write for this window. `after_verify` reruns every layer over the committed positions with the
 verify's target hiddens and tokens, overwriting the chain's entries. The last position of a prompt chunk that
-does not sample keeps a stale entry (its next token is the next chunk's first): only acceptance can suffer,
-never outputs. Sampled requests draw drafts from the tempered, truncated MTP distribution (as the draft model).
+does not sample waits (its next token is the next chunk's first): the next chunk's run starts there. Sampled
+requests draw drafts from the tempered, truncated MTP distribution (as the draft model).
 """
 
 from __future__ import annotations
@@ -47,17 +47,55 @@ class MTPProposer:
         # Per layer and page-table row: the layer's output at the row's last committed position `last_pos`.
         self.last_out = torch.zeros(self.num_layers, num_rows, cfg.hidden_size, dtype=dtype, device=dev)
         self.last_pos = torch.full((num_rows,), -1, dtype=torch.int64, device=dev)
+        # A non-final prompt chunk's last position waits for the next chunk's first token: its position and
+        # target hidden per row (-1: none pending).
+        self.pending_pos = torch.full((num_rows,), -1, dtype=torch.int64, device=dev)
+        self.pending_h = torch.zeros(num_rows, cfg.hidden_size, dtype=dtype, device=dev)
+
+    def _defer(self, batch: ForwardBatch, hidden: Tensor, next_last: Tensor, rows: Tensor
+               ) -> tuple[ForwardBatch, Tensor, Tensor]:
+        """`batch` as MTP positions (input ids: the token after each position, or `next_last`), less the last
+        position of a chunk that did not sample (its next token is the next chunk's first: kept pending with its
+        target hidden) and plus the row's pending position before a chunk that follows one. Returns the batch,
+        its hiddens and its sequences' rows (a sequence left with no position is dropped)."""
+        ids, cu = batch.input_ids, batch.cu_seqlens
+        n = batch.num_seqs
+        next_ids = torch.roll(ids, -1)
+        next_ids[cu[1:] - 1] = next_last.clamp(min=0)
+        pend = (self.pending_pos[rows] == batch.prefix_lens - 1) & (batch.prefix_lens > 0)
+        hold = next_last < 0
+        if not bool(pend.any() or hold.any()):
+            self.pending_pos[rows] = -1
+            return dataclasses.replace(batch, input_ids=next_ids, logits_index=None, attn_backend=None,
+                                       spec=None), hidden, rows
+        seq, off, lens = window_layout(cu)
+        keep = torch.ones_like(ids, dtype=torch.bool)
+        keep[(cu[1:] - 1)[hold]] = False
+        p = pend.nonzero().squeeze(1)
+        all_seq = torch.cat([seq[keep], p])
+        all_off = torch.cat([off[keep] + 1, torch.zeros_like(p)])  # the pending position goes first
+        all_next = torch.cat([next_ids[keep], ids[cu[:-1][p]]])
+        all_hidden = torch.cat([hidden[keep], self.pending_h[rows[p]].to(hidden.dtype)])
+        order = torch.argsort(all_seq * (int(lens.max()) + 2) + all_off)
+        new_lens = torch.bincount(all_seq, minlength=n)
+        sel = (new_lens > 0).nonzero().squeeze(1)
+        new_cu = torch.nn.functional.pad(new_lens[sel].cumsum(0), (1, 0))
+        # The held positions wait for the next chunk's first token; the pending ones are consumed.
+        self.pending_pos[rows] = torch.where(hold, batch.seq_lens - 1, -1)
+        self.pending_h[rows[hold]] = hidden[(cu[1:] - 1)[hold]].to(self.pending_h.dtype)
+        prefix = (batch.prefix_lens - pend.long())[sel]
+        out = ForwardBatch.from_table(ForwardMode.EXTEND, all_next[order], new_cu, prefix, batch.state_slots[sel],
+                                      batch.block_table[sel], batch.page_size)
+        return out, all_hidden[order], rows[sel]
 
     def _run(self, batch: ForwardBatch, hidden: Tensor, next_last: Tensor, rows: Tensor) -> None:
-        """Every MTP layer over `batch`'s new positions: next token = the following new token, or `next_last`."""
-        ids = batch.input_ids
-        last = batch.last_token_index()
-        next_ids = torch.roll(ids, -1)
-        next_ids[last] = next_last.clamp(min=0)  # a chunk that did not sample: a stale entry (see module doc)
-        sub = dataclasses.replace(batch, input_ids=next_ids, logits_index=None, attn_backend=None, spec=None)
-        first = batch.cu_seqlens[:-1]
+        """Every MTP layer over `batch`'s new positions whose next token is known (`_defer`)."""
+        sub, hidden, rows = self._defer(batch, hidden, next_last, rows)
+        if not rows.numel():
+            return
+        first, last = sub.cu_seqlens[:-1], sub.last_token_index()
         # The previous position's layer m-1 output is known here iff this row's last run ended just before.
-        carried = (self.last_pos[rows] == batch.prefix_lens - 1) & (batch.prefix_lens > 0)
+        carried = (self.last_pos[rows] == sub.prefix_lens - 1) & (sub.prefix_lens > 0)
         before = self.last_out[:, rows]  # a copy (advanced indexing): the loop overwrites last_out
         h = hidden
         for m in range(self.num_layers):
@@ -68,7 +106,7 @@ class MTPProposer:
                 h = shifted
             h = self.model.forward_mtp_batch(m, sub, h, self.cache).hidden
             self.last_out[m, rows] = h[last].to(self.last_out.dtype)
-        self.last_pos[rows] = batch.seq_lens - 1
+        self.last_pos[rows] = sub.seq_lens - 1
 
     def observe(self, batch: ForwardBatch, hidden: Tensor | None, next_last: Tensor, rows: Tensor) -> None:
         if batch.mode in (ForwardMode.EXTEND, ForwardMode.DECODE):

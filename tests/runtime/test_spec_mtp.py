@@ -153,17 +153,20 @@ def _reference_chain(model, seq: list[int], k: int) -> tuple[list[int], list[tor
     return drafts, [o[-1] for o in outs]
 
 
-@pytest.mark.parametrize(("layers", "page_size", "k"), [(1, 16, 3), (2, 1, 6)])
+@pytest.mark.parametrize(("layers", "page_size", "k", "chunk"), [(1, 16, 3, None), (2, 1, 6, None), (2, 1, 3, 8)])
 def test_drafts_are_the_no_cache_mtp_chain(model, model2, workload, workload2, layers: int,  # noqa: ANN001
-                                           page_size: int, k: int) -> None:
+                                           page_size: int, k: int, chunk: int | None) -> None:
     """Every verify window's drafts, and each MTP layer's output at the last committed position, equal the
     no-cache MTP chain on the committed tokens: the cached MTP latents of every layer, the catch-up after each
-    verify and the chain are right (not only harmless to the outputs)."""
+    verify and the chain are right (not only harmless to the outputs); with the prompt in chunks of 8, a chunk's
+    last position waits for the next chunk's first token (no stale entry)."""
     target = model if layers == 1 else model2
     prompts, refs = workload if layers == 1 else workload2
-    eng = _engine(target, speculative_num_draft_tokens=k, page_size=page_size)
+    extra = {} if chunk is None else {"chunked_prefill_size": chunk}
+    eng = _engine(target, speculative_num_draft_tokens=k, page_size=page_size, **extra)
     proposer = eng.worker.proposer
     seen: list[tuple[int, list[int], torch.Tensor]] = []
+    one = 2 if chunk is None else 0  # a prompt of 32+ tokens when chunked
     real_propose = proposer.propose
 
     def record(batch, rows, params):  # noqa: ANN001, ANN202
@@ -173,8 +176,8 @@ def test_drafts_are_the_no_cache_mtp_chain(model, model2, workload, workload2, l
         return probs
 
     proposer.propose = record
-    assert eng.generate([prompts[2]], GREEDY) == [refs[2]]
-    full = prompts[2] + refs[2]
+    assert eng.generate([prompts[one]], GREEDY) == [refs[one]]
+    full = prompts[one] + refs[one]
     assert len(seen) > 2
     for prefix, drafts, outs in seen:
         ref_drafts, ref_outs = _reference_chain(target, full[: prefix + 1], len(drafts))
