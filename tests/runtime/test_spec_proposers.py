@@ -70,7 +70,7 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize(("name", "k"), [("radix", 1), ("radix", 3), ("radix", 6), ("no_radix", 3), ("page16", 1),
-                                       ("page16", 6), ("snapshot_page16", 6)])
+                                       ("page16", 6), ("snapshot_page16", 3)])
 def test_greedy_equals_plain_with_another_draft_model(model, checkpoints, workload, name: str, k: int) -> None:  # noqa: ANN001
     prompts, refs = workload
     eng = _engine(model, checkpoints["other"], speculative_num_draft_tokens=k, **CONFIGS[name])
