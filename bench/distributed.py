@@ -223,6 +223,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     mach = machine()
     print(f"machine: {mach['cpu']}, {mach['cores']} cores, {mach['torch_threads']} torch threads, torch "
           f"{mach['torch']}, python {mach['python']}, torch.distributed over gloo; tree at {mach['commit']}")
+    if mach["torch_threads"] * 2 > (mach["cores"] or 1):
+        # Every worker process takes torch's default thread count: two workers oversubscribe the cores, so on
+        # CPU the tp 2 / dp 2 figures measure contention as much as the configuration.
+        print(f"note: each worker process runs {mach['torch_threads']} torch threads; tp 2 and dp 2 run "
+              f"{2 * mach['torch_threads']} on {mach['cores']} cores (oversubscribed)")
     w = workload(DATA / "test.jsonl", DATA / "train.jsonl", a.num_shots, a.num_questions)
     engine_kw = {"mem_bytes": a.mem_mib << 20, "max_running_requests": max(64, a.num_questions)}
     runs: dict[str, Run] = {}
