@@ -180,10 +180,10 @@ def test_trained_dspark_accepts_drafts_on_gsm8k() -> None:
     tok = load_tokenizer()
     rows = [json.loads(line) for line in (DATA / "test.jsonl").read_text().splitlines()[:2]]
     prompts = [tok.encode(f"Question: {r['question']}\nAnswer:") for r in rows]
-    eng = _engine(target, roots[0] / "dspark", speculative_num_draft_tokens=3)
+    eng = _engine(target, roots[0] / "dspark", speculative_num_draft_tokens=1)
     sampling = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
     assert eng.generate(prompts, sampling) == [greedy_reference(target, p, 24) for p in prompts]
     m = eng.scheduler.metrics
     rate = m.accepted_tokens / m.draft_tokens
-    print(f"trained DSpark acceptance at k=3: {m.accepted_tokens}/{m.draft_tokens} = {rate:.2f}")
-    assert rate > 0.1  # ~0.15-0.3 for the default recipe's short DSpark training; a random drafter: ~0
+    print(f"trained DSpark acceptance at k=1: {m.accepted_tokens}/{m.draft_tokens} = {rate:.2f}")
+    assert rate > 0.25  # ~0.5 for the default recipe's short DSpark training (MTP: ~0.7); a random drafter: ~0
