@@ -8,15 +8,14 @@ from torch import Tensor
 
 from kernels.sampling import SamplingTensors, hash_uniform
 from kernels.sampling_row import SamplingRow
+from kernels.spec_layout import window_layout as packed_layout
 from kernels.spec_sampling import kept
 
 
 def window_layout(cu_seqlens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per packed token: its sequence and its window position; and the window lengths."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
-    pos = torch.arange(int(cu_seqlens[-1]), device=lens.device) - cu_seqlens[:-1][seq]
-    return seq, pos, lens
+    lay = packed_layout(cu_seqlens, int(cu_seqlens[-1]))
+    return lay.seq, lay.off, lay.lens
 
 
 def any_sampled(params: list[list[SamplingRow]]) -> bool:
