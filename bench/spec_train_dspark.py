@@ -117,13 +117,21 @@ def train_dspark(
     gen = torch.Generator().manual_seed(seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.1, 1 - s / steps))
-    for _ in range(steps):
-        loss = dspark_loss(model, data, draw_samples(data, batch_size, gen), distill=distill, hard=hard)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if losses is not None:
-            losses.append(float(loss.detach()))
+    # The drafter calls the target's embedding and LM head (aliased modules): frozen, they take no gradients.
+    trainable = [p for p in target.parameters() if p.requires_grad]
+    for p in trainable:
+        p.requires_grad_(False)
+    try:
+        for _ in range(steps):
+            loss = dspark_loss(model, data, draw_samples(data, batch_size, gen), distill=distill, hard=hard)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            if losses is not None:
+                losses.append(float(loss.detach()))
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
     return model.eval()

@@ -26,7 +26,6 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.mla import mla_attention
@@ -134,8 +133,8 @@ class DSparkModel(nn.Module):
         ids = torch.full((n, b), self.config.dspark_noise_token_id, dtype=torch.int64, device=anchors.device)
         ids[:, 0] = anchors
         pos = context_lens.to(anchors.device)[:, None] + torch.arange(b, device=anchors.device)
-        # Detached: the aliased target weights never take gradients from the drafter's training.
-        x = F.embedding(ids.reshape(-1), self.target.embed.weight.detach())
+        # The aliased target modules (vocab-parallel under --tp); training freezes the target's weights.
+        x = self.target.embed(ids.reshape(-1))
         return x.to(self.final_norm.weight.dtype), pos.reshape(-1)
 
     def _run_layers(self, x: Tensor, positions: Tensor, attend: Attend) -> Tensor:
@@ -150,8 +149,8 @@ class DSparkModel(nn.Module):
 
     def _finish(self, h: Tensor, n: int) -> DraftPass:
         h = h.view(n, -1, h.shape[-1])
-        w = self.target.lm_head.weight.detach()
-        return DraftPass(F.linear(h.to(w.dtype), w), h)
+        head = self.target.lm_head  # vocab-parallel under --tp: its forward gathers the whole vocabulary
+        return DraftPass(head(h.to(head.weight.dtype)), h)
 
     def draft_block(self, context: Sequence[Tensor], cu_context: Tensor, anchors: Tensor,
                     block: int | None = None) -> DraftPass:

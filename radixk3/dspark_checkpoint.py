@@ -19,6 +19,7 @@ from radixk3.checkpoint import SINGLE_FILE, CheckpointError
 from radixk3.dspark import DSparkModel
 from radixk3.dspark_config import DSparkConfig, k3_tiny_dspark_preset
 from radixk3.model import KimiForCausalLM
+from radixk3.parallel import replicated
 from radixk3.tensor_names import public_tensors
 
 PREFIX = "model."
@@ -37,7 +38,8 @@ def write_dspark_checkpoint(model: DSparkModel, out_dir: str | Path) -> Path:
 
 def build_dspark(cfg: DSparkConfig, target: KimiForCausalLM, seed: int | None = None) -> DSparkModel:
     """A drafter of `cfg` on `target`'s device (seeded random weights when `seed` is given)."""
-    model = DSparkModel(cfg, target)
+    with replicated():  # the drafter is small: whole on every TP rank (it reads the target's whole aux states)
+        model = DSparkModel(cfg, target)
     if seed is not None:
         init_random_dspark_(model, seed)
     return model.to(cfg.torch_dtype).to(target.device).eval()
