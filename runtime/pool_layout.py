@@ -82,8 +82,9 @@ class PoolLayout:
     def __post_init__(self) -> None:
         for name in ("num_kda_layers", "kda_heads", "head_dim", "num_mla_layers", "kv_dim", "page_size"):
             # A nested draft part may be MLA-only (the MTP layers' latents): no KDA layers there.
-            if getattr(self, name) < (0 if name == "num_kda_layers" and self.draft is None else 1):
-                raise ValueError(f"PoolLayout.{name} must be >= 1, got {getattr(self, name)}")
+            least = 0 if name == "num_kda_layers" and self.draft is None else 1
+            if getattr(self, name) < least:
+                raise ValueError(f"PoolLayout.{name} must be >= {least}, got {getattr(self, name)}")
         if self.conv_kernel < 2:
             raise ValueError(f"PoolLayout.conv_kernel must be >= 2 (it keeps kernel-1 inputs), got {self.conv_kernel}")
         if self.draft is not None and (self.draft.kv_dtype != self.kv_dtype or self.draft.draft is not None):
