@@ -13,6 +13,7 @@ import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -26,7 +27,7 @@ from radixk3.config import ModelConfig
 from radixk3.tokenizer import Tokenizer
 from runtime.errors import EngineError
 from runtime.messages import RankFailed, Shutdown, WorkerReady, decode, encode
-from runtime.node import RankId, Topology, rank_label, rank_process_name
+from runtime.node import COLLECTIVE_FAILED_EXIT, RankId, Topology, rank_label, rank_process_name
 from runtime.processes import endpoint, model_config, scheduler_main, tokenizer_for, worker_main
 from runtime.server_args import ServerArgs
 
@@ -62,6 +63,16 @@ def _proc_state(pid: int) -> str | None:
     return stat.rpartition(")")[2].split()[0]
 
 
+def _signal_name(exitcode: int | None) -> str:
+    """" (SIGKILL)" for a process a signal ended, else ""."""
+    if exitcode is None or exitcode >= 0:
+        return ""
+    try:
+        return f" ({signal.Signals(-exitcode).name})"
+    except ValueError:
+        return ""
+
+
 class EngineProcesses:
     def __init__(self, args: ServerArgs, startup_timeout: float = 120.0) -> None:
         self.args = args
@@ -79,6 +90,7 @@ class EngineProcesses:
         self.num_replicas: int = self.topology.num_replicas
         self.dead: EngineError | None = None
         self._closed = False
+        self._stopped = threading.Event()  # set once shutdown has stopped every process
         self._lock = threading.Lock()
         self._listeners: list[Callable[[EngineError], None]] = []
         self._ctx = zmq.Context()
@@ -151,14 +163,19 @@ class EngineProcesses:
     def _rank_states(self) -> str:
         """Which of this node's ranks are stopped or gone: a hung rank is named even when a peer's timeout
         is what noticed it."""
-        notes = []
+        culprits, others = [], []  # stopped or killed ranks first: the others exited because of them
         for rid, p in zip(self.ranks, self.procs, strict=False):
             state = _proc_state(p.pid) if p.pid is not None else None
-            if state == "T" or state == "t":
-                notes.append(f"{rank_label(*rid)} (pid {p.pid}) is stopped")
+            if state in ("T", "t"):
+                culprits.append(f"{rank_label(*rid)} (pid {p.pid}) is stopped")
             elif not p.is_alive():
-                notes.append(f"{rank_label(*rid)} exited with code {p.exitcode}")
-        return "; ".join(notes)
+                code = p.exitcode
+                note = f"{rank_label(*rid)} exited with code {code}"
+                if code == COLLECTIVE_FAILED_EXIT:
+                    others.append(f"{note} (its collective failed)")
+                else:
+                    culprits.append(note + _signal_name(code))
+        return "; ".join(culprits + others)
 
     def dead_child(self) -> str | None:
         for p in self.procs:
@@ -169,7 +186,7 @@ class EngineProcesses:
     def _death(self, dead: str) -> EngineError:
         why = self._last_word(1.0)
         states = self._rank_states()
-        parts = [why or dead] + ([states] if states else [])
+        parts = ([states] if states else []) + [why or dead]
         return EngineError(f"{'; '.join(parts)}; pending requests failed")
 
     def _watch(self) -> None:
@@ -203,9 +220,13 @@ class EngineProcesses:
     def shutdown(self) -> None:
         """Ask the children to stop, give them a grace period, then terminate; remove the sockets' dir."""
         with self._lock:
-            if self._closed:
-                return
+            closing = self._closed
             self._closed = True
+        if closing:  # another thread (the watcher, after a death) is stopping them: wait until it has
+            if threading.current_thread() is not getattr(self, "watcher", None):
+                self._stopped.wait(timeout=30)
+            return
+        with self._lock:
             for s in self._control:  # every replica's scheduler, which stops its ranks
                 try:
                     s.send_multipart(encode(Shutdown()), flags=zmq.NOBLOCK)
@@ -229,6 +250,7 @@ class EngineProcesses:
                 p.join(timeout=3)
         self._ctx.destroy(linger=0)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        self._stopped.set()
 
     @property
     def closed(self) -> bool:

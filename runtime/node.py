@@ -30,6 +30,8 @@ from runtime.server_args import ServerArgs
 # A node-0 socket that stays silent this long is taken for a dead machine (ZeroMQ heartbeats, tcp only).
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 10_000
+# A rank's exit code after a failed collective (a consequence of another rank's death or hang).
+COLLECTIVE_FAILED_EXIT = 3
 
 
 class RankId(NamedTuple):

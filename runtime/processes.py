@@ -45,7 +45,14 @@ from runtime.messages import (
     decode,
     encode,
 )
-from runtime.node import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS, Topology, is_collective_failure, rank_label
+from runtime.node import (
+    COLLECTIVE_FAILED_EXIT,
+    HEARTBEAT_IVL_MS,
+    HEARTBEAT_TIMEOUT_MS,
+    Topology,
+    is_collective_failure,
+    rank_label,
+)
 from runtime.pool_layout import pool_layout
 from runtime.scheduler import Scheduler
 from runtime.server_args import ServerArgs
@@ -142,7 +149,7 @@ def worker_main(args: ServerArgs, topo: Topology, replica: int, rank: int) -> No
                 why = f"{who}: collective failed (a peer rank died or hangs): {type(e).__name__}: {e}"
                 results.send_multipart(encode(RankFailed(rank, why)))
                 ctx.destroy(linger=LINGER_MS)
-                os._exit(3)
+                os._exit(COLLECTIVE_FAILED_EXIT)
         if rank == 0:  # every rank computes the same tokens; rank 0's are the step's
             results.send_multipart(encode(res))
     ctx.destroy(linger=0)

@@ -273,6 +273,8 @@ def test_a_dead_or_hung_rank_fails_the_whole_engine_fast(how: str) -> None:
         assert time.monotonic() - start < (10 if how == "kill" else timeout_s + 15)
         if how == "stop":
             assert "stopped" in str(failed.value) and "collective failed" in str(failed.value)
+        else:
+            assert "rank 1 of replica 0 exited with code -9 (SIGKILL)" in str(failed.value)
         eng.procs.watcher.join(timeout=30)
         deadline = time.monotonic() + 15
         while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
