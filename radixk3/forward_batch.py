@@ -41,7 +41,7 @@ class HybridCache:
     def allocate(
         cls, cfg: ModelConfig, num_state_slots: int, num_kv_slots: int, device: torch.device | str = "cpu"
     ) -> HybridCache:
-        tp = parallel_state().tp_size  # this rank's KDA heads, as a model built in the same state holds
+        tp = parallel_state().attn_tp_size  # this rank's KDA heads (its attention group's share), as its model
         h, d, w = cfg.kda_num_heads // tp, cfg.kda_head_dim, cfg.conv_kernel_size
         dt = cfg.torch_dtype
         return cls(

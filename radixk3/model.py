@@ -51,19 +51,24 @@ class KimiModel(nn.Module):
         self.mtp_layers = nn.ModuleList(MTPLayer(cfg, i) for i in range(cfg.num_nextn_predict_layers))
 
 
-def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
-    """A clear error, before any layer is built, when `cfg`'s heads or dense dims do not split over `tp` ranks
-    (the MoE checks its own split)."""
-    for key, n in (("kda_num_heads", cfg.kda_num_heads), ("num_attention_heads", cfg.num_attention_heads),
-                   ("intermediate_size", cfg.intermediate_size)):
-        if n % tp:
-            raise ConfigError(f"--tp {tp} must divide {key} ({n})")
+def check_tensor_parallel(cfg: ModelConfig, tp: int, attn_tp: int | None = None) -> None:
+    """A clear error, before any layer is built, when `cfg`'s heads do not split over the `attn_tp` ranks of an
+    attention group (default `tp`: no DP attention) or its dense dims over `tp` ranks (the MoE checks its own)."""
+    attn_tp = tp if attn_tp is None else attn_tp
+    flag = f"--tp {tp}" if attn_tp == tp else f"--tp / --dp = {attn_tp}"
+    for key, n in (("kda_num_heads", cfg.kda_num_heads), ("num_attention_heads", cfg.num_attention_heads)):
+        if n % attn_tp:
+            raise ConfigError(f"{flag} must divide {key} ({n})")
+    if cfg.intermediate_size % tp:
+        raise ConfigError(f"--tp {tp} must divide intermediate_size ({cfg.intermediate_size})")
 
 
 class KimiForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        check_tensor_parallel(cfg, parallel_state().tp_size)
+        state = parallel_state()
+        check_tensor_parallel(cfg, state.tp_size, state.attn_tp_size)
+        self.dp_attention = state.dp_attention
         self.config = cfg
         self.model = KimiModel(cfg)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
@@ -132,6 +137,8 @@ class KimiForCausalLM(nn.Module):
         `aux` as for `prenorm_hidden`: the new tokens' states [T, hidden] after the layers it names. `prenorm`:
         a list that receives every new token's pre-norm final hidden [T, hidden] (what MTP layers read)."""
         if batch.mode is ForwardMode.IDLE:
+            if self.dp_attention:
+                self.idle_step()
             return self.lm_head.weight.new_empty(0, self.config.vocab_size)
         batch = dataclasses.replace(batch, attn_backend=AttentionBackend(batch, cache))
         pre = self.prenorm_hidden(batch.input_ids, batch.cu_seqlens, batch, aux)
@@ -140,6 +147,18 @@ class KimiForCausalLM(nn.Module):
         h = self.model.norm(pre)
         rows = batch.logits_index if batch.logits_index is not None else batch.last_token_index()
         return self.lm_head(h[rows])
+
+    @torch.inference_mode()
+    def idle_step(self, mtp_index: int | None = None) -> None:
+        """DP attention, a rank whose group has no tokens this step: run the layers on zero rows, so that it
+        joins every FFN collective of the groups that do (the target's layers, or MTP layer `mtp_index`)."""
+        ids = torch.zeros(0, dtype=torch.long, device=self.device)
+        cu = torch.zeros(1, dtype=torch.int32, device=self.device)
+        if mtp_index is None:
+            self._prenorm_hidden(ids, cu)
+        else:
+            hidden = self.lm_head.weight.new_zeros(0, self.config.hidden_size)
+            run_mtp_layer(self.model.mtp_layers, mtp_index, ids, hidden, cu, None)
 
     # --- MTP layers ------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -159,6 +178,10 @@ class KimiForCausalLM(nn.Module):
     ) -> MTPOutput:
         """One cached MTP step: `batch.input_ids` are the next tokens, `cache` the MTP cache
         (`allocate_mtp_cache`); logits for `batch.logits_index` (default: each sequence's last token)."""
+        if batch.mode is ForwardMode.IDLE:
+            if self.dp_attention:
+                self.idle_step(index)
+            return MTPOutput(hidden[:0], self.lm_head.weight.new_empty(0, self.config.vocab_size))
         batch = dataclasses.replace(batch, attn_backend=AttentionBackend(batch, cache))
         out = run_mtp_layer(self.model.mtp_layers, index, batch.input_ids, hidden, batch.cu_seqlens, batch)
         rows = batch.logits_index if batch.logits_index is not None else batch.last_token_index()

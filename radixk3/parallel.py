@@ -2,8 +2,13 @@
 torch.distributed group they run their collectives in.
 
 One process-wide `ParallelState`, single-rank by default, so that every layer built without `init_parallel`
-is the unsharded model (the oracle). A worker calls `init_parallel` once, before it builds its model; layers
-read `parallel_state()` when they are built, to size their shards, and when they run, for collectives.
+is the unsharded model (the oracle). DP attention (`dp_size` > 1, as SGLang's --enable-dp-attention): the TP
+ranks form dp_size attention groups of attn_tp = tp_size / dp_size consecutive ranks; attention layers (and
+the embedding and LM head) are built inside `attention_tp()` and shard over their group only, each group
+running its own requests' tokens; the FFN stays sharded over every rank and runs on every group's tokens
+(`dp_gather`, then each group takes its own rows back). A worker calls `init_parallel` once, before it builds
+its model; layers read `parallel_state()` when they are built, to size their shards, and keep their group
+for their collectives.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import contextlib
 import datetime
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,16 +34,54 @@ class ParallelState:
     ep_rank: int = 0  # expert-parallel rank inside the TP group (ep_size divides tp_size)
     ep_size: int = 1
     group: dist.ProcessGroup | None = None  # the TP group; None when tp_size == 1
+    dp_size: int = 1  # DP attention groups (1: attention is tensor-parallel over the whole TP group)
+    attn_group: dist.ProcessGroup | None = None  # this rank's attention group (the TP group when dp_size == 1)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
         if self.tp_size % self.ep_size or not 0 <= self.ep_rank < self.ep_size:
             raise ValueError(f"ep_size {self.ep_size} (rank {self.ep_rank}) must divide tp_size {self.tp_size}")
+        if self.dp_size < 1 or self.tp_size % self.dp_size:
+            raise ValueError(f"dp_size {self.dp_size} must divide tp_size {self.tp_size}")
+        if self.dp_size == 1 and self.attn_group is None:
+            object.__setattr__(self, "attn_group", self.group)
 
     @property
     def sharded(self) -> bool:
         return self.tp_size > 1
+
+    @property
+    def dp_attention(self) -> bool:
+        return self.dp_size > 1
+
+    @property
+    def attn_tp_size(self) -> int:
+        return self.tp_size // self.dp_size
+
+    @property
+    def attn_tp_rank(self) -> int:
+        return self.tp_rank % self.attn_tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's attention group: ranks [dp_rank * attn_tp, (dp_rank + 1) * attn_tp)."""
+        return self.tp_rank // self.attn_tp_size
+
+    def attention_view(self) -> ParallelState:
+        """The state attention layers are built in: plain TP over this rank's attention group (no experts)."""
+        if self.dp_size == 1:
+            return self
+        return ParallelState(tp_rank=self.attn_tp_rank, tp_size=self.attn_tp_size,
+                             group=self.attn_group if self.attn_tp_size > 1 else None)
+
+
+class Group(NamedTuple):
+    """A layer's rank and size in the group it shards over, and that group (None: one rank, no collective)."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None
 
 
 _STATE = ParallelState()
@@ -59,19 +103,31 @@ def init_parallel(
     ep_size: int = 1,
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    dp_size: int = 1,
 ) -> ParallelState:
     """Join the `world_size`-rank TP group at `init_method` (e.g. "tcp://127.0.0.1:29500") as `rank`; gloo on
     CPU, NCCL on CUDA unless `backend` says otherwise. Expert-parallel ranks are the TP ranks in blocks of
-    tp_size / ep_size (rank r holds expert shard r // (tp_size / ep_size))."""
+    tp_size / ep_size (rank r holds expert shard r // (tp_size / ep_size)). `dp_size` > 1: DP attention with
+    dp_size attention groups of world_size / dp_size consecutive ranks."""
+    if world_size % dp_size:
+        raise ValueError(f"--dp {dp_size} must divide --tp {world_size} (DP attention)")
     if world_size == 1:
         state = ParallelState(ep_size=ep_size)
         set_parallel_state(state)
         return state
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    attn_group = None
+    if dp_size > 1:
+        a = world_size // dp_size
+        # new_group is collective: every rank creates every group, in the same order.
+        for g in range(dp_size):
+            made = dist.new_group(list(range(g * a, (g + 1) * a)), timeout=timeout)
+            if g == rank // a:
+                attn_group = made
     state = ParallelState(tp_rank=rank, tp_size=world_size, ep_rank=rank // (world_size // ep_size),
-                          ep_size=ep_size, group=dist.group.WORLD)
+                          ep_size=ep_size, group=dist.group.WORLD, dp_size=dp_size, attn_group=attn_group)
     set_parallel_state(state)
     return state
 
@@ -98,6 +154,69 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(state.tp_size)]
     dist.all_gather(parts, x.contiguous(), group=state.group)
     return torch.cat(parts, dim=dim)
+
+
+def all_reduce(x: torch.Tensor, g: Group) -> torch.Tensor:
+    """Sum `x` over `g` (in place; the identity on one rank)."""
+    if g.size > 1:
+        dist.all_reduce(x, group=g.group)
+    return x
+
+
+def all_gather(x: torch.Tensor, g: Group, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank of `g`'s `x` along `dim`, in rank order."""
+    if g.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(g.size)]
+    dist.all_gather(parts, x.contiguous(), group=g.group)
+    return torch.cat(parts, dim=dim)
+
+
+@contextlib.contextmanager
+def attention_tp() -> Iterator[None]:
+    """Build modules inside this block as attention layers: sharded over this rank's attention group (with DP
+    attention; otherwise the TP group, and this is a no-op). Layers remember their group for their collectives."""
+    saved = _STATE
+    set_parallel_state(saved.attention_view())
+    try:
+        yield
+    finally:
+        set_parallel_state(saved)
+
+
+class DPRows(NamedTuple):
+    """Every attention group's token rows, gathered for the FFN, and where this group's rows sit in them."""
+
+    rows: torch.Tensor  # [sum of the groups' tokens, hidden], in DP-group order
+    start: int
+    count: int
+
+
+def dp_gather(x: torch.Tensor) -> DPRows:
+    """Gather the rows of every attention group (variable counts: all-reduce the counts, pad to the largest,
+    all_gather over every rank, unpad). A group with no tokens joins with zero rows (the idle batch). The
+    ranks of one group hold the same rows: each group's first rank's copy is used."""
+    s = _STATE
+    counts = torch.zeros(s.tp_size, dtype=torch.int64)
+    counts[s.tp_rank] = x.shape[0]
+    dist.all_reduce(counts, group=s.group)
+    per_group = counts[:: s.attn_tp_size].tolist()
+    start = sum(per_group[: s.dp_rank])
+    most = max(per_group)
+    if most == 0:
+        return DPRows(x, 0, 0)
+    padded = x.new_zeros(most, *x.shape[1:])
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(s.tp_size)]
+    dist.all_gather(parts, padded, group=s.group)
+    rows = torch.cat([parts[g * s.attn_tp_size][:n] for g, n in enumerate(per_group)])
+    return DPRows(rows, start, x.shape[0])
+
+
+def dp_scatter(y: torch.Tensor, where: DPRows) -> torch.Tensor:
+    """This group's rows of the FFN output `y` (whole on every rank: the FFN's own all-reduce made it so, so
+    giving each group its rows back is a slice; reduce_scatter would fuse the two where the backend has it)."""
+    return y[where.start: where.start + where.count]
 
 
 @contextlib.contextmanager

@@ -12,6 +12,9 @@ built single-rank (or inside `parallel.replicated()`) it is the plain layer and 
 The vocabulary is padded to a multiple of tp when it does not split (the padding rows are zero, never public,
 and cut off the logits).
 Each declares `public_shards`: which part of which public (checkpoint) tensor this rank holds.
+Each keeps the group it was built for and runs its collectives there: built inside `parallel.attention_tp()`
+(attention layers under DP attention) that is the attention group. The embedding and LM head always shard over
+the attention group (each DP group embeds and scores its own tokens).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixk3.parallel import parallel_state, shard_range, tp_all_gather, tp_all_reduce
+from radixk3.parallel import Group, all_gather, all_reduce, parallel_state, shard_range
 from radixk3.tensor_names import Shard
 
 # (parameter attribute, public tensor name relative to the module's parent, index of its part in the parameter)
@@ -38,14 +41,16 @@ def row_parts(attr: str, parts: Sequence[tuple[str, int]]) -> Iterator[PublicPar
 
 
 class TPRank:
-    """The TP rank and size a layer was built for."""
+    """The TP rank and size a layer was built for, and the group its collectives run in."""
 
     tp_rank: int
     tp_size: int
+    tp_group: Group
 
-    def _take_rank(self) -> None:
-        state = parallel_state()
+    def _take_rank(self, attention: bool = False) -> None:
+        state = parallel_state().attention_view() if attention else parallel_state()
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
+        self.tp_group = Group(state.tp_rank, state.tp_size, state.group)
 
 
 class ColumnParallelLinear(nn.Linear, TPRank):
@@ -95,7 +100,7 @@ class RowParallelLinear(nn.Linear, TPRank):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if self.tp_size > 1 and self.reduce_results:
-            tp_all_reduce(y)
+            all_reduce(y, self.tp_group)
         return y
 
     def public_shards(self, local_name: str) -> Iterator[tuple[str, Shard]]:
@@ -112,7 +117,7 @@ class _VocabShard(TPRank):
     num_valid: int
 
     def _split_vocab(self, vocab_size: int) -> int:
-        self._take_rank()
+        self._take_rank(attention=True)
         self.vocab_size = vocab_size
         self.padded_vocab = -(-vocab_size // self.tp_size) * self.tp_size
         local = self.padded_vocab // self.tp_size
@@ -141,13 +146,13 @@ class VocabParallelEmbedding(nn.Embedding, _VocabShard):
             self.weight[self.num_valid:] = 0
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if self.tp_size == 1 or ids.numel() == 0:  # no tokens: the whole attention group is idle alike
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_valid)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside.unsqueeze(-1), 0)
-        return tp_all_reduce(out)
+        return all_reduce(out, self.tp_group)
 
     def public_parts(self, local_name: str) -> Iterator[PublicPart]:
         return self._vocab_parts(local_name)
@@ -169,7 +174,9 @@ class ParallelLMHead(nn.Linear, _VocabShard):
         logits = F.linear(x, self.weight)
         if self.tp_size == 1:
             return logits
-        return tp_all_gather(logits, dim=-1)[..., : self.vocab_size]
+        if logits.numel() == 0:  # no tokens: the whole attention group is idle alike
+            return logits.new_zeros(*logits.shape[:-1], self.vocab_size)
+        return all_gather(logits, self.tp_group, dim=-1)[..., : self.vocab_size]
 
     def public_parts(self, local_name: str) -> Iterator[PublicPart]:
         return self._vocab_parts(local_name)

@@ -61,7 +61,7 @@ class SpecWindow:
         """`record_inputs`: keep the per-token inputs in snapshot mode too (for `check_committed_states`)."""
         if mode not in SPEC_STATE_MODES:
             raise ValueError(f"spec state mode must be one of {SPEC_STATE_MODES}, got {mode!r}")
-        tp = parallel_state().tp_size  # the window holds this rank's KDA heads, as its pool part does
+        tp = parallel_state().attn_tp_size  # the window holds this rank's KDA heads, as its pool part does
         h, d, c, n = cfg.kda_num_heads // tp, cfg.kda_head_dim, cfg.conv_dim // tp, cfg.num_kda_layers
 
         def each(shape: tuple[int, ...], dt: torch.dtype, on: bool) -> list[Tensor]:

@@ -254,9 +254,10 @@ def pool_layout(cfg: ModelConfig, args: ServerArgs) -> PoolLayout:
     """The pool layout; the scheduler (metadata) and the worker (bytes) must both derive it from here. With a
     draft model (`--speculative-algorithm draft`) its config is read from its checkpoint and nested. Under
     `--tp` every part is this rank's: KDA heads / tp (the draft model is sharded as the target is); the MLA
-    latents are whole on every rank."""
+    latents are whole on every rank. With DP attention the KDA heads split over the attention group only
+    (tp / dp ranks)."""
     dtype = serving_dtype(cfg, args)
-    tp = args.tp_size
+    tp = args.tp_size // args.dp_size if args.enable_dp_attention else args.tp_size
     layout = dataclasses.replace(PoolLayout.from_config(cfg, tp, page_size=args.page_size), kv_dtype=dtype)
     if args.speculative_algorithm == "draft":
         from radixk3.config import ModelConfig
