@@ -2,7 +2,8 @@
 1): each rank runs DIFFERENT sequences through attention replicated in its own group, the MoE / MLP sharded over
 both ranks on both groups' gathered tokens; each rank's logits equal the unsharded model's on its own sequences
 within 1e-5 (fp32), no-cache and cached (extend, decode, through the runtime's `PoolBuffer` + `HybridCache` at
-the DP-attention pool layout), with one rank idle (zero rows, an IDLE batch) in some steps, for k3-tiny and
+the DP-attention pool layout), a verify window per rank (ReplaySSM: each replays its own requests) with its
+commit, with one rank idle (zero rows, an IDLE batch) in some steps, for k3-tiny and
 k3-tiny-native (LatentMoE, Attention Residuals, MTP). Without processes: the group arithmetic and the layout."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM, build_model, check_tensor_parallel
 from radixk3.mtp import allocate_mtp_cache
 from radixk3.parallel import ParallelState, destroy_parallel, init_parallel, parallel_state
+from radixk3.spec_window import SpecWindow, WindowRows
 from runtime.pool_buffer import PoolBuffer
 from runtime.pool_layout import pool_layout
 from runtime.server_args import ServerArgs
@@ -50,6 +52,7 @@ def _cache(model: KimiForCausalLM, args: ServerArgs) -> tuple[HybridCache, list[
     layout = pool_layout(cfg, args)
     buffer = PoolBuffer(layout, POOL_BYTES)
     top = buffer.geometry.num_state_slots - 1
+    assert buffer.geometry.state_offset(top - 1) > buffer.geometry.page_offset(200)  # clear of the KV used
     return HybridCache(
         recurrent=[buffer.recurrent_state(i) for i in range(cfg.num_kda_layers)],
         conv=[buffer.conv_state(i) for i in range(cfg.num_kda_layers)],
@@ -100,6 +103,23 @@ def _program(model: KimiForCausalLM, rank: int, args: ServerArgs) -> dict[str, t
             s.append(t)
         steps.append(model.forward_batch(batch, cache))
     out["cached"] = torch.cat(steps)
+    # Speculative verify per DP rank (ReplaySSM: each rank replays its own requests): 3 drafts per sequence,
+    # some committed, then a decode step after the commit.
+    window = SpecWindow.allocate(model.config, "replay", rows=n, width=3, dtype=model.config.torch_dtype)
+    drafts = [_ids(3, 10 + rank * 2 + i) for i in range(n)]
+    verify = ForwardBatch.build(drafts, [len(s) for s in seq], slots[:n],
+                                [kv[i][: len(seq[i]) + 3] for i in range(n)], all_logits=True)
+    verify.mode = ForwardMode.VERIFY
+    rows = torch.arange(n)
+    verify.spec = WindowRows(window, rows)
+    out["verify"] = model.forward_batch(verify, cache)
+    keep = [2, 1][:n] if rank == 0 else [3]
+    window.commit(cache.recurrent, cache.conv, torch.tensor(slots[:n]), rows, torch.tensor(keep))
+    for s, d, k in zip(seq, drafts, keep, strict=True):
+        s += d[:k]
+    step_batch = ForwardBatch.build([[7 + i] for i in range(n)], [len(s) for s in seq], slots[:n],
+                                    [kv[i][: len(seq[i]) + 1] for i in range(n)])
+    out["after_commit"] = model.forward_batch(step_batch, cache)
     out["tokens"] = torch.tensor([x for s in seq for x in s])
     if model.config.num_nextn_predict_layers:
         a = seqs[0]
