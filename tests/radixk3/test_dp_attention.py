@@ -3,8 +3,9 @@
 both ranks on both groups' gathered tokens; each rank's logits equal the unsharded model's on its own sequences
 within 1e-5 (fp32), no-cache and cached (extend, decode, through the runtime's `PoolBuffer` + `HybridCache` at
 the DP-attention pool layout), a verify window per rank (ReplaySSM: each replays its own requests) with its
-commit, with one rank idle (zero rows, an IDLE batch) in some steps, for k3-tiny and
-k3-tiny-native (LatentMoE, Attention Residuals, MTP). Without processes: the group arithmetic and the layout."""
+commit, one rank idle (zero rows, an IDLE batch) in some steps; for k3-tiny and k3-tiny-native (LatentMoE,
+Attention Residuals, MTP), random and loaded from the unsharded checkpoint. Without processes: the group
+arithmetic, the head split check and the pool layout."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from radixk3.checkpoint import load_model, write_checkpoint
 from radixk3.config import ConfigError, ModelConfig, preset
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM, build_model, check_tensor_parallel
@@ -143,9 +145,10 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     state = init_parallel(rank, WORLD, f"tcp://127.0.0.1:{port}", timeout_s=TIMEOUT_S / 2, dp_size=DP)
     try:
         assert (state.dp_rank, state.attn_tp_size, state.attn_tp_rank) == (rank, 1, 0)
-        for name in PRESETS:
-            torch.save(_program(build_model(preset(name), seed=SEED), rank, _args()),
-                       Path(out_dir) / f"{name}.rank{rank}.pt")
+        for name in PRESETS:  # random weights, and a load of the unsharded checkpoint (each rank its parts)
+            results = {"random": _program(build_model(preset(name), seed=SEED), rank, _args()),
+                       "loaded": _program(load_model(Path(out_dir) / name), rank, _args())}
+            torch.save(results, Path(out_dir) / f"{name}.rank{rank}.pt")
     finally:
         destroy_parallel()
 
@@ -158,8 +161,10 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ranks_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Spawn the two ranks once for both presets; fail (and kill them) past TIMEOUT_S."""
+    """Both presets' checkpoints, then the two ranks spawned once for both; fail (and kill them) past TIMEOUT_S."""
     out = tmp_path_factory.mktemp("dp_attn")
+    for name in PRESETS:
+        write_checkpoint(build_model(preset(name), seed=SEED), out / name)
     ctx = mp.start_processes(_rank_main, args=(_free_port(), str(out)), nprocs=WORLD, join=False,
                              start_method="spawn")
     try:
@@ -183,16 +188,16 @@ def test_dp_attention_forward_equals_unsharded(ranks_dir: Path, name: str) -> No
     assert not torch.equal(refs[0]["nocache"][:5], refs[1]["nocache"][:5])  # the ranks' requests differ
     assert refs[1]["nocache_idle"].shape == (0, full.config.vocab_size)
     for r in range(WORLD):
-        got = torch.load(ranks_dir / f"{name}.rank{r}.pt")
-        assert set(got) == set(refs[r])
-        for key, want in refs[r].items():
-            g = got[key]
-            assert g.shape == want.shape, (name, r, key)
-            if key == "tokens":
-                assert torch.equal(g, want), (name, r)
-            elif want.numel():
-                err = (g - want).abs().max().item()
-                assert err < TOL, f"{name} rank {r} {key}: max |diff| {err}"
+        for source, got in torch.load(ranks_dir / f"{name}.rank{r}.pt").items():
+            assert set(got) == set(refs[r])
+            for key, want in refs[r].items():
+                g = got[key]
+                assert g.shape == want.shape, (name, source, r, key)
+                if key == "tokens":
+                    assert torch.equal(g, want), (name, source, r)
+                elif want.numel():
+                    err = (g - want).abs().max().item()
+                    assert err < TOL, f"{name} {source} rank {r} {key}: max |diff| {err}"
 
 
 def test_group_arithmetic() -> None:
