@@ -237,3 +237,14 @@ def shard_range(n: int, rank: int, size: int, unit: int = 1) -> slice:
         raise ValueError(f"{n} items ({n // unit} units of {unit}) do not split evenly over tp={size}")
     part = n // size
     return slice(rank * part, (rank + 1) * part)
+
+
+# What gloo / NCCL errors say when a peer rank died, hangs past the timeout, or closed its connection.
+_COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer", "timed out waiting")
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """Whether `e` means the group is broken (fatal for the rank), not a failure of one step's inputs."""
+    if any(c.__name__ == "DistError" for c in type(e).__mro__):  # torch.distributed's own error types
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in _COLLECTIVE_MARKERS)

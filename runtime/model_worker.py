@@ -15,6 +15,7 @@ from kernels.state_checkpoints import StateCheckpoints
 from radixk3.config import BUILTIN_PRESET, preset
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM, build_model
+from radixk3.parallel import is_collective_failure
 from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
 from runtime.messages import StepPlan, StepResult
 from runtime.pool import CopyCommand
@@ -91,10 +92,12 @@ class ModelWorker:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. An exception becomes a failed StepResult (the scheduler then confines it to the
-        request that caused it), never a dead worker."""
+        request that caused it), never a dead worker; only a broken TP group (a failed collective) escapes."""
         try:
             return self._execute(plan)
-        except Exception:
+        except Exception as e:
+            if is_collective_failure(e):  # the TP group is broken: not this step's fault, fatal for the rank
+                raise
             return StepResult(plan.step, [], [], [], [], [], error=traceback.format_exc(limit=8))
 
     @torch.inference_mode()

@@ -96,6 +96,19 @@ class Topology:
     def local_ranks(self, node: int) -> list[RankId]:
         return [RankId(i, r) for i in range(self.num_replicas) for r in range(self.tp_size) if self.node_of(r) == node]
 
+    def local_index(self, replica: int, rank: int) -> int:
+        """This rank's index among the ranks on its node (its GPU there), replica by replica."""
+        return replica * self.ranks_per_node + rank % self.ranks_per_node
+
+    def rank_device(self, device: str, replica: int, rank: int) -> str:
+        """`cuda` without an index: one GPU per rank on its node; anything else as given."""
+        return f"cuda:{self.local_index(replica, rank)}" if device == "cuda" else device
+
+    def rank_threads(self, cpus: int) -> int:
+        """CPU threads per rank: the node's cores shared evenly by its ranks (oversubscribed ranks on one
+        machine measure contention, not the configuration)."""
+        return max(1, cpus // (self.num_replicas * self.ranks_per_node))
+
     def dist_init(self, replica: int) -> str:
         return f"tcp://{_url_host(self.host)}:{self.dist_ports[replica]}"
 
@@ -139,15 +152,6 @@ def _url_host(host: str) -> str:
 
 # What a failed torch.distributed collective says (gloo and NCCL raise plain RuntimeErrors for a lost or silent
 # peer): the group is broken, so the rank must exit rather than fail one step and desynchronise from the rest.
-_COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer", "timed out waiting")
-
-
-def is_collective_failure(e: BaseException) -> bool:
-    if any(c.__name__ == "DistError" for c in type(e).__mro__):  # torch.distributed's own error types
-        return True
-    return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in _COLLECTIVE_MARKERS)
-
-
 def rank_label(replica: int, rank: int) -> str:
     return f"worker rank {rank} of replica {replica}"
 

@@ -20,7 +20,6 @@ import os
 import shutil
 import signal
 import time
-import traceback
 from pathlib import Path
 
 import zmq
@@ -50,7 +49,6 @@ from runtime.node import (
     HEARTBEAT_IVL_MS,
     HEARTBEAT_TIMEOUT_MS,
     Topology,
-    is_collective_failure,
     rank_label,
 )
 from runtime.pool_layout import pool_layout
@@ -115,9 +113,13 @@ def worker_main(args: ServerArgs, topo: Topology, replica: int, rank: int) -> No
     scheduler_watch = plans.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     results = _socket(ctx, zmq.PUSH, topo.addr(f"worker_out_{replica}"), bind=False)
     try:
+        import torch
+
         from radixk3.parallel import init_parallel
         from runtime.model_worker import ModelWorker  # the model only in the worker: never in the scheduler
 
+        torch.set_num_threads(topo.rank_threads(len(os.sched_getaffinity(0))))
+        args = dataclasses.replace(args, device=topo.rank_device(args.device, replica, rank))
         init_parallel(rank, topo.tp_size, topo.dist_init(replica), args.ep_size, timeout_s=args.dist_timeout)
         worker = ModelWorker(args)
     except Exception as e:  # report why we could not start, then exit
@@ -140,16 +142,13 @@ def worker_main(args: ServerArgs, topo: Topology, replica: int, rank: int) -> No
         msg = decode(plans.recv_multipart())
         if isinstance(msg, Shutdown):
             break
-        try:  # ModelWorker.execute's job, but a failed collective must not become one failed step
-            res = worker._execute(msg)
-        except Exception as e:
-            if not is_collective_failure(e):  # confined to the step: the scheduler fails its requests
-                res = StepResult(msg.step, [], [], [], [], [], error=traceback.format_exc(limit=8))
-            else:  # the TP group is broken: fatal for this rank, and so for the engine
-                why = f"{who}: collective failed (a peer rank died or hangs): {type(e).__name__}: {e}"
-                results.send_multipart(encode(RankFailed(rank, why)))
-                ctx.destroy(linger=LINGER_MS)
-                os._exit(COLLECTIVE_FAILED_EXIT)
+        try:  # a failed step comes back as a failed StepResult; what escapes is a broken TP group
+            res = worker.execute(msg)
+        except Exception as e:  # fatal for this rank, and so for the engine
+            why = f"{who}: collective failed (a peer rank died or hangs): {type(e).__name__}: {e}"
+            results.send_multipart(encode(RankFailed(rank, why)))
+            ctx.destroy(linger=LINGER_MS)
+            os._exit(COLLECTIVE_FAILED_EXIT)
         if rank == 0:  # every rank computes the same tokens; rank 0's are the step's
             results.send_multipart(encode(res))
     ctx.destroy(linger=0)
