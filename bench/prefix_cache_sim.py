@@ -303,7 +303,6 @@ def build_workloads(encode: Encode, data: Path, scale: float = 1.0) -> dict[str,
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="kimi-linear-48b", help="model whose layout sizes the pool")
-    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pool-gib", type=float, default=24.0, help="per-rank pool bytes, GiB (sets --mem-bytes)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
     ap.add_argument("--check", action="store_true", help="run the scheduler's check_integrity() after every step")
@@ -317,14 +316,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from radixk3.config import preset
 
     cfg = preset(args.preset)
-    layout = PoolLayout.from_config(cfg, tp=args.tp, page_size=server_args.page_size)
+    layout = PoolLayout.from_config(cfg, tp=server_args.tp_size, page_size=server_args.page_size)
     block = PoolLayout.from_config(preset("kimi-linear-48b")).state_equivalent_tokens()
     encode, enc_name = load_encoder()
     data = gsm8k_dir()
     print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs, {platform.system()}, python {platform.python_version()} "
           "(scheduler with a scripted no-op worker: allocator metadata only, no model, no buffer, no device)")
     print(f"tokens: {enc_name}; data: gsm8k from {data.relative_to(REPO) if data.is_relative_to(REPO) else data}")
-    print(f"layout: {args.preset} tp={args.tp} page_size={server_args.page_size}: state block "
+    print(f"layout: {args.preset} tp={server_args.tp_size} page_size={server_args.page_size}: state block "
           f"{layout.state_block_bytes / 2**20:.1f} MiB, KV {layout.kv_token_bytes} B/token; pool {args.pool_gib} GiB")
     print(f"block baseline: {block} tokens per block (one kimi-linear-48b KDA layer's state in MLA-layer KV; "
           f"a whole state is {layout.state_block_bytes / layout.kv_token_bytes:.0f} tokens of all-layer KV)")
@@ -354,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "workloads": {k: v._asdict() for k, v in results.items()},
             "block_tokens": block,
             "server_args": dataclasses.asdict(server_args),
-            "layout": {"preset": args.preset, "tp": args.tp, "page_size": server_args.page_size,
+            "layout": {"preset": args.preset, "tp": server_args.tp_size, "page_size": server_args.page_size,
                        "state_block_bytes": layout.state_block_bytes, "kv_token_bytes": layout.kv_token_bytes},
             "pool_bytes": server_args.mem_bytes,
             "tokens": enc_name,
