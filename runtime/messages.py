@@ -116,6 +116,7 @@ class StepResult:
     # after sequence, num_accepted[i] + 1 tokens each (the accepted drafts and the target's own next token),
     # and a row error's index is the sequence's.
     num_accepted: list[int] = field(default_factory=list)
+    dp_rank: int = 0  # DP attention: the attention group whose plan this is the result of
 
 
 @dataclass

@@ -104,6 +104,8 @@ class ModelWorker:
     def _execute(self, plan: StepPlan) -> StepResult:
         self.apply_plan_changes(plan)
         if plan.mode == ForwardMode.IDLE.value:
+            if self.model.dp_attention:  # DP attention, nothing for this group: join the others' FFN collectives
+                self.model.idle_step()
             return StepResult(step=plan.step, tokens=[], logprobs=[], top_ids=[], top_logprobs=[], input_logprobs=[])
         if plan.mode == ForwardMode.VERIFY.value:
             return self._verify(plan)

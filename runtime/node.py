@@ -3,7 +3,9 @@ entry point of a node other than node 0.
 
 Per engine replica i (`dp_size` replicas without DP attention): one scheduler on node 0 and `tp_size` worker
 ranks, spread evenly over the nodes (rank r of every replica on node r // (tp_size / nnodes), so each
-replica's rank 0, which hosts its torch.distributed store, is on node 0).
+replica's rank 0, which hosts its torch.distributed store, is on node 0). With DP attention there is one
+replica whose ranks form `dp_size` attention groups of consecutive ranks, each group's first rank sending that
+group's results (`runtime.dp_attention`).
 
 Endpoints: `sched_in_{i}`, `worker_in_{i}_{r}`, `worker_out_{i}`, and the shared `sched_out` and `ready`.
 The scheduler binds its plan and result sockets and the ranks connect, so across nodes only node 0 listens.
@@ -66,11 +68,10 @@ class Topology:
     host: str  # node 0's address
     dist_ports: tuple[int, ...]  # torch.distributed rendezvous port of each replica
     base_port: int | None  # with nnodes > 1: P of the port layout above
+    attention_groups: int = 1  # DP attention: the replica's ranks in this many groups of consecutive ranks
 
     @classmethod
     def for_args(cls, args: ServerArgs, ipc_dir: str | None) -> Topology:
-        if args.enable_dp_attention:
-            raise ValueError("--enable-dp-attention is not built yet; use --dp N without it for N engine replicas")
         if args.tp_size % args.nnodes:
             raise ValueError(f"--nnodes {args.nnodes} must divide --tp-size {args.tp_size} (ranks spread evenly)")
         replicas = num_replicas(args)
@@ -84,7 +85,16 @@ class Topology:
                 raise ValueError(f"--dist-init-addr port {p}: ports up to {last} are needed")
             ports = tuple(p + i for i in range(replicas))
             base = p + replicas if args.nnodes > 1 else None
-        return cls(replicas, args.tp_size, args.nnodes, ipc_dir, host, ports, base)
+        groups = args.dp_size if args.enable_dp_attention else 1
+        return cls(replicas, args.tp_size, args.nnodes, ipc_dir, host, ports, base, groups)
+
+    def attention_group(self, rank: int) -> int:
+        """The DP rank (attention group) of worker rank `rank`; 0 without DP attention."""
+        return rank // (self.tp_size // self.attention_groups)
+
+    def leads_group(self, rank: int) -> bool:
+        """Whether `rank` is its attention group's first rank: the one that sends the group's results."""
+        return rank % (self.tp_size // self.attention_groups) == 0
 
     @property
     def ranks_per_node(self) -> int:

@@ -6,6 +6,8 @@ Per engine replica i (see `runtime.node` for where the processes run and the add
   rank 0 --PUSH/PULL--> scheduler i (`worker_out_{i}`: the step's tokens; every rank's readiness or failure),
   every scheduler --PUSH/PULL--> the process supervisor (`ready`: readiness, why startup failed, or why a rank
   failed, so the request path `sched_out` belongs to the tokenizer manager alone, on whatever event loop it runs).
+With DP attention (one replica): each attention group's ranks get that group's plan, and each group's first
+rank sends its results (`runtime.dp_attention`).
 
 A rank whose collective fails (a peer died or hangs past `--dist-timeout`) reports it and exits, and a
 scheduler that loses a rank's connection or hears of a failure reports it and exits: the engine fails as a
@@ -20,6 +22,7 @@ import os
 import shutil
 import signal
 import time
+from collections import deque
 from pathlib import Path
 
 import zmq
@@ -27,6 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from radixk3.config import BUILTIN_PRESET, ModelConfig, preset
 from radixk3.tokenizer import Tokenizer, load_tokenizer
+from runtime.dp_attention import DPAttentionScheduler
 from runtime.grammar import GrammarBackend
 from runtime.messages import (
     AbortReq,
@@ -120,7 +124,8 @@ def worker_main(args: ServerArgs, topo: Topology, replica: int, rank: int) -> No
 
         torch.set_num_threads(topo.rank_threads(len(os.sched_getaffinity(0))))
         args = dataclasses.replace(args, device=topo.rank_device(args.device, replica, rank))
-        init_parallel(rank, topo.tp_size, topo.dist_init(replica), args.ep_size, timeout_s=args.dist_timeout)
+        init_parallel(rank, topo.tp_size, topo.dist_init(replica), args.ep_size, timeout_s=args.dist_timeout,
+                      dp_size=topo.attention_groups)
         worker = ModelWorker(args)
     except Exception as e:  # report why we could not start, then exit
         results.send_multipart(encode(WorkerReady(rank, error=f"{who}: {type(e).__name__}: {e}")))
@@ -149,7 +154,8 @@ def worker_main(args: ServerArgs, topo: Topology, replica: int, rank: int) -> No
             results.send_multipart(encode(RankFailed(rank, why)))
             ctx.destroy(linger=LINGER_MS)
             os._exit(COLLECTIVE_FAILED_EXIT)
-        if rank == 0:  # every rank computes the same tokens; rank 0's are the step's
+        if topo.leads_group(rank):  # every rank of a group computes the same tokens; its first rank's count
+            res.dp_rank = topo.attention_group(rank)
             results.send_multipart(encode(res))
     ctx.destroy(linger=0)
 
@@ -159,11 +165,13 @@ class RankLost(Exception):
 
 
 class _Ranks:
-    """One scheduler's sockets to its replica's ranks: the same plan to each, rank 0's result back, and a
-    watch on every rank's connection."""
+    """One scheduler's sockets to its replica's ranks: the same plan to each (with DP attention, its group's),
+    each group's first rank's result back, and a watch on every rank's connection."""
 
     def __init__(self, ctx: zmq.Context, topo: Topology, replica: int) -> None:
         self.replica = replica
+        self.group_of = [topo.attention_group(r) for r in range(topo.tp_size)]
+        self.pending: list[deque[StepResult]] = [deque() for _ in range(topo.attention_groups)]
         self.results = _socket(ctx, zmq.PULL, topo.bind_addr(f"worker_out_{replica}"), bind=True)
         self.plans = [_socket(ctx, zmq.PUSH, topo.bind_addr(f"worker_in_{replica}_{r}"), bind=True)
                       for r in range(topo.tp_size)]
@@ -192,8 +200,18 @@ class _Ranks:
         for s in self.plans:
             s.send_multipart(frames)
 
+    def send_groups(self, plans: list[StepPlan]) -> None:
+        """DP attention: each rank its attention group's plan."""
+        frames = [encode(p) for p in plans]
+        for s, g in zip(self.plans, self.group_of, strict=True):
+            s.send_multipart(frames[g])
+
     def recv(self) -> StepResult:
-        while True:
+        return self.recv_groups()[0]
+
+    def recv_groups(self) -> list[StepResult]:
+        """The oldest step's result of every group, in group order (a group's results come in step order)."""
+        while not all(self.pending):
             events = dict(self.poller.poll())
             self.check(events)
             if self.results in events:
@@ -201,7 +219,8 @@ class _Ranks:
                 if isinstance(msg, RankFailed):
                     raise RankLost(msg.error)
                 if isinstance(msg, StepResult):
-                    return msg
+                    self.pending[msg.dp_rank].append(msg)
+        return [q.popleft() for q in self.pending]
 
     def shutdown(self) -> None:
         for s in self.plans:
@@ -228,8 +247,13 @@ def scheduler_main(args: ServerArgs, topo: Topology, replica: int) -> None:
         tok = tokenizer_for(args)
         layout = pool_layout(cfg, args)
         stop_ids = frozenset(tok.stop_ids) | {cfg.eos_token_id}
-        sched = Scheduler(args, layout, stop_ids, tok.decode, cfg.vocab_size,
-                          GrammarBackend(tok, cfg.vocab_size, stop_ids))
+        sched: Scheduler | DPAttentionScheduler
+        if topo.attention_groups > 1:
+            sched = DPAttentionScheduler(args, layout, stop_ids, tok.decode, cfg.vocab_size,
+                                         lambda: GrammarBackend(tok, cfg.vocab_size, stop_ids))
+        else:
+            sched = Scheduler(args, layout, stop_ids, tok.decode, cfg.vocab_size,
+                              GrammarBackend(tok, cfg.vocab_size, stop_ids))
     except Exception as e:
         ready_out.send_multipart(encode(WorkerReady(-1, error=f"scheduler {replica}: {type(e).__name__}: {e}")))
         ctx.destroy(linger=LINGER_MS)
@@ -247,9 +271,14 @@ def scheduler_main(args: ServerArgs, topo: Topology, replica: int) -> None:
     os._exit(0)
 
 
-def _serve(args: ServerArgs, sched: Scheduler, ranks: _Ranks, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+def _serve(args: ServerArgs, sched: Scheduler | DPAttentionScheduler, ranks: _Ranks, inbox: zmq.Socket,
+           outbox: zmq.Socket) -> None:
     """The scheduler's loop, until Shutdown."""
-    loop = StepLoop(sched, ranks.send, ranks.recv, overlap=args.overlap_schedule)
+    loop: StepLoop[StepPlan, StepResult] | StepLoop[list[StepPlan], list[StepResult]]
+    if isinstance(sched, DPAttentionScheduler):
+        loop = StepLoop(sched, ranks.send_groups, ranks.recv_groups, overlap=args.overlap_schedule)
+    else:
+        loop = StepLoop(sched, ranks.send, ranks.recv, overlap=args.overlap_schedule)
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     for w in ranks.watches:  # a rank lost while idle fails the engine now, not at the next request
@@ -272,7 +301,10 @@ def _serve(args: ServerArgs, sched: Scheduler, ranks: _Ranks, inbox: zmq.Socket,
             elif isinstance(msg, AbortReq):
                 sched.abort(msg.rid)
             elif isinstance(msg, MetricsReq):
-                outbox.send_multipart(encode(MetricsOut(dataclasses.asdict(sched.metrics_now()), msg.req_id)))
+                metrics = dataclasses.asdict(sched.metrics_now())
+                if isinstance(sched, DPAttentionScheduler):  # the sums above, and each DP rank's own counters
+                    metrics["dp_ranks"] = [dataclasses.asdict(m) for m in sched.group_metrics()]
+                outbox.send_multipart(encode(MetricsOut(metrics, msg.req_id)))
             elif isinstance(msg, FlushCacheReq):
                 outbox.send_multipart(encode(FlushCacheOut(msg.req_id, sched.flush_cache())))
             elif isinstance(msg, Shutdown):

@@ -10,16 +10,37 @@ step is resolved first; batches without one stay overlapped.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
 
-from runtime.messages import StepPlan, StepResult, TokenOut
-from runtime.scheduler import Scheduler
+from runtime.messages import TokenOut
 
 GRAMMAR_POLL_S = 0.005  # the longest a loop with only grammars compiling waits before looking at its inbox
 
 
-class StepLoop:
-    def __init__(self, scheduler: Scheduler, send: Callable[[StepPlan], None], recv: Callable[[], StepResult],
-                 overlap: bool, check_when_idle: bool = True) -> None:
+Plan = TypeVar("Plan")
+Result = TypeVar("Result")
+
+
+class StepScheduler(Protocol[Plan, Result]):
+    """What the loop needs of a scheduler: `Scheduler` (a StepPlan per step), or `DPAttentionScheduler` (one
+    plan per DP rank)."""
+
+    @property
+    def has_work(self) -> bool: ...
+    @property
+    def grammar_blocked(self) -> bool: ...
+    @property
+    def steps_in_flight(self) -> int: ...
+    def schedule(self) -> Plan | None: ...
+    def process(self, result: Result) -> list[TokenOut]: ...
+    def take_outputs(self) -> list[TokenOut]: ...
+    def wait_for_grammars(self, timeout: float) -> None: ...
+    def check_integrity(self) -> None: ...
+
+
+class StepLoop(Generic[Plan, Result]):
+    def __init__(self, scheduler: StepScheduler[Plan, Result], send: Callable[[Plan], None],
+                 recv: Callable[[], Result], overlap: bool, check_when_idle: bool = True) -> None:
         self.scheduler = scheduler
         self.send, self.recv = send, recv
         self.depth = 1 if overlap else 0  # steps left in flight while the next is planned

@@ -1,7 +1,8 @@
 """The multi-process Engine past one rank: greedy tokens with --tp 2 (radix on; with n-gram and MTP speculation),
---tp 2 --ep 2, and two loopback "nodes" (node 1 a `radixk3 serve --node-rank 1` subprocess) are identical, token
-for token, to --tp 1 over the exactness prompt set. The --tp 1 side is the same runtime in one process
-(LocalEngine, itself checked against the no-cache greedy loop in test_engine_exactness)."""
+--tp 2 --ep 2, --tp 2 --dp 2 --enable-dp-attention (with n-gram speculation too), and two loopback "nodes"
+(node 1 a `radixk3 serve --node-rank 1` subprocess) are identical, token for token, to --tp 1 over the
+exactness prompt set. The --tp 1 side is the same runtime in one process (LocalEngine, itself checked against
+the no-cache greedy loop in test_engine_exactness)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,10 @@ CONFIGS = {
     "tp2": dict(tp_size=2),
     "tp2_ep2": dict(tp_size=2, ep_size=2),
     "tp2_ngram": dict(tp_size=2, speculative_algorithm="ngram"),
+    # DP attention: two attention groups of one rank, each with its own requests, radix tree and pool.
+    "tp2_dp2_attention": dict(tp_size=2, dp_size=2, enable_dp_attention=True),
+    "tp2_dp2_attention_ngram": dict(tp_size=2, dp_size=2, enable_dp_attention=True, speculative_algorithm="ngram",
+                                    load_balance_method="cache_aware"),
 }
 
 
@@ -93,6 +98,12 @@ def test_tp2_greedy_equals_tp1(name: str, builtin: tuple[Waves, Waves]) -> None:
         assert _run(engine, waves) == refs
         m = engine.get_metrics()
         assert m["cached_tokens"] > 0  # the radix cache is on and hit
+        if engine.args.enable_dp_attention:  # both DP ranks served, and their counters add up
+            per = m["dp_ranks"]
+            assert len(per) == 2 and all(d["prompt_tokens"] > 0 for d in per)
+            assert sum(d["decode_tokens"] for d in per) == m["decode_tokens"]
+        if engine.args.speculative_algorithm is not None:
+            assert m["verify_steps"] > 0 and m["draft_tokens"] > 0  # drafts verified (random weights accept few)
     finally:
         _all_gone(engine)
 
@@ -171,6 +182,6 @@ def test_node1_exits_when_node0_goes_away() -> None:
             node1.wait(timeout=10)
 
 
-def test_dp_attention_is_refused_clearly() -> None:
-    with pytest.raises(Exception, match="enable-dp-attention is not built"):
-        Engine(mem_bytes=MEM, tp_size=2, dp_size=2, enable_dp_attention=True)
+def test_dp_attention_with_a_model_proposer_is_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="mtp does not run with --enable-dp-attention"):
+        Engine(mem_bytes=MEM, tp_size=2, dp_size=2, enable_dp_attention=True, speculative_algorithm="mtp")

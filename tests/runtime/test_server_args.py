@@ -40,3 +40,16 @@ def test_speculative_flags() -> None:
                       (dict(speculative_ngram_min=3, speculative_ngram_max=2), "ngram-min")):
         with pytest.raises(ValueError, match=says):
             ServerArgs(**bad)
+
+
+def test_dp_attention_flags() -> None:
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    args = ServerArgs.from_cli_args(p.parse_args(["--tp", "4", "--dp", "2", "--enable-dp-attention",
+                                                  "--speculative-algorithm", "ngram"]))
+    assert (args.tp_size, args.dp_size, args.enable_dp_attention) == (4, 2, True)
+    for bad, says in ((dict(tp_size=4, dp_size=3, enable_dp_attention=True), "must divide"),
+                      (dict(tp_size=2, dp_size=2, enable_dp_attention=True, speculative_algorithm="mtp"),
+                       "mtp does not run with --enable-dp-attention")):
+        with pytest.raises(ValueError, match=says):
+            ServerArgs(**bad)
