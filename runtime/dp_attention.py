@@ -7,8 +7,10 @@ groups must step in lockstep: each step is one plan per group, sent together, an
 gets an IDLE plan (its ranks run the layers on zero rows and join the collectives). A step's results are one
 per group, from each group's first rank, in group order.
 
-Only proposers that add no forward of their own (n-gram) run here: a model proposer's draft forwards vary in
-number with each group's batch, and every group would have to run the same ones (`ServerArgs` refuses them).
+Speculation runs per DP rank, each replaying its own requests' KDA inputs. N-gram drafts add no forward. The
+MTP proposer's layer calls (its MoE is shared too) vary with each group's windows, so every step fixes them for
+all groups (`StepPlan.dp_draft_steps`, `MTPProposer.idle_drafts`) and a group with fewer joins on zero rows. The
+draft-model and DSpark proposers are refused (`ServerArgs`): their forwards are not lockstepped yet.
 """
 
 from __future__ import annotations
@@ -80,7 +82,13 @@ class DPAttentionScheduler:
             return None
         self._inflight.append([p is not None for p in plans])
         self._idle_steps += 1
-        return [p if p is not None else idle_plan(-self._idle_steps) for p in plans]
+        out = [p if p is not None else idle_plan(-self._idle_steps) for p in plans]
+        # An MTP draft chain runs its layers 1 .. (window width - 2) before the target's forward: every group
+        # joins the widest one's calls.
+        steps = max((int(np.diff(p.cu_seqlens).max()) - 2 for p in out if p.mode == "verify"), default=0)
+        for p in out:
+            p.dp_draft_steps = max(steps, 0)
+        return out
 
     def process(self, results: list[StepResult]) -> list[TokenOut]:
         """Apply the oldest step's results: each group that ran a real plan takes its own."""

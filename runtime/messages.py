@@ -99,6 +99,9 @@ class StepPlan:
     input_logprob_rows: list[tuple[int, int]] = field(default_factory=list)  # (logits row, token id)
     grammar_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     grammar_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    # DP attention with MTP: the draft-chain layer calls every rank makes before the target's forward this step
+    # (the widest verify window over every group, less 2), so that all groups run the same MTP layers in turn.
+    dp_draft_steps: int = 0
 
 
 @dataclass

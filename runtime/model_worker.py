@@ -22,6 +22,7 @@ from runtime.pool import CopyCommand
 from runtime.pool_buffer import PoolBuffer
 from runtime.pool_layout import pool_budget, pool_layout, serving_dtype
 from runtime.server_args import ServerArgs
+from runtime.spec_mtp import MTPProposer
 from runtime.spec_proposers import build_proposer
 from runtime.worker_page_table import WorkerPageTable
 
@@ -57,6 +58,9 @@ class ModelWorker:
                 self.layout.kv_dtype, self.model.device, record_inputs=args.debug_spec_state)
         # A model proposer (draft model) fills the verify windows' drafts; its cache lives in the same pool.
         self.proposer = build_proposer(args, self.model, self.buffer)
+        # DP attention with MTP: the proposer joins the other groups' MTP layer calls (see MTPProposer.idle_drafts).
+        self.lockstep_mtp = self.proposer if self.model.dp_attention and isinstance(self.proposer, MTPProposer) \
+            else None
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.array(a, dtype=np.int64)).to(self.model.device)
@@ -105,11 +109,17 @@ class ModelWorker:
         self.apply_plan_changes(plan)
         if plan.mode == ForwardMode.IDLE.value:
             if self.model.dp_attention:  # DP attention, nothing for this group: join the others' FFN collectives
+                if self.lockstep_mtp is not None:
+                    self.lockstep_mtp.idle_drafts(1, plan.dp_draft_steps)
                 self.model.idle_step()
+                if self.lockstep_mtp is not None:
+                    self.lockstep_mtp.idle_observe()
             return StepResult(step=plan.step, tokens=[], logprobs=[], top_ids=[], top_logprobs=[], input_logprobs=[])
         if plan.mode == ForwardMode.VERIFY.value:
             return self._verify(plan)
         batch = self.forward_batch(plan)
+        if self.lockstep_mtp is not None:
+            self.lockstep_mtp.idle_drafts(1, plan.dp_draft_steps)
         pre: list[torch.Tensor] | None = [] if self.proposer is not None and self.proposer.needs_hidden else None
         logits = self._forward(batch, pre)
         n = len(plan.sample_params)
@@ -165,6 +175,8 @@ class ModelWorker:
         draft_probs = None
         if self.proposer is not None:  # before the target reads the window: its drafts replace the placeholders
             draft_probs = self.proposer.propose(batch, rows, rows_of)
+        if self.lockstep_mtp is not None:  # the MTP chain made calls 1 .. width - 2 itself
+            self.lockstep_mtp.idle_drafts(max(width - 1, 1), plan.dp_draft_steps)
         lay = window_layout(batch.cu_seqlens, int(batch.input_ids.numel()))  # once: the backend reuses it
         batch.spec = WindowRows(self.window, rows, lay)
         cache = self.cache

@@ -92,6 +92,7 @@ class MTPProposer:
         """Every MTP layer over `batch`'s new positions whose next token is known (`_defer`)."""
         sub, hidden, rows = self._defer(batch, hidden, next_last, rows)
         if not rows.numel():
+            self.idle_observe()
             return
         first, last = sub.cu_seqlens[:-1], sub.last_token_index()
         # The previous position's layer m-1 output is known here iff this row's last run ended just before.
@@ -107,6 +108,21 @@ class MTPProposer:
             h = self.model.forward_mtp_batch(m, sub, h, self.cache).hidden
             self.last_out[m, rows] = h[last].to(self.last_out.dtype)
         self.last_pos[rows] = sub.seq_lens - 1
+
+    # DP attention: every rank runs the same MTP layers in the same order in a step (their MoE is shared), so a
+    # rank with fewer positions joins the others' calls on zero rows. Per step: the draft chain's calls before the
+    # target's forward (layer j % n for j = 1 .. the step's `dp_draft_steps`), then each layer once after it.
+    def idle_drafts(self, first: int, last: int) -> None:
+        """Join draft-chain calls `first` .. `last` (1-based) that this rank does not make itself."""
+        if self.model.dp_attention:
+            for j in range(first, last + 1):
+                self.model.idle_step(j % self.num_layers)
+
+    def idle_observe(self) -> None:
+        """Join the after-forward run of every layer (this rank has no position for it)."""
+        if self.model.dp_attention:
+            for m in range(self.num_layers):
+                self.model.idle_step(m)
 
     def observe(self, batch: ForwardBatch, hidden: Tensor | None, next_last: Tensor, rows: Tensor) -> None:
         if batch.mode in (ForwardMode.EXTEND, ForwardMode.DECODE):

@@ -108,11 +108,15 @@ def test_tp2_greedy_equals_tp1(name: str, builtin: tuple[Waves, Waves]) -> None:
         _all_gone(engine)
 
 
-def test_tp2_mtp_greedy_equals_tp1(native_mtp: tuple[Path, Waves, Waves]) -> None:
+@pytest.mark.parametrize("dp_attention", [False, True], ids=["tp2", "tp2_dp2_attention"])
+def test_tp2_mtp_greedy_equals_tp1(dp_attention: bool, native_mtp: tuple[Path, Waves, Waves]) -> None:
     ckpt, waves, refs = native_mtp
-    engine = Engine(str(ckpt), mem_bytes=MEM, tp_size=2, speculative_algorithm="mtp")
+    dp = dict(dp_size=2, enable_dp_attention=True) if dp_attention else {}
+    engine = Engine(str(ckpt), mem_bytes=MEM, tp_size=2, speculative_algorithm="mtp", **dp)
     try:
         assert _run(engine, waves) == refs
+        m = engine.get_metrics()
+        assert m["verify_steps"] > 0 and m["draft_tokens"] > 0
     finally:
         _all_gone(engine)
 
@@ -182,6 +186,7 @@ def test_node1_exits_when_node0_goes_away() -> None:
             node1.wait(timeout=10)
 
 
-def test_dp_attention_with_a_model_proposer_is_refused_clearly() -> None:
-    with pytest.raises(ValueError, match="mtp does not run with --enable-dp-attention"):
-        Engine(mem_bytes=MEM, tp_size=2, dp_size=2, enable_dp_attention=True, speculative_algorithm="mtp")
+def test_dp_attention_with_a_draft_model_is_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="draft does not run with --enable-dp-attention"):
+        Engine(mem_bytes=MEM, tp_size=2, dp_size=2, enable_dp_attention=True, speculative_algorithm="draft",
+               speculative_draft_model="unused")

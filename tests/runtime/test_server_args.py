@@ -49,7 +49,7 @@ def test_dp_attention_flags() -> None:
                                                   "--speculative-algorithm", "ngram"]))
     assert (args.tp_size, args.dp_size, args.enable_dp_attention) == (4, 2, True)
     for bad, says in ((dict(tp_size=4, dp_size=3, enable_dp_attention=True), "must divide"),
-                      (dict(tp_size=2, dp_size=2, enable_dp_attention=True, speculative_algorithm="mtp"),
-                       "mtp does not run with --enable-dp-attention")):
+                      (dict(tp_size=2, dp_size=2, enable_dp_attention=True, speculative_algorithm="dspark",
+                             speculative_draft_model="d"), "dspark does not run with --enable-dp-attention")):
         with pytest.raises(ValueError, match=says):
             ServerArgs(**bad)
