@@ -106,3 +106,13 @@ def test_gsm8k_cache_aware_hit_rate_matches_one_replica(dp1: Engine, dp2: Engine
     assert aware >= one - 0.02
     # Round robin computes the few-shot prefix once on each replica: robustly below one replica's rate.
     assert rr < aware - 0.01
+
+
+def test_dp2_with_ngram_speculation_equals_dp1(exactness) -> None:  # noqa: ANN001
+    """Speculation inside each replica: every replica verifies and replays its own requests' windows."""
+    waves, refs = exactness
+    with Engine(mem_bytes=MEM, dp_size=2, speculative_algorithm="ngram", load_balance_method="shortest_queue") as e:
+        for wave, ref in zip(waves, refs, strict=True):
+            assert [o["output_ids"] for o in e.generate(wave, GREEDY)] == ref
+        per = e.get_metrics()["replicas"]
+        assert all(r["verify_steps"] > 0 and r["draft_tokens"] > 0 for r in per)

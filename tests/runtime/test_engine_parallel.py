@@ -82,6 +82,7 @@ CONFIGS = {
     "tp2": dict(tp_size=2),
     "tp2_ep2": dict(tp_size=2, ep_size=2),
     "tp2_ngram": dict(tp_size=2, speculative_algorithm="ngram"),
+    "tp2_ep2_ngram": dict(tp_size=2, ep_size=2, speculative_algorithm="ngram"),
     # DP attention: two attention groups of one rank, each with its own requests, radix tree and pool.
     "tp2_dp2_attention": dict(tp_size=2, dp_size=2, enable_dp_attention=True),
     "tp2_dp2_attention_ngram": dict(tp_size=2, dp_size=2, enable_dp_attention=True, speculative_algorithm="ngram",
@@ -108,11 +109,14 @@ def test_tp2_greedy_equals_tp1(name: str, builtin: tuple[Waves, Waves]) -> None:
         _all_gone(engine)
 
 
-@pytest.mark.parametrize("dp_attention", [False, True], ids=["tp2", "tp2_dp2_attention"])
-def test_tp2_mtp_greedy_equals_tp1(dp_attention: bool, native_mtp: tuple[Path, Waves, Waves]) -> None:
+MTP_CONFIGS = {"tp2": dict(), "tp2_ep2": dict(ep_size=2),
+               "tp2_dp2_attention": dict(dp_size=2, enable_dp_attention=True)}
+
+
+@pytest.mark.parametrize("name", sorted(MTP_CONFIGS))
+def test_tp2_mtp_greedy_equals_tp1(name: str, native_mtp: tuple[Path, Waves, Waves]) -> None:
     ckpt, waves, refs = native_mtp
-    dp = dict(dp_size=2, enable_dp_attention=True) if dp_attention else {}
-    engine = Engine(str(ckpt), mem_bytes=MEM, tp_size=2, speculative_algorithm="mtp", **dp)
+    engine = Engine(str(ckpt), mem_bytes=MEM, tp_size=2, speculative_algorithm="mtp", **MTP_CONFIGS[name])
     try:
         assert _run(engine, waves) == refs
         m = engine.get_metrics()
@@ -140,17 +144,30 @@ def _free_ports(n: int) -> int:
     raise RuntimeError("no free port range")
 
 
-def test_two_loopback_nodes_equal_tp1(builtin: tuple[Waves, Waves]) -> None:
+NODE_FLAGS = {  # with DP attention and n-gram speculation, each node holds one DP rank
+    "tp2": dict(),
+    "tp2_dp2_attention_ngram": dict(dp_size=2, enable_dp_attention=True, speculative_algorithm="ngram"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NODE_FLAGS))
+def test_two_loopback_nodes_equal_tp1(name: str, builtin: tuple[Waves, Waves]) -> None:
     waves, refs = builtin
     base = _free_ports(4)  # one replica of 2 ranks: rendezvous, 2 plan sockets, 1 result socket
+    extra = NODE_FLAGS[name]
     flags = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{base}", "--mem-bytes", str(MEM)]
+    flags += [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in extra.items()]
     node1 = subprocess.Popen([sys.executable, "-m", "radixk3.cli", "serve", *flags, "--node-rank", "1"], cwd=ROOT,
                              env=os.environ | {"PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
     try:
-        engine = Engine(mem_bytes=MEM, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=f"127.0.0.1:{base}")
+        engine = Engine(mem_bytes=MEM, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=f"127.0.0.1:{base}",
+                        **extra)
         try:
             assert [rid.rank for rid in engine.procs.ranks] == [0]  # node 0 runs rank 0 only
             assert _run(engine, waves) == refs
+            if extra:
+                m = engine.get_metrics()
+                assert all(d["prompt_tokens"] > 0 for d in m["dp_ranks"]) and m["verify_steps"] > 0
         finally:
             _all_gone(engine)
         _, err = node1.communicate(timeout=30)  # node 0's Shutdown ends node 1 cleanly
