@@ -1,5 +1,6 @@
-"""Past one device on CPU (gloo): throughput and prefix-cache hit rate of tp 1, tp 2 and dp 2 (cache-aware and
-round-robin dispatch) on the gsm8k burst, and the communication share of a tp 2 step.
+"""Past one device on CPU (gloo): throughput and prefix-cache hit rate of tp 1, tp 2, dp 2 (cache-aware and
+round-robin dispatch) and tp 2 dp 2 DP attention (cache-aware) on the gsm8k burst, and the communication share
+of a tp 2 step.
 
 The burst: `--num-questions` gsm8k 5-shot prompts (bench/gsm8k's prompt builder: one shared few-shot prefix,
 then a test question), all submitted at once to `radixk3.Engine`, greedy, `--max-new-tokens` each (EOS
@@ -50,6 +51,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "tp2": {"tp_size": 2},
     "dp2_cache_aware": {"dp_size": 2, "load_balance_method": "cache_aware"},
     "dp2_round_robin": {"dp_size": 2, "load_balance_method": "round_robin"},
+    "tp2_dp2_attention": {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True,
+                          "load_balance_method": "cache_aware"},
 }
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all",
                "all_to_all_single", "broadcast", "reduce_scatter")
@@ -90,7 +93,8 @@ def serve_burst(ckpt: Path, kw: dict[str, Any], prompts: list[list[int]], max_ne
         latency = time.perf_counter() - t0
         after = eng.get_metrics()
     meta = [o["meta_info"] for o in outs]
-    per, per_before = after.get("replicas", [after]), before.get("replicas", [before])
+    key = "dp_ranks" if "dp_ranks" in after else "replicas"  # DP attention: per DP rank, inside one replica
+    per, per_before = after.get(key, [after]), before.get(key, [before])
     split = [a["prompt_tokens"] - b["prompt_tokens"] for a, b in zip(per, per_before, strict=True)]
     out_tokens = sum(m["completion_tokens"] for m in meta)
     return Run(out_tokens / latency, latency, out_tokens, sum(m["prompt_tokens"] for m in meta),

@@ -119,7 +119,10 @@ class DPAttentionScheduler:
         return SchedulerMetrics(**{k: sum(m[k] for m in per) for k in per[0]})
 
     def flush_cache(self) -> bool:
-        return all([s.flush_cache() for s in self.groups])  # a list: every idle group flushes
+        flushed = all([s.flush_cache() for s in self.groups])  # a list: every idle group flushes
+        if flushed:  # nothing outstanding: the router's picture of the trees is empty too
+            self.router = DPRouter(len(self.groups), self.router.method)
+        return flushed
 
     def check_integrity(self) -> None:
         for s in self.groups:

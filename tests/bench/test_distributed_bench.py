@@ -1,6 +1,6 @@
 """bench/distributed.py at a tiny size: every configuration runs (tp 1, tp 2, dp 2 cache-aware and round
-robin), the tp 2 ranks measure their collectives, and the JSON it ends with holds the promised keys. The
-greedy tokens of every configuration equal tp 1's; no timing is asserted."""
+robin, tp 2 dp 2 DP attention), the tp 2 ranks measure their collectives, and the JSON it ends with holds the
+promised keys. The greedy tokens of every configuration equal tp 1's; no timing is asserted."""
 
 from __future__ import annotations
 
@@ -24,3 +24,6 @@ def test_distributed_bench_tiny_json(capsys: pytest.CaptureFixture[str]) -> None
     assert out["runs"]["dp2_cache_aware"]["replica_prompt_tokens"][1] == 0
     assert min(out["runs"]["dp2_round_robin"]["replica_prompt_tokens"]) > 0
     assert out["hit_rate_dp2_cache_aware"] == out["hit_rate_dp1"]
+    # DP attention routes inside its one replica, per DP rank, the same way.
+    assert out["runs"]["tp2_dp2_attention"]["replica_prompt_tokens"][1] == 0
+    assert out["hit_rate_dp2_cache_aware"] == out["runs"]["tp2_dp2_attention"]["hit_rate"]
