@@ -117,7 +117,7 @@ def _rank_main(rank: int, world: int, init: str, ckpt: str, engine_kw: dict[str,
                max_new: int, out: Any) -> None:  # noqa: ANN401
     import torch.distributed as dist
 
-    from radixk3.parallel import destroy_parallel, init_parallel
+    from radixk3.parallel import destroy_parallel, exit_rank, init_parallel
     from runtime.local_engine import LocalEngine
     from runtime.server_args import ServerArgs
 
@@ -139,6 +139,9 @@ def _rank_main(rank: int, world: int, init: str, ckpt: str, engine_kw: dict[str,
         out.put((rank, 0.0, 0.0, 0, [], f"{type(e).__name__}: {e}"))
     finally:
         destroy_parallel()
+    out.close()
+    out.join_thread()  # the result is out before the process ends without finalization
+    exit_rank(0)
 
 
 class CommShare(NamedTuple):

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -136,6 +138,16 @@ def destroy_parallel() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     set_parallel_state(ParallelState())
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End a rank's process without interpreter finalization. The group outlives `destroy_parallel` while any
+    layer still holds it, and gloo's worker threads release a finished collective's tensors after the caller
+    has its result, which takes the GIL: if that lands while the interpreter finalizes, the thread cannot get it
+    and the process aborts ("terminate called without an active exception"), however well its work went."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,7 @@ def worker_main(args: ServerArgs, topo: Topology, replica: int, rank: int) -> No
     try:
         import torch
 
-        from radixk3.parallel import init_parallel
+        from radixk3.parallel import exit_rank, init_parallel
         from runtime.model_worker import ModelWorker  # the model only in the worker: never in the scheduler
 
         torch.set_num_threads(topo.rank_threads(len(os.sched_getaffinity(0))))
@@ -158,6 +158,7 @@ def worker_main(args: ServerArgs, topo: Topology, replica: int, rank: int) -> No
             res.dp_rank = topo.attention_group(rank)
             results.send_multipart(encode(res))
     ctx.destroy(linger=0)
+    exit_rank(0)
 
 
 class RankLost(Exception):

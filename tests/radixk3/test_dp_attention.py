@@ -22,7 +22,7 @@ from radixk3.config import ConfigError, ModelConfig, preset
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM, build_model, check_tensor_parallel
 from radixk3.mtp import allocate_mtp_cache
-from radixk3.parallel import ParallelState, destroy_parallel, init_parallel, parallel_state
+from radixk3.parallel import ParallelState, destroy_parallel, exit_rank, init_parallel, parallel_state
 from radixk3.spec_window import SpecWindow, WindowRows
 from runtime.pool_buffer import PoolBuffer
 from runtime.pool_layout import pool_layout
@@ -151,6 +151,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
             torch.save(results, Path(out_dir) / f"{name}.rank{rank}.pt")
     finally:
         destroy_parallel()
+    exit_rank(0)  # a raised error above goes back to the parent through the normal exit
 
 
 def _free_port() -> int:

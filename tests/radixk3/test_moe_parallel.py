@@ -18,7 +18,14 @@ import torch.multiprocessing as mp
 from kernels.moe import MoERoute, moe_experts
 from radixk3.config import ConfigError, ModelConfig, preset
 from radixk3.moe_layer import MoE, dispatch_local, moe_shard
-from radixk3.parallel import ParallelState, destroy_parallel, init_parallel, parallel_state, set_parallel_state
+from radixk3.parallel import (
+    ParallelState,
+    destroy_parallel,
+    exit_rank,
+    init_parallel,
+    parallel_state,
+    set_parallel_state,
+)
 from radixk3.tensor_names import Shard, public_shards, public_tensors
 
 WORLD = 2
@@ -221,6 +228,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     finally:
         destroy_parallel()
+    exit_rank(0)  # a raised error above goes back to the parent through the normal exit
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.generate import greedy_cached
 from radixk3.model import KimiForCausalLM, build_model
 from radixk3.mtp import allocate_mtp_cache
-from radixk3.parallel import ParallelState, destroy_parallel, init_parallel, set_parallel_state, shard_range
+from radixk3.parallel import ParallelState, destroy_parallel, exit_rank, init_parallel, set_parallel_state, shard_range
 from radixk3.parallel_linear import ColumnParallelLinear, ParallelLMHead, VocabParallelEmbedding
 from radixk3.spec_window import SpecWindow, WindowRows
 from radixk3.tensor_names import Shard, public_shards, public_tensors
@@ -139,6 +139,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         torch.save(padded(_padded_ids()), Path(out_dir) / f"padded.rank{rank}.pt")
     finally:
         destroy_parallel()
+    exit_rank(0)  # a raised error above goes back to the parent through the normal exit
 
 
 def _free_port() -> int:
