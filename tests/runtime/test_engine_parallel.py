@@ -1,7 +1,7 @@
-"""The multi-process Engine past one rank: greedy tokens with --tp 2 (radix on; with n-gram and MTP speculation),
---tp 2 --ep 2, --tp 2 --dp 2 --enable-dp-attention (with n-gram speculation too), and two loopback "nodes"
-(node 1 a `radixk3 serve --node-rank 1` subprocess) are identical, token for token, to --tp 1 over the
-exactness prompt set. The --tp 1 side is the same runtime in one process (LocalEngine, itself checked against
+"""The multi-process Engine past one rank: greedy tokens with --tp 2 (radix on), --tp 2 --ep 2, --tp 2 --dp 2
+--enable-dp-attention and two loopback "nodes" (node 1 a `radixk3 serve --node-rank 1` subprocess), each also
+with n-gram and with MTP speculation (MTP also over --dp 2 replicas), are identical, token for token, to --tp 1
+over the exactness prompt set. The --tp 1 side is the same runtime in one process (LocalEngine, itself checked against
 the no-cache greedy loop in test_engine_exactness)."""
 
 from __future__ import annotations
@@ -109,14 +109,15 @@ def test_tp2_greedy_equals_tp1(name: str, builtin: tuple[Waves, Waves]) -> None:
         _all_gone(engine)
 
 
-MTP_CONFIGS = {"tp2": dict(), "tp2_ep2": dict(ep_size=2),
-               "tp2_dp2_attention": dict(dp_size=2, enable_dp_attention=True)}
+MTP_CONFIGS = {"tp2": dict(tp_size=2), "tp2_ep2": dict(tp_size=2, ep_size=2),
+               "tp2_dp2_attention": dict(tp_size=2, dp_size=2, enable_dp_attention=True),
+               "dp2_replicas": dict(dp_size=2, load_balance_method="round_robin")}
 
 
 @pytest.mark.parametrize("name", sorted(MTP_CONFIGS))
-def test_tp2_mtp_greedy_equals_tp1(name: str, native_mtp: tuple[Path, Waves, Waves]) -> None:
+def test_mtp_greedy_equals_tp1(name: str, native_mtp: tuple[Path, Waves, Waves]) -> None:
     ckpt, waves, refs = native_mtp
-    engine = Engine(str(ckpt), mem_bytes=MEM, tp_size=2, speculative_algorithm="mtp", **MTP_CONFIGS[name])
+    engine = Engine(str(ckpt), mem_bytes=MEM, speculative_algorithm="mtp", **MTP_CONFIGS[name])
     try:
         assert _run(engine, waves) == refs
         m = engine.get_metrics()
@@ -147,14 +148,19 @@ def _free_ports(n: int) -> int:
 NODE_FLAGS = {  # with DP attention and n-gram speculation, each node holds one DP rank
     "tp2": dict(),
     "tp2_dp2_attention_ngram": dict(dp_size=2, enable_dp_attention=True, speculative_algorithm="ngram"),
+    "tp2_mtp": dict(speculative_algorithm="mtp"),  # on the native checkpoint (the built-in model has no MTP)
 }
 
 
 @pytest.mark.parametrize("name", sorted(NODE_FLAGS))
-def test_two_loopback_nodes_equal_tp1(name: str, builtin: tuple[Waves, Waves]) -> None:
-    waves, refs = builtin
+def test_two_loopback_nodes_equal_tp1(name: str, request: pytest.FixtureRequest) -> None:
+    extra = dict(NODE_FLAGS[name])
+    if extra.get("speculative_algorithm") == "mtp":
+        ckpt, waves, refs = request.getfixturevalue("native_mtp")
+        extra["model"] = str(ckpt)
+    else:
+        waves, refs = request.getfixturevalue("builtin")
     base = _free_ports(4)  # one replica of 2 ranks: rendezvous, 2 plan sockets, 1 result socket
-    extra = NODE_FLAGS[name]
     flags = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{base}", "--mem-bytes", str(MEM)]
     flags += [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in extra.items()]
     node1 = subprocess.Popen([sys.executable, "-m", "radixk3.cli", "serve", *flags, "--node-rank", "1"], cwd=ROOT,
@@ -165,9 +171,11 @@ def test_two_loopback_nodes_equal_tp1(name: str, builtin: tuple[Waves, Waves]) -
         try:
             assert [rid.rank for rid in engine.procs.ranks] == [0]  # node 0 runs rank 0 only
             assert _run(engine, waves) == refs
-            if extra:
-                m = engine.get_metrics()
-                assert all(d["prompt_tokens"] > 0 for d in m["dp_ranks"]) and m["verify_steps"] > 0
+            m = engine.get_metrics()
+            if "enable_dp_attention" in extra:
+                assert all(d["prompt_tokens"] > 0 for d in m["dp_ranks"])
+            if "speculative_algorithm" in extra:
+                assert m["verify_steps"] > 0
         finally:
             _all_gone(engine)
         _, err = node1.communicate(timeout=30)  # node 0's Shutdown ends node 1 cleanly
