@@ -5,6 +5,11 @@ It runs in the scheduler, which holds every request's tokens. A per-request inde
 n-gram seen so far, for each n) grows by the tokens appended since the last call, so a proposal costs
 O(new tokens x n range), not a scan of the whole context.
 
+Shared corpus (`NgramCorpus`, as SGLang's n-gram cache and llama.cpp's NgramCache): finished requests' tokens,
+one index for every request of a scheduler, bounded by `--speculative-ngram-capacity` tokens (oldest request out
+first). A request drafts from it when it matches a longer suffix there than in its own context: answers to
+similar prompts repeat each other's phrasing.
+
 Adaptive draft count (`propose_adaptive`): how far a match continues depends on how long it is. Measured on the
 trained spec pair (gsm8k, greedy, k = 8): after a 1- or 2-token match the target takes a 3rd draft about 1 time
 in 10, after a 4-token match (a loop, a copied span) it takes all 8 about 4 times in 10. A window position
@@ -14,6 +19,8 @@ more drafts up to k.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -61,8 +68,87 @@ class NgramIndex:
             for n in range(self.min_n, min(self.max_n, stop) + 1):
                 self.last_end[tuple(ids[stop - n : stop])] = stop
         self.indexed = max(self.indexed, n_ids)
-        for n in range(min(self.max_n, n_ids - 1), self.min_n - 1, -1):
-            end = self.last_end.get(tuple(ids[n_ids - n :]))
-            if end is not None:
-                return NgramMatch(n, ids[end : end + k])
-        return NgramMatch(0, [])
+        n, end = _suffix_match(self.last_end, ids, self.min_n, self.max_n)
+        return NgramMatch(n, ids[end : end + k] if n else [])
+
+
+def _suffix_match(last_end: dict[tuple[int, ...], int], ids: Sequence[int], lo: int, hi: int) -> tuple[int, int]:
+    """(n, end) of the longest suffix of `ids` with n in [lo, hi] that `last_end` holds; (0, -1) if none."""
+    for n in range(min(hi, len(ids)), lo - 1, -1):
+        end = last_end.get(tuple(ids[len(ids) - n :]))
+        if end is not None:
+            return n, end
+    return 0, -1
+
+
+@dataclass
+class NgramCorpus:
+    """Finished requests' tokens and, for each n in [min_n, max_n], where each n-gram in them last ended.
+    Positions are virtual: `tokens[i]` is position `base + i`; evicting the oldest request advances `base`."""
+
+    min_n: int
+    max_n: int
+    capacity: int  # tokens kept, at most
+    base: int = 0
+    tokens: list[int] = field(default_factory=list)
+    docs: deque[int] = field(default_factory=deque)  # token counts of the requests held, oldest first
+    last_end: dict[tuple[int, ...], int] = field(default_factory=dict)
+
+    def add(self, ids: Sequence[int]) -> None:
+        """Index a finished request's tokens (its last `capacity` at most), evicting the oldest to fit."""
+        ids = list(ids[-self.capacity :]) if self.capacity > 0 else []
+        if not ids:
+            return
+        start = self.base + len(self.tokens)
+        self.tokens += ids
+        self.docs.append(len(ids))
+        for stop in range(1, len(ids)):  # n-grams inside this request, with a token after them
+            for n in range(self.min_n, min(self.max_n, stop) + 1):
+                self.last_end[tuple(ids[stop - n : stop])] = start + stop
+        while len(self.tokens) > self.capacity:
+            self._evict_oldest()
+
+    def clear(self) -> None:
+        self.base, self.tokens, self.docs, self.last_end = 0, [], deque(), {}
+
+    def _evict_oldest(self) -> None:
+        size = self.docs.popleft()
+        old = self.tokens[:size]
+        for stop in range(1, size):  # drop the entries that still point into it
+            for n in range(self.min_n, min(self.max_n, stop) + 1):
+                key = tuple(old[stop - n : stop])
+                if self.last_end.get(key) == self.base + stop:
+                    del self.last_end[key]
+        del self.tokens[:size]
+        self.base += size
+
+    def lookup(self, ids: Sequence[int], k: int) -> NgramMatch:
+        """The longest suffix of `ids` that occurs in the corpus, and up to k tokens that followed it there
+        (never past the end of the request it occurred in)."""
+        n, end = _suffix_match(self.last_end, ids, self.min_n, self.max_n)
+        if not n:
+            return NgramMatch(0, [])
+        i, doc_end = end - self.base, 0
+        for size in self.docs:  # the request holding position i: its tokens end the drafts
+            doc_end += size
+            if doc_end > i:
+                break
+        return NgramMatch(n, self.tokens[i : min(i + k, doc_end)])
+
+    def check_integrity(self) -> None:
+        assert sum(self.docs) == len(self.tokens) <= max(self.capacity, 0), "docs and tokens disagree"
+        for key, end in self.last_end.items():
+            i = end - self.base
+            assert len(key) <= i <= len(self.tokens), f"{key} ends outside the corpus"
+            assert tuple(self.tokens[i - len(key) : i]) == key, f"{key} is not where the index says"
+
+
+def propose_drafts(own: NgramIndex, corpus: NgramCorpus | None, ids: list[int], k: int) -> list[int]:
+    """A request's drafts: from the longer of its own match and the corpus's (its own on a tie: the nearer
+    context), as many as that match length earns (`draft_budget`)."""
+    match = own.lookup(ids, k)
+    if corpus is not None:
+        shared = corpus.lookup(ids, k)
+        if shared.n > match.n:
+            match = shared
+    return match.drafts[: draft_budget(match.n, k, own.max_n)]

@@ -29,7 +29,7 @@ from typing import Any
 from runtime.admission import NO_DEMAND, Admission, Demand, request_demand
 from runtime.grammar import GrammarBackend, GrammarKey
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
-from runtime.ngram import NgramIndex
+from runtime.ngram import NgramCorpus, NgramIndex, propose_drafts
 from runtime.output_processor import OutputProcessor
 from runtime.page_table import PageTables
 from runtime.plan_builder import Checkpoint, SeqEntry, StepRecord, build_plan
@@ -100,6 +100,10 @@ class Scheduler:
         self._inflight: deque[StepRecord] = deque()
         self._retracted_now: set[int] = set()
         self.spec = args.speculative_algorithm
+        # n-gram: finished requests' tokens, where every request also looks for its drafts.
+        self.ngram_corpus = NgramCorpus(args.speculative_ngram_min, args.speculative_ngram_max,
+                                        args.speculative_ngram_capacity) \
+            if self.spec == "ngram" and args.speculative_ngram_capacity > 0 else None
         # Drafts of this step's verify windows, by request: n-gram drafts are proposed here; a model proposer's
         # are -1 placeholders that the worker's proposer fills.
         self._drafts: dict[int, list[int]] = {}
@@ -443,7 +447,7 @@ class Scheduler:
             return [-1] * k
         if req.ngram is None:
             req.ngram = NgramIndex(self.args.speculative_ngram_min, self.args.speculative_ngram_max)
-        return req.ngram.propose_adaptive(req.all_ids, k)
+        return propose_drafts(req.ngram, self.ngram_corpus, req.all_ids, k)
 
     def _follow(self, req: Req, match: MatchResult, sources: list[Req]) -> bool:
         """Whether `req` should wait for a leader to checkpoint a prefix they share (in-batch prefix caching);
@@ -495,6 +499,8 @@ class Scheduler:
             self._retract(req)
 
     def _release(self, req: Req, donate: bool) -> None:
+        if self.ngram_corpus is not None and req.finished and not req.poisoned:
+            self.ngram_corpus.add(req.all_ids)
         self.req_cache.cache_req(req, donate and not req.state_ahead)
         req.state_ahead = False
         self.tables.release(req)
@@ -600,6 +606,8 @@ class Scheduler:
         if self.cache is not None:
             self.cache.evict(Kind.KV, self.pool.pages_used + 1)
             self.cache.evict(Kind.STATE, self.pool.states_used + 1)
+        if self.ngram_corpus is not None:
+            self.ngram_corpus.clear()
         self._refresh_metrics()
         return True
 
@@ -625,6 +633,8 @@ class Scheduler:
             assert set(live) == self.pool.live_states() and not ckpt_blocks, "state blocks leaked"
             assert {p for r in self.running for p in r.pages} == self.pool.live_pages(), "KV pages leaked"
         self.tables.check_integrity(self.running)
+        if self.ngram_corpus is not None:
+            self.ngram_corpus.check_integrity()
         counts: dict[int, int] = {}
         for rec in self._inflight:
             for s in rec.seqs:

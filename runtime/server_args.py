@@ -54,6 +54,7 @@ class ServerArgs:
     speculative_draft_model: str | None = None  # checkpoint of the draft model (draft) or drafter (dspark)
     speculative_ngram_max: int = 4  # n-gram prompt lookup: longest suffix matched
     speculative_ngram_min: int = 1  # ... and the shortest
+    speculative_ngram_capacity: int = 1 << 16  # finished requests' tokens the n-gram proposer also looks in (0: off)
     spec_state: str = "replay"  # how the KDA state of the draft window is recovered: replay | snapshot
     debug_spec_state: bool = False  # after every verify, check the live KDA state against plain decode (tests)
     # Parallelism past one device (torch.distributed: gloo on CPU, NCCL on CUDA), spelled as SGLang spells it.
@@ -104,6 +105,8 @@ class ServerArgs:
             raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} needs --speculative-draft-model")
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
             raise ValueError("--speculative-ngram-min must be in [1, --speculative-ngram-max]")
+        if self.speculative_ngram_capacity < 0:
+            raise ValueError("--speculative-ngram-capacity must be >= 0")
         if self.spec_state not in ("replay", "snapshot"):
             raise ValueError("--spec-state must be 'replay' or 'snapshot'")
         for name in ("tp_size", "ep_size", "dp_size", "nnodes"):

@@ -45,3 +45,54 @@ def test_adaptive_draft_count_follows_the_match_length() -> None:
     assert NgramIndex(1, 4).propose_adaptive([1, 2, 3], 8) == []
     assert draft_budget(1, 1) == 1 and draft_budget(3, 2) == 2  # never more than k
     assert draft_budget(2, 8, max_n=2) == 8  # the longest match the index looks for counts as long
+
+
+def brute_corpus(docs: list[list[int]], ids: list[int], k: int, lo: int, hi: int) -> tuple[int, list[int]]:
+    """The longest suffix of ids (n in [lo, hi]) found inside one doc with a token after it; its latest
+    occurrence (later docs first), and up to k tokens after it within that doc."""
+    for n in range(min(hi, len(ids)), lo - 1, -1):
+        suffix = ids[len(ids) - n :]
+        for doc in reversed(docs):
+            for start in range(len(doc) - n - 1, -1, -1):
+                if doc[start : start + n] == suffix:
+                    return n, doc[start + n : start + n + k]
+    return 0, []
+
+
+def test_corpus_equals_brute_force_with_eviction() -> None:
+    from runtime.ngram import NgramCorpus
+
+    g = random.Random(1)
+    for trial in range(20):
+        lo, hi, cap = 1 + trial % 2, 2 + trial % 3, 10 + 7 * (trial % 4)
+        corpus = NgramCorpus(lo, hi, cap)
+        kept: list[list[int]] = []
+        for _ in range(12):
+            doc = [g.randrange(5) for _ in range(g.randrange(1, 15))]
+            corpus.add(doc)
+            kept.append(doc[-cap:])
+            while sum(map(len, kept)) > cap:  # oldest requests out first
+                kept.pop(0)
+            corpus.check_integrity()
+            assert corpus.tokens == [t for d in kept for t in d]
+            for _ in range(5):
+                ids = [g.randrange(5) for _ in range(g.randrange(1, 6))]
+                assert tuple(corpus.lookup(ids, 4)) == brute_corpus(kept, ids, 4, lo, hi), (kept, ids)
+
+
+def test_a_request_drafts_from_an_earlier_one_where_its_own_context_matches_less() -> None:
+    from runtime.ngram import NgramCorpus, draft_budget, propose_drafts
+
+    answer = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
+    corpus = NgramCorpus(1, 4, 1000)
+    corpus.add([1, 2, 3] + answer)
+    ids = [9, 8, 7] + answer[:4]  # the new request starts the same answer: a 4-token match in the corpus
+    assert propose_drafts(NgramIndex(1, 4), corpus, ids, 8) == answer[4:]  # only to the earlier request's end
+    assert propose_drafts(NgramIndex(1, 4), None, ids, 8) == []  # its own context has no match
+    own = [42, 50, 51, 52, 53] + [40, 41, 42]  # its own 1-token match (42) loses to the corpus's 3 tokens
+    assert propose_drafts(NgramIndex(1, 4), corpus, own, 8) == answer[3:3 + draft_budget(3, 8)]
+    tie = [41, 60, 61, 62, 63, 41]  # equal (1-token) matches: its own context wins
+    assert propose_drafts(NgramIndex(1, 4), corpus, tie, 8) == [60, 61][: draft_budget(1, 8)]
+    corpus.clear()
+    corpus.check_integrity()
+    assert corpus.lookup(ids, 8) == (0, [])

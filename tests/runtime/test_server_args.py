@@ -37,7 +37,8 @@ def test_speculative_flags() -> None:
                       (dict(speculative_algorithm="draft"), "speculative-draft-model"),
                       (dict(speculative_algorithm="ngram", speculative_num_draft_tokens=0), "num-draft-tokens"),
                       (dict(spec_state="copy"), "spec-state"),
-                      (dict(speculative_ngram_min=3, speculative_ngram_max=2), "ngram-min")):
+                      (dict(speculative_ngram_min=3, speculative_ngram_max=2), "ngram-min"),
+                      (dict(speculative_ngram_capacity=-1), "ngram-capacity")):
         with pytest.raises(ValueError, match=says):
             ServerArgs(**bad)
 

@@ -147,3 +147,24 @@ def test_constrained_requests_ride_along_masked(model, workload) -> None:  # noq
     spec = _engine(model, speculative_num_draft_tokens=3)
     assert run(spec) == run(LocalEngine(ServerArgs(), model))
     assert spec.scheduler.metrics.verify_steps > 0
+
+
+def test_a_prompt_run_again_drafts_from_its_first_run(model, workload) -> None:  # noqa: ANN001
+    """The shared n-gram corpus: once a request finished, a request with the same prompt drafts the first one's
+    output from it (greedy repeats it, so the drafts are accepted); with the corpus off (capacity 0) it only has
+    its own context."""
+    prompts, refs = workload
+    accepted = {}
+    for cap in (0, 1 << 16):
+        eng = _engine(model, speculative_num_draft_tokens=6, speculative_ngram_capacity=cap)
+        assert eng.generate([prompts[9]], GREEDY) == [refs[9]]
+        m = eng.scheduler.metrics
+        drafts, before = m.draft_tokens, m.accepted_tokens
+        assert eng.generate([prompts[9]], GREEDY) == [refs[9]]
+        accepted[cap] = (m.accepted_tokens - before, m.draft_tokens - drafts)
+        eng.scheduler.check_integrity()
+    got, proposed = accepted[1 << 16]
+    assert accepted[0][0] < got and proposed >= MAX_NEW // 2, accepted
+    if model.config.model_type != "kimi_k3":  # random weights: its own context matches nothing longer, so
+        assert got == proposed, accepted  # every draft is the first run's output, and taken
+    assert eng.scheduler.flush_cache() and not eng.scheduler.ngram_corpus.tokens
