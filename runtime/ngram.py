@@ -10,7 +10,7 @@ one index for every request of a scheduler, bounded by `--speculative-ngram-capa
 first). A request drafts from it when it matches a longer suffix there than in its own context: answers to
 similar prompts repeat each other's phrasing.
 
-Adaptive draft count (`propose_adaptive`): how far a match continues depends on how long it is. Measured on the
+Adaptive draft count (`propose_drafts`): how far a match continues depends on how long it is. Measured on the
 trained spec pair (gsm8k, greedy, k = 8): after a 1- or 2-token match the target takes a 3rd draft about 1 time
 in 10, after a 4-token match (a loop, a copied span) it takes all 8 about 4 times in 10. A window position
 costs a fraction of a step, so a short match drafts `SHORT_MATCH_DRAFTS` and a match of `LONG_MATCH` tokens or
@@ -20,7 +20,7 @@ more drafts up to k.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -52,11 +52,6 @@ class NgramIndex:
         """Up to k drafts continuing `ids` (which extends what earlier calls saw), or [] if no n-gram recurs."""
         return self.lookup(ids, k).drafts
 
-    def propose_adaptive(self, ids: list[int], k: int) -> list[int]:
-        """As `propose`, with the draft count chosen by the match length (`draft_budget`)."""
-        n, drafts = self.lookup(ids, k)
-        return drafts[: draft_budget(n, k, self.max_n)]
-
     def lookup(self, ids: list[int], k: int) -> NgramMatch:
         """The longest recurring suffix of `ids` and up to k tokens that followed its latest occurrence."""
         if len(ids) < self.indexed:  # the sequence was cut back (cannot happen today): index from scratch
@@ -64,12 +59,18 @@ class NgramIndex:
         n_ids = len(ids)
         # Index the n-grams that end before the last token (the suffix must not match itself); the value is
         # where the tokens following the n-gram start.
-        for stop in range(max(self.indexed, 1), n_ids):
-            for n in range(self.min_n, min(self.max_n, stop) + 1):
-                self.last_end[tuple(ids[stop - n : stop])] = stop
+        for key, stop in _ngrams(ids, self.min_n, self.max_n, max(self.indexed, 1), n_ids):
+            self.last_end[key] = stop
         self.indexed = max(self.indexed, n_ids)
         n, end = _suffix_match(self.last_end, ids, self.min_n, self.max_n)
         return NgramMatch(n, ids[end : end + k] if n else [])
+
+
+def _ngrams(ids: Sequence[int], lo: int, hi: int, first: int, stop: int) -> Iterator[tuple[tuple[int, ...], int]]:
+    """(n-gram, where it ends) for every n-gram of `ids` with n in [lo, hi] ending at first .. stop - 1."""
+    for end in range(first, stop):
+        for n in range(lo, min(hi, end) + 1):
+            yield tuple(ids[end - n : end]), end
 
 
 def _suffix_match(last_end: dict[tuple[int, ...], int], ids: Sequence[int], lo: int, hi: int) -> tuple[int, int]:
@@ -81,31 +82,36 @@ def _suffix_match(last_end: dict[tuple[int, ...], int], ids: Sequence[int], lo: 
     return 0, -1
 
 
+SEPARATOR = -1  # ends each request in the corpus: no token id, so drafts stop there and no n-gram spans it
+
+
 @dataclass
 class NgramCorpus:
-    """Finished requests' tokens and, for each n in [min_n, max_n], where each n-gram in them last ended.
-    Positions are virtual: `tokens[i]` is position `base + i`; evicting the oldest request advances `base`."""
+    """Finished requests' tokens, each followed by SEPARATOR, and for each n in [min_n, max_n] where each n-gram
+    in them last ended. Positions are virtual: `tokens[i]` is position `base + i`; evicting the oldest request
+    advances `base`."""
 
     min_n: int
     max_n: int
-    capacity: int  # tokens kept, at most
+    capacity: int  # tokens kept (separators not counted), at most
     base: int = 0
     tokens: list[int] = field(default_factory=list)
-    docs: deque[int] = field(default_factory=deque)  # token counts of the requests held, oldest first
+    docs: deque[int] = field(default_factory=deque)  # entries in `tokens` per request held, oldest first
     last_end: dict[tuple[int, ...], int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"an n-gram corpus holds at least one token, got capacity {self.capacity}")
 
     def add(self, ids: Sequence[int]) -> None:
         """Index a finished request's tokens (its last `capacity` at most), evicting the oldest to fit."""
-        ids = list(ids[-self.capacity :]) if self.capacity > 0 else []
-        if not ids:
-            return
+        doc = [*ids[-self.capacity :], SEPARATOR]
         start = self.base + len(self.tokens)
-        self.tokens += ids
-        self.docs.append(len(ids))
-        for stop in range(1, len(ids)):  # n-grams inside this request, with a token after them
-            for n in range(self.min_n, min(self.max_n, stop) + 1):
-                self.last_end[tuple(ids[stop - n : stop])] = start + stop
-        while len(self.tokens) > self.capacity:
+        self.tokens += doc
+        self.docs.append(len(doc))
+        for key, end in _ngrams(doc, self.min_n, self.max_n, 1, len(doc) - 1):  # each with a token after it
+            self.last_end[key] = start + end
+        while len(self.tokens) - len(self.docs) > self.capacity:
             self._evict_oldest()
 
     def clear(self) -> None:
@@ -113,12 +119,9 @@ class NgramCorpus:
 
     def _evict_oldest(self) -> None:
         size = self.docs.popleft()
-        old = self.tokens[:size]
-        for stop in range(1, size):  # drop the entries that still point into it
-            for n in range(self.min_n, min(self.max_n, stop) + 1):
-                key = tuple(old[stop - n : stop])
-                if self.last_end.get(key) == self.base + stop:
-                    del self.last_end[key]
+        for key, end in _ngrams(self.tokens, self.min_n, self.max_n, 1, size - 1):
+            if self.last_end.get(key) == self.base + end:  # drop the entries that still point into it
+                del self.last_end[key]
         del self.tokens[:size]
         self.base += size
 
@@ -128,18 +131,15 @@ class NgramCorpus:
         n, end = _suffix_match(self.last_end, ids, self.min_n, self.max_n)
         if not n:
             return NgramMatch(0, [])
-        i, doc_end = end - self.base, 0
-        for size in self.docs:  # the request holding position i: its tokens end the drafts
-            doc_end += size
-            if doc_end > i:
-                break
-        return NgramMatch(n, self.tokens[i : min(i + k, doc_end)])
+        drafts = self.tokens[end - self.base : end - self.base + k]
+        return NgramMatch(n, drafts[: drafts.index(SEPARATOR)] if SEPARATOR in drafts else drafts)
 
     def check_integrity(self) -> None:
-        assert sum(self.docs) == len(self.tokens) <= max(self.capacity, 0), "docs and tokens disagree"
+        assert sum(self.docs) == len(self.tokens) <= self.capacity + len(self.docs), "docs and tokens disagree"
+        assert self.tokens.count(SEPARATOR) == len(self.docs), "one separator ends each request"
         for key, end in self.last_end.items():
             i = end - self.base
-            assert len(key) <= i <= len(self.tokens), f"{key} ends outside the corpus"
+            assert len(key) <= i < len(self.tokens) and self.tokens[i] != SEPARATOR, f"{key} has no token after it"
             assert tuple(self.tokens[i - len(key) : i]) == key, f"{key} is not where the index says"
 
 

@@ -8,7 +8,6 @@ retraction. The pair is trained, so drafts are accepted: commits replay real run
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -106,6 +105,3 @@ def test_retraction_under_a_small_pool(pair: SpecPair, target: KimiForCausalLM, 
     _check(eng, (prompts, refs))
     assert eng.scheduler.metrics.retractions > 0
 
-
-def test_the_pair_is_a_cached_artifact(pair: SpecPair) -> None:
-    assert Path(pair.target, "config.json").is_file() and (pair.target.parent / "report.json").is_file()
