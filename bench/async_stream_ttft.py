@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # bench/kernels.py must not shadow the kernels package
 
-from runtime.engine import Engine  # noqa: E402
+from runtime.tokenizer.engine import Engine  # noqa: E402
 
 
 async def burst(engine: Engine, streams: int, new_tokens: int) -> tuple[list[float], float]:

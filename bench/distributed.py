@@ -79,7 +79,7 @@ def greedy(n: int) -> dict[str, Any]:
 def serve_burst(ckpt: Path, kw: dict[str, Any], prompts: list[list[int]], max_new: int,
                 engine_kw: dict[str, Any]) -> Run:
     """One configuration: a fresh engine, warmed up (one request per replica), cache flushed, then the burst."""
-    from runtime.engine import Engine
+    from runtime.tokenizer.engine import Engine
 
     with Engine(model=str(ckpt), **engine_kw, **kw) as eng:
         replicas = kw.get("dp_size", 1)

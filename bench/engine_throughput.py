@@ -1,6 +1,6 @@
 """The scheduler's share of a decode step.
 
-1. Scheduler alone: the real `Scheduler` (runtime/scheduler.py) driven by a no-op worker that samples token 1
+1. Scheduler alone: the real `Scheduler` (runtime/scheduler/scheduler.py) driven by a no-op worker that samples token 1
    for every sampled row, plans and results serialised as on the wire (`runtime.messages.encode`/`decode`),
    batch 1, 64, 256 of running decodes (k3-small layout; metadata only). Reported: the scheduler side's time
    per step (schedule + encode the plan + decode the result + process), steps/s, and plan bytes per step.
@@ -41,7 +41,7 @@ from bench.machine_info import cpu_name  # noqa: E402
 from radixk3.config import preset  # noqa: E402
 from runtime.messages import GenerateReq, StepPlan, StepResult, decode, encode  # noqa: E402
 from runtime.pool_layout import PoolLayout  # noqa: E402
-from runtime.scheduler import Scheduler  # noqa: E402
+from runtime.scheduler.scheduler import Scheduler  # noqa: E402
 from runtime.server_args import ServerArgs  # noqa: E402
 
 PRESET = "k3-small"

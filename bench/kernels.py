@@ -36,8 +36,8 @@ from kernels.kda import kda_chunked, kda_gate, kda_recurrent, l2norm  # noqa: E4
 from kernels.kda_pool import kda_decode, kda_prefill  # noqa: E402
 from kernels.mla_paged import PagedKV, mla_paged_decode, mla_paged_prefill, mla_store, paged_slots  # noqa: E402
 from kernels.state_checkpoints import StateCheckpoints  # noqa: E402
-from runtime.pool_buffer import PoolBuffer  # noqa: E402
 from runtime.pool_layout import PoolLayout  # noqa: E402
+from runtime.worker.pool_buffer import PoolBuffer  # noqa: E402
 
 H, D = 8, 64
 # k3-small's MLA layer: latent 128 + rope 32, 8 heads of 64 (nope) + 32 (rope) / 64 (v)

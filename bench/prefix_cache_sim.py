@@ -1,6 +1,6 @@
-"""Prefix-cache workload simulator: replays token-id traces through the real `Scheduler` (runtime/scheduler.py)
-with a scripted no-op worker (no model, no pool buffer: the scheduler holds allocator metadata only) and
-counts the prefill tokens the engine computes.
+"""Prefix-cache workload simulator: replays token-id traces through the real `Scheduler`
+(runtime/scheduler/scheduler.py) with a scripted no-op worker (no model, no pool buffer: the scheduler holds
+allocator metadata only) and counts the prefill tokens the engine computes.
 
 Workloads: (a) gsm8k 5-shot, (b) multi-turn chat, (c) a shared system prompt with short distinct user
 messages, (d) the same with system prompts shorter than 512 tokens. For each it reports computed prefill
@@ -40,7 +40,7 @@ if str(REPO) not in sys.path:
 from bench.machine_info import cpu_name  # noqa: E402
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, decode, encode  # noqa: E402
 from runtime.pool_layout import PoolLayout  # noqa: E402
-from runtime.scheduler import Scheduler  # noqa: E402
+from runtime.scheduler.scheduler import Scheduler  # noqa: E402
 from runtime.server_args import ServerArgs  # noqa: E402
 
 Encode = Callable[[str], list[int]]

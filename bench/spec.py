@@ -3,14 +3,14 @@ accepted length and output tok/s per proposer, with and without speculation, at 
 
 (a) Memory: the draft window's scratch per request for `kimi-k3` at TP 8, from the pool plan
     (`PoolLayout.spec_window_bytes`); and the bytes the window really allocates for the trained target.
-(b) Speed: the real engine (`runtime.engine.Engine`: tokenizer, scheduler and worker processes) on gsm8k test
+(b) Speed: the real engine (`runtime.tokenizer.engine.Engine`: tokenizer, scheduler and worker processes) on gsm8k test
     questions with the trained pair (`bench/train_spec_pair.py`, built into the cache directory if missing),
     greedy, one plain run and one run per proposer per batch size, all in this run.
     Batch 1 sends one question at a time; batch B sends B at once.
 
     python bench/spec.py [--json] [--proposers ngram,mtp,draft,dspark] [--k 3] [--ngram-k 8] [--questions 16]
 
-The n-gram proposer drafts up to --ngram-k tokens, fewer after a short match (`runtime.ngram.draft_budget`);
+The n-gram proposer drafts up to --ngram-k tokens, fewer after a short match (`runtime.spec.ngram.draft_budget`);
 the model proposers draft --k.
 """
 
@@ -61,7 +61,7 @@ def prompts(num: int, shots: int) -> list[str]:
 
 
 def run_engine(target: Path, texts: list[str], batch: int, max_new: int, **spec: Any) -> dict[str, Any]:  # noqa: ANN401
-    from runtime.engine import Engine
+    from runtime.tokenizer.engine import Engine
 
     sampling = {"max_new_tokens": max_new, "temperature": 0, "stop": STOPS}
     with Engine(str(target), max_running_requests=max(batch, 1), mem_bytes=256 << 20, **spec) as eng:

@@ -10,7 +10,7 @@ __all__ = ["Engine", "EngineError", "EngineOverloaded", "InvalidRequest"]
 def __getattr__(name: str) -> Any:
     # Lazy, so that `import radixk3.config` does not pull in the runtime and ZeroMQ.
     if name == "Engine":
-        from runtime.engine import Engine
+        from runtime.tokenizer.engine import Engine
 
         return Engine
     if name in ("EngineError", "EngineOverloaded"):

@@ -81,8 +81,8 @@ class GenerateError(RuntimeError):
 
 def _generate(args: argparse.Namespace) -> None:
     # Imported here so that `plan` and `make-checkpoint` stay instant (no engine, no ZeroMQ).
-    from runtime.engine import Engine, EngineError
     from runtime.server_args import ServerArgs
+    from runtime.tokenizer.engine import Engine, EngineError
 
     server_args = ServerArgs.from_cli_args(args)
     # Checked here, before any process starts, so that a bad directory gets a one-line error.
@@ -114,14 +114,14 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     # Imported here: FastAPI, uvicorn and the engine only for `serve`.
-    from runtime.http_server import run_server
+    from runtime.http.server import run_server
     from runtime.server_args import ServerArgs
 
     server_args = ServerArgs.from_cli_args(args)
     if server_args.model is not None:
         ModelConfig.from_file(server_args.model)  # a bad directory gets a one-line error before any process starts
     if server_args.node_rank > 0:  # another node: only its ranks, serving node 0's plans until it stops
-        from runtime.node import run_node
+        from runtime.node_main import run_node
 
         if run_node(server_args) != 0:
             raise GenerateError(f"node {server_args.node_rank}: a rank failed or node 0 went away")

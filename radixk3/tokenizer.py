@@ -7,7 +7,7 @@ share one definition and a multi-byte character split over byte-fallback ids is 
 
 Generation ends on `stop_ids`: the model's eos (`</s>`), the chat end-of-turn marker `<|im_end|>` and K3's
 end of message `<|end_of_msg|>`. The K3 output markup (XTML: `<|open|>`, `<|close|>`, `<|sep|>`; see
-`runtime.k3_tools`) is special too, so that the built-in model can produce it and a prompt can carry it.
+`runtime.tokenizer.k3_tools`) is special too, so that the built-in model can produce it and a prompt can carry it.
 """
 
 from __future__ import annotations

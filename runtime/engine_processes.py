@@ -27,9 +27,12 @@ from radixk3.config import ModelConfig
 from radixk3.tokenizer import Tokenizer
 from runtime.errors import EngineError
 from runtime.messages import RankFailed, Shutdown, WorkerReady, decode, encode
-from runtime.node import COLLECTIVE_FAILED_EXIT, RankId, Topology, rank_label, rank_process_name
-from runtime.processes import endpoint, model_config, scheduler_main, tokenizer_for, worker_main
+from runtime.model_files import model_config, tokenizer_for
+from runtime.scheduler_main import scheduler_main
 from runtime.server_args import ServerArgs
+from runtime.sockets import endpoint
+from runtime.topology import COLLECTIVE_FAILED_EXIT, RankId, Topology, rank_label, rank_process_name
+from runtime.worker_main import worker_main
 
 
 @contextlib.contextmanager
@@ -78,7 +81,8 @@ class EngineProcesses:
         self.args = args
         try:  # the tokenizer side needs both: the vocabulary bounds every id at the door
             if args.node_rank != 0:
-                raise ValueError(f"node {args.node_rank} runs only its ranks (runtime.node.run_node), not an engine")
+                raise ValueError(f"node {args.node_rank} runs only its ranks (runtime.node_main.run_node), "
+                                 "not an engine")
             self.config: ModelConfig = model_config(args)
             self.tokenizer: Tokenizer = tokenizer_for(args)
             self.ipc_dir = tempfile.mkdtemp(prefix="radixk3-")

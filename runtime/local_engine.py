@@ -15,11 +15,11 @@ from typing import Any
 from radixk3.model import KimiForCausalLM
 from runtime.grammar import GrammarBackend
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, decode, encode
-from runtime.model_worker import ModelWorker
-from runtime.processes import model_config, tokenizer_for
-from runtime.scheduler import Scheduler
+from runtime.model_files import model_config, tokenizer_for
+from runtime.scheduler.scheduler import Scheduler
+from runtime.scheduler.step_loop import StepLoop
 from runtime.server_args import ServerArgs
-from runtime.step_loop import StepLoop
+from runtime.worker.model_worker import ModelWorker
 
 
 class LocalEngine:

@@ -37,6 +37,14 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+class CopyCommand(NamedTuple):
+    """Copy `nbytes` bytes of the pool buffer from byte `src` to byte `dst` (ranges never overlap)."""
+
+    src: int
+    dst: int
+    nbytes: int
+
+
 class PoolGeometry(NamedTuple):
     """Where the two ends of one pool of `total_bytes` lie.
 

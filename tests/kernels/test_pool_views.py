@@ -17,8 +17,8 @@ from kernels.kda import l2norm
 from kernels.kda_pool import KDAGate, kda_decode, kda_prefill, kda_replay
 from kernels.mla_paged import PagedKV, mla_paged_decode, mla_paged_prefill, mla_store, paged_slots
 from kernels.state_checkpoints import StateCheckpoints
-from runtime.pool_buffer import PoolBuffer
 from runtime.pool_layout import PoolLayout, dtype_bytes
+from runtime.worker.pool_buffer import PoolBuffer
 
 H, D, CONV = 2, 16, 4
 R, DR, MH, DN, DV = 16, 8, 2, 8, 8  # kv_dim = R + DR = 24

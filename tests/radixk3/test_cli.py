@@ -66,13 +66,14 @@ def test_imports_stay_lazy() -> None:
     """`import radixk3` and building the CLI parser start no runtime: no engine, no ZeroMQ, no scheduler."""
     code = ("import sys, radixk3, radixk3.cli; radixk3.cli.build_parser(); "
             "bad = sorted(m for m in sys.modules if m == 'zmq' or m.startswith('zmq.') or m in "
-            "('runtime.engine', 'runtime.scheduler', 'runtime.processes', 'runtime.model_worker')); "
+            "('runtime.tokenizer.engine', 'runtime.scheduler.scheduler', 'runtime.scheduler_main', "
+            "'runtime.worker.model_worker')); "
             "print(bad); assert not bad")
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     import radixk3
-    from runtime.engine import Engine
+    from runtime.tokenizer.engine import Engine
 
     assert radixk3.Engine is Engine and "Engine" in radixk3.__all__
     from runtime.errors import EngineError, EngineOverloaded

@@ -24,9 +24,9 @@ from radixk3.model import KimiForCausalLM, build_model, check_tensor_parallel
 from radixk3.mtp import allocate_mtp_cache
 from radixk3.parallel import ParallelState, destroy_parallel, exit_rank, init_parallel, parallel_state
 from radixk3.spec_window import SpecWindow, WindowRows
-from runtime.pool_buffer import PoolBuffer
 from runtime.pool_layout import pool_layout
 from runtime.server_args import ServerArgs
+from runtime.worker.pool_buffer import PoolBuffer
 
 WORLD = 2
 DP = 2
@@ -48,7 +48,7 @@ def _idle_batch() -> ForwardBatch:
 
 
 def _cache(model: KimiForCausalLM, args: ServerArgs) -> tuple[HybridCache, list[int]]:
-    """Views of one unified pool at this rank's layout, as `runtime.model_worker` builds them; two state slots
+    """Views of one unified pool at this rank's layout, as `runtime.worker.model_worker` builds them; two state slots
     at the top."""
     cfg = model.config
     layout = pool_layout(cfg, args)

@@ -27,9 +27,9 @@ from radixk3.parallel import ParallelState, destroy_parallel, exit_rank, init_pa
 from radixk3.parallel_linear import ColumnParallelLinear, ParallelLMHead, VocabParallelEmbedding
 from radixk3.spec_window import SpecWindow, WindowRows
 from radixk3.tensor_names import Shard, public_shards, public_tensors
-from runtime.pool_buffer import PoolBuffer
 from runtime.pool_layout import pool_layout
 from runtime.server_args import ServerArgs
+from runtime.worker.pool_buffer import PoolBuffer
 
 WORLD = 2
 SEED = 5
@@ -55,7 +55,7 @@ def _as_rank(rank: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 # --- what both the ranks and the parent run ---------------------------------------------------------------
 def _cache(model: KimiForCausalLM, tp: int) -> tuple[HybridCache, list[int]]:
-    """The cache as `runtime.model_worker` builds it: views of one unified pool at this rank's layout; and two
+    """The cache as `runtime.worker.model_worker` builds it: views of one unified pool at this rank's layout; and two
     state slots at the top of the pool, clear of the low KV pages the tests use (states and pages share it)."""
     cfg = model.config
     layout = pool_layout(cfg, ServerArgs(tp_size=tp, mem_bytes=POOL_BYTES))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.admission import Admission, Demand, request_demand
-from runtime.pool import PoolExhausted, UnifiedPool
 from runtime.pool_layout import PoolLayout
-from runtime.radix_cache import HybridRadixCache
+from runtime.scheduler.admission import Admission, Demand, request_demand
+from runtime.scheduler.pool import PoolExhausted, UnifiedPool
+from runtime.scheduler.radix_cache import HybridRadixCache
 
 # 512 B state blocks, 16 B tokens, 4-token pages (64 B): a 4096 B pool is 8 states or 64 pages.
 LAYOUT = PoolLayout(num_kda_layers=1, kda_heads=1, head_dim=4, conv_kernel=2, num_mla_layers=1, kv_dim=8,

@@ -10,11 +10,11 @@ from collections import deque
 import pytest
 
 from radixk3.config import preset
-from runtime.dp_attention import DPAttentionScheduler
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, decode, encode
 from runtime.pool_layout import pool_layout
+from runtime.scheduler.dp_attention import DPAttentionScheduler
+from runtime.scheduler.step_loop import StepLoop
 from runtime.server_args import ServerArgs
-from runtime.step_loop import StepLoop
 from tests.runtime.test_scheduler_plans import GREEDY, VOCAB, detokenize, workload
 from tests.runtime.token_worker import TokenWorker, reference
 

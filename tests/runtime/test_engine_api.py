@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from runtime.engine import Engine, EngineError, EngineOverloaded
 from runtime.sampling_params import InvalidRequest
-from runtime.tokenizer_manager import TokenizerManager
+from runtime.tokenizer.engine import Engine, EngineError, EngineOverloaded
+from runtime.tokenizer.manager import TokenizerManager
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 LONG = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}

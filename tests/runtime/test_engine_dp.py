@@ -11,7 +11,7 @@ from bench.gsm8k import DATA, workload
 from radixk3.config import preset
 from radixk3.model import build_model
 from runtime.dp_router import DPRouter
-from runtime.engine import Engine
+from runtime.tokenizer.engine import Engine
 from tests.runtime.test_engine_exactness import GREEDY, _waves
 
 MEM = 32 << 20

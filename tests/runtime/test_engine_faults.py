@@ -20,8 +20,8 @@ import pytest
 from radixk3.config import preset
 from radixk3.generate import greedy_reference
 from radixk3.model import build_model
-from runtime.engine import Engine, EngineError
 from runtime.sampling_params import InvalidRequest
+from runtime.tokenizer.engine import Engine, EngineError
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 LONG = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}
@@ -228,7 +228,7 @@ def test_after_shutdown_calls_fail_at_once() -> None:
 
 
 UNGUARDED = """
-from runtime.engine import Engine
+from runtime.tokenizer.engine import Engine
 engine = Engine(mem_bytes=4 << 20)
 print(engine.generate("Hello", {"max_new_tokens": 3, "temperature": 0})["output_ids"])
 engine.shutdown()

@@ -19,9 +19,9 @@ import pytest
 from radixk3.checkpoint import load_model, write_random_checkpoint
 from radixk3.config import BUILTIN_PRESET, BUILTIN_SEED, preset
 from radixk3.model import KimiForCausalLM, build_model
-from runtime.engine import Engine
 from runtime.local_engine import LocalEngine
 from runtime.server_args import ServerArgs
+from runtime.tokenizer.engine import Engine
 
 MAX_NEW = 6
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}

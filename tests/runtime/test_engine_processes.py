@@ -11,8 +11,8 @@ import pytest
 from radixk3.config import preset
 from radixk3.generate import greedy_reference
 from radixk3.model import build_model
-from runtime.engine import Engine, EngineError
 from runtime.sampling_params import InvalidRequest
+from runtime.tokenizer.engine import Engine, EngineError
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_startup_failure_names_the_problem(tmp_path) -> None:  # noqa: ANN001
 
 CTRL_C_SCRIPT = """
 import os, sys, time
-from runtime.engine import Engine
+from runtime.tokenizer.engine import Engine
 if __name__ == "__main__":
     eng = Engine(mem_bytes=4 << 20)
     print(" ".join(str(p.pid) for p in eng.procs.procs), eng.procs.ipc_dir, flush=True)

@@ -7,10 +7,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from runtime.api_errors import validation_error
-from runtime.native_api import GenerateRequest
-from runtime.openai_protocol import ChatCompletionRequest, CompletionRequest
-from runtime.server_metrics import ServerMetrics
+from runtime.http.api_errors import validation_error
+from runtime.http.metrics import ServerMetrics
+from runtime.http.native_api import GenerateRequest
+from runtime.http.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from radixk3.tokenizer import load_tokenizer
-from runtime.engine import Engine
+from runtime.tokenizer.engine import Engine
 from tests.runtime.http_server_proc import Server, running_server
 
 PROMPTS = ["Natalia sold clips to 48 of her friends", "Weng earns $12 an hour", "Betty is saving money"]

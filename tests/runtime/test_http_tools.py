@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from radixk3.tokenizer import load_tokenizer
-from runtime.k3_tools import render_k3_chat
+from runtime.tokenizer.k3_tools import render_k3_chat
 from tests.runtime.http_server_proc import Server, running_server
 
 MODEL = "k3-tiny"

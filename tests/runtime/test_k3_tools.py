@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixk3.tokenizer import Tokenizer, load_tokenizer
-from runtime.k3_stream_parser import K3StreamParser
-from runtime.k3_tools import (
+from runtime.tokenizer.k3_stream_parser import K3StreamParser
+from runtime.tokenizer.k3_tools import (
     FORCED_PREFIX,
     RESPONSE_PREFIX,
     THINK_PREFIX,

@@ -10,8 +10,8 @@ import torch
 from radixk3.config import preset
 from radixk3.model import build_model
 from runtime.messages import StepPlan, decode, encode
-from runtime.model_worker import ModelWorker
 from runtime.server_args import ServerArgs
+from runtime.worker.model_worker import ModelWorker
 
 GREEDY = {"temperature": 0.0}
 PS = 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from runtime.ngram import NgramIndex
+from runtime.spec.ngram import NgramIndex
 
 
 def brute(ids: list[int], k: int, lo: int, hi: int) -> list[int]:
@@ -33,7 +33,7 @@ def test_repetition_is_proposed() -> None:
 
 
 def test_adaptive_draft_count_follows_the_match_length() -> None:
-    from runtime.ngram import LONG_MATCH, SHORT_MATCH_DRAFTS, draft_budget, propose_drafts
+    from runtime.spec.ngram import LONG_MATCH, SHORT_MATCH_DRAFTS, draft_budget, propose_drafts
 
     loop = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
     ids = loop * 3 + loop[:LONG_MATCH]  # a long match: the loop continues for up to k tokens
@@ -60,7 +60,7 @@ def brute_corpus(docs: list[list[int]], ids: list[int], k: int, lo: int, hi: int
 
 
 def test_corpus_equals_brute_force_with_eviction() -> None:
-    from runtime.ngram import SEPARATOR, NgramCorpus
+    from runtime.spec.ngram import SEPARATOR, NgramCorpus
 
     g = random.Random(1)
     for trial in range(20):
@@ -81,7 +81,7 @@ def test_corpus_equals_brute_force_with_eviction() -> None:
 
 
 def test_a_request_drafts_from_an_earlier_one_where_its_own_context_matches_less() -> None:
-    from runtime.ngram import NgramCorpus, draft_budget, propose_drafts
+    from runtime.spec.ngram import NgramCorpus, draft_budget, propose_drafts
 
     answer = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
     corpus = NgramCorpus(1, 4, 1000)

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from runtime.pool import CopyCommand, Kind, PoolExhausted, UnifiedPool
-from runtime.pool_layout import PoolLayout
+from runtime.pool_layout import CopyCommand, PoolLayout
+from runtime.scheduler.pool import Kind, PoolExhausted, UnifiedPool
 
 # 1 KDA layer of 1x4x4 fp32 (64 B -> one 256 B region) + conv 12x1 bf16 (one 256 B region): 512 B blocks.
 LAYOUT = PoolLayout(num_kda_layers=1, kda_heads=1, head_dim=4, conv_kernel=2, num_mla_layers=1, kv_dim=8,

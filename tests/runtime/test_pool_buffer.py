@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.pool import CopyCommand, PoolExhausted, UnifiedPool
-from runtime.pool_buffer import PoolBuffer
-from runtime.pool_layout import PoolLayout
+from runtime.pool_layout import CopyCommand, PoolLayout
+from runtime.scheduler.pool import PoolExhausted, UnifiedPool
+from runtime.worker.pool_buffer import PoolBuffer
 
 LAYOUT = PoolLayout(num_kda_layers=2, kda_heads=2, head_dim=4, conv_kernel=4, num_mla_layers=3, kv_dim=6,
                     state_dtype=torch.float32, kv_dtype=torch.bfloat16, page_size=4)

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from runtime.pool import PoolExhausted, UnifiedPool
-from runtime.pool_buffer import PoolBuffer
 from runtime.pool_layout import PoolLayout
-from runtime.radix_cache import HybridRadixCache, Node
+from runtime.scheduler.pool import PoolExhausted, UnifiedPool
+from runtime.scheduler.radix_cache import HybridRadixCache, Node
+from runtime.worker.pool_buffer import PoolBuffer
 
 # 2 KDA layers -> 2048 B state blocks; 1 MLA layer of 8 bf16 -> 16 B tokens, 4-token pages.
 LAYOUT = PoolLayout(num_kda_layers=2, kda_heads=2, head_dim=8, conv_kernel=4, num_mla_layers=1, kv_dim=8,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.pool import Kind, PoolExhausted, UnifiedPool
 from runtime.pool_layout import PoolLayout
-from runtime.radix_cache import HybridRadixCache
+from runtime.scheduler.pool import Kind, PoolExhausted, UnifiedPool
+from runtime.scheduler.radix_cache import HybridRadixCache
 
 
 def layout(page_size: int = 1) -> PoolLayout:

@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from runtime.admission import Admission, Demand
-from runtime.pool import Kind, PoolExhausted, UnifiedPool
-from runtime.pool_buffer import PoolBuffer
 from runtime.pool_layout import ALIGN, PoolLayout
-from runtime.radix_cache import HybridRadixCache, Node
+from runtime.scheduler.admission import Admission, Demand
+from runtime.scheduler.pool import Kind, PoolExhausted, UnifiedPool
+from runtime.scheduler.radix_cache import HybridRadixCache, Node
+from runtime.worker.pool_buffer import PoolBuffer
 
 ALPHABET = 3  # few distinct tokens: prompts share prefixes often
 MAX_REQS = 4

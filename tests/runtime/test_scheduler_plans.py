@@ -11,9 +11,9 @@ import pytest
 from radixk3.config import preset
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
 from runtime.pool_layout import pool_layout
-from runtime.scheduler import Scheduler
+from runtime.scheduler.scheduler import Scheduler
+from runtime.scheduler.step_loop import StepLoop
 from runtime.server_args import ServerArgs
-from runtime.step_loop import StepLoop
 from tests.runtime.token_worker import TokenWorker, reference
 
 VOCAB = 1000
@@ -258,9 +258,9 @@ def test_the_scheduler_process_imports_no_model_code() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, runtime.processes, runtime.scheduler; "
+    code = ("import sys, runtime.scheduler_main, runtime.scheduler.scheduler; "
             "bad = sorted(m for m in sys.modules if m.startswith(('radixk3.model', 'radixk3.forward_batch', "
-            "'runtime.model_worker', 'kernels.kda', 'kernels.mla', 'kernels.moe')));"
+            "'runtime.worker.model_worker', 'kernels.kda', 'kernels.mla', 'kernels.moe')));"
             " print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -1,4 +1,4 @@
-"""The DSpark proposer (`--speculative-algorithm dspark`, runtime/spec_dspark.py) end to end on the random
+"""The DSpark proposer (`--speculative-algorithm dspark`, runtime/spec/dspark.py) end to end on the random
 `k3-tiny` target and a random `k3-tiny-dspark` drafter (its context latents nested in the target's pool): greedy
 outputs equal the plain no-cache greedy loop (k = 1, 3, 6; radix on and off; page sizes 1 and 16; a pool small
 enough to force retraction) with the state-parity hook on; every window's drafts equal the no-cache drafter's on
@@ -23,7 +23,7 @@ from radixk3.model import KimiForCausalLM, build_model
 from runtime.local_engine import LocalEngine
 from runtime.pool_layout import pool_layout
 from runtime.server_args import ServerArgs
-from runtime.spec_dspark import DSparkProposer, block_length
+from runtime.spec.dspark import DSparkProposer, block_length
 
 MAX_NEW = 12
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}

@@ -1,4 +1,4 @@
-"""The MTP proposer (`--speculative-algorithm mtp`, runtime/spec_proposers.py) end to end on `k3-tiny-native`
+"""The MTP proposer (`--speculative-algorithm mtp`, runtime/spec/proposers.py) end to end on `k3-tiny-native`
 random weights (one MTP layer, and two, their latents nested in the target's pool): greedy outputs equal the plain
 no-cache greedy loop (k = 1, 3, 6: k > n chains the layers cyclically; radix on and off; page sizes 1 and 16), with
 the state-parity hook on; drafts equal the no-cache MTP chain; seeded sampled runs repeat; a checkpoint without
@@ -16,9 +16,9 @@ from radixk3.config import preset
 from radixk3.generate import greedy_reference
 from radixk3.model import build_model
 from runtime.local_engine import LocalEngine
-from runtime.pool_buffer import PoolBuffer
 from runtime.pool_layout import pool_layout
 from runtime.server_args import ServerArgs
+from runtime.worker.pool_buffer import PoolBuffer
 
 MAX_NEW = 12
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}

@@ -1,4 +1,4 @@
-"""Model proposers (runtime/spec_proposers.py) end to end: with a draft model whose states and latents live in
+"""Model proposers (runtime/spec/proposers.py) end to end: with a draft model whose states and latents live in
 the target's pool, greedy outputs equal the plain no-cache greedy loop (k = 1, 3; radix on and off; page sizes 1
 and 16; a pool small enough to force retraction); the draft = the target accepts nearly every draft (so the
 accept / commit path really runs), with the state-parity hook checking target and draft after every verify."""
@@ -16,9 +16,9 @@ from radixk3.config import preset
 from radixk3.generate import greedy_reference
 from radixk3.model import build_model
 from runtime.local_engine import LocalEngine
-from runtime.pool_buffer import PoolBuffer
 from runtime.pool_layout import PoolLayout, pool_layout
 from runtime.server_args import ServerArgs
+from runtime.worker.pool_buffer import PoolBuffer
 
 MAX_NEW = 16
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}

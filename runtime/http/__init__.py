@@ -1,0 +1,1 @@
+"""The HTTP server (FastAPI on uvicorn), in the tokenizer process: routes, protocol, errors, SSE, metrics."""

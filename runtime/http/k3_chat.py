@@ -1,0 +1,116 @@
+"""The OpenAI chat route's K3 side: a request with tools or thinking becomes a K3 prompt (and, when a call
+is forced, a grammar); the engine's text (special tokens kept) becomes OpenAI's message fields and deltas."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from radixk3.tokenizer import Tokenizer
+from runtime.http.api_errors import APIError
+from runtime.http.openai_protocol import (
+    AssistantMessage,
+    ChatCompletionRequest,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
+    NamedToolChoice,
+    ToolCallOut,
+)
+from runtime.tokenizer.k3_stream_parser import Delta, K3StreamParser
+from runtime.tokenizer.k3_tools import K3Prompt, RenderError, forcing_grammar, render_k3_chat
+
+_GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema")
+_CPP_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+@dataclass(frozen=True)
+class K3Chat:
+    prompt: K3Prompt
+    parse_tools: bool
+    grammar: str | None  # EBNF forcing a tool call
+
+
+def plan_k3_chat(req: ChatCompletionRequest) -> K3Chat:
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tools_on else []
+    choice = req.tool_choice
+    forced: str | dict[str, Any] | None = None  # as xgrammar takes tool_choice
+    forced_name: str | None = None  # as the renderer records it
+    if tools and isinstance(choice, NamedToolChoice):
+        forced, forced_name = choice.model_dump(), choice.function.name
+    elif tools and choice == "required":
+        forced = forced_name = "required"
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    try:
+        prompt = render_k3_chat(messages, tools, req.thinking, forced_name)
+        grammar = None if forced is None else forcing_grammar(tools, forced, req.thinking, req.parallel_tool_calls)
+    except RenderError as e:
+        raise APIError(400, str(e), "invalid_request_error", param="messages") from None
+    except (ValueError, RuntimeError) as e:  # xgrammar refusing a tool's parameter schema
+        message = _CPP_LOCATION.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        raise APIError(400, f"tools: {message}", "invalid_request_error", param="tools") from None
+    return K3Chat(prompt, bool(tools), grammar)
+
+
+def k3_sampling(chat: K3Chat, sampling: dict[str, Any]) -> dict[str, Any]:
+    """The parser reads the markup, so special tokens stay in the text; a forced call brings its grammar."""
+    out = dict(sampling, skip_special_tokens=False)
+    if chat.grammar is not None:
+        if any(k in out for k in _GRAMMAR_FIELDS):
+            raise APIError(400, "a forced tool call (tool_choice 'required' or named) cannot be combined with"
+                           " response_format, regex or ebnf", "invalid_request_error", param="tool_choice")
+        out["ebnf"] = chat.grammar
+    return out
+
+
+class K3Reply:
+    """One choice's parse: `push` each chunk of text (the stop token's own text is dropped at the end)."""
+
+    def __init__(self, chat: K3Chat, tokenizer: Tokenizer) -> None:
+        self._parser = K3StreamParser(chat.prompt.prefix, tools=chat.parse_tools,
+                                      strip_strings=chat.grammar is not None)
+        self._tok = tokenizer
+        self.thinking = chat.prompt.thinking
+        self.content = ""
+        self.reasoning = ""
+        self.calls: dict[int, ToolCallOut] = {}
+
+    def push(self, text: str, finished: str | None, last_ids: list[int]) -> DeltaMessage:
+        if finished is not None and last_ids and last_ids[-1] in self._tok.stop_ids:
+            piece = self._tok.decode(last_ids[-1:], skip_special_tokens=False)
+            text = text.removesuffix(piece)
+        d = self._parser.feed(text)
+        if finished is not None:
+            end = self._parser.finish()
+            d = Delta(d.reasoning + end.reasoning, d.content + end.content, d.tool_calls + end.tool_calls)
+        self.content += d.content
+        self.reasoning += d.reasoning
+        deltas: dict[int, DeltaToolCall] = {}  # one entry per call in a chunk, as OpenAI streams them
+        for t in d.tool_calls:
+            if t.name is not None:
+                self.calls[t.index] = ToolCallOut(id=t.id or "", function=FunctionCallOut(name=t.name, arguments=""))
+                deltas[t.index] = DeltaToolCall(index=t.index, id=t.id, type="function",
+                                                function=FunctionCallOut(name=t.name, arguments=""))
+            fn = self.calls[t.index].function
+            fn.arguments = (fn.arguments or "") + t.arguments
+            out = deltas.setdefault(t.index, DeltaToolCall(index=t.index, function=FunctionCallOut(arguments="")))
+            out.function.arguments = (out.function.arguments or "") + t.arguments
+        return DeltaMessage(content=d.content or None, reasoning_content=d.reasoning or None,
+                            tool_calls=list(deltas.values()) or None)
+
+    def message(self) -> AssistantMessage:
+        calls = [self.calls[i] for i in sorted(self.calls)]
+        return AssistantMessage(content=self.content or None,
+                                reasoning_content=self.reasoning if self.reasoning or self.thinking else None,
+                                tool_calls=calls or None)
+
+    def finish_reason(self, finished: str | None) -> str | None:
+        return "tool_calls" if finished == "stop" and self.calls else finished
+
+
+def k3_message(chat: K3Chat, tokenizer: Tokenizer, text: str, finished: str | None, ids: list[int]
+               ) -> tuple[AssistantMessage, str | None]:
+    reply = K3Reply(chat, tokenizer)
+    reply.push(text, finished or "length", ids)
+    return reply.message(), reply.finish_reason(finished)

@@ -1,0 +1,218 @@
+"""The native, SGLang-compatible API: /generate, /health, /health_generate, /get_model_info, /get_server_info,
+/flush_cache, /abort_request.
+
+`/generate` takes `text` or `input_ids`, one prompt or a batch, and returns `{"text", "output_ids",
+"meta_info"}` per sample (a list for a batch or n > 1). Streamed, each event carries the sample's text so far
+(as SGLang streams it) and its `index` (sample j of prompt i of a batch: the samples of the prompts before
+i, plus j).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from starlette.responses import Response
+
+from radixk3.tokenizer import Tokenizer
+from runtime.http.api_errors import APIError, OrjsonResponse, parse_body, request_failed, stream_failed
+from runtime.http.handles import (
+    ClientDisconnected,
+    Sample,
+    collect_all,
+    failed,
+    merged,
+    metered,
+    submit_all,
+    token_text,
+    unless_disconnected,
+)
+from runtime.http.metrics import RequestTimer
+from runtime.http.sse import DONE, event, sse_response
+from runtime.http.state import ServerState, state_of
+from runtime.tokenizer.manager import RequestHandle
+
+router = APIRouter()
+
+NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    text: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
+    # Checked field by field by the engine (runtime.sampling_params), against the model.
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: StrictBool = False
+    rid: NonEmptyStr | list[NonEmptyStr] | None = None
+    return_logprob: StrictBool = False
+    logprob_start_len: StrictInt = -1
+    top_logprobs_num: StrictInt = 0
+    return_text_in_logprobs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _shape(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text and input_ids")
+        n = len(self.prompts()) if self.is_batch else 1
+        for name in ("sampling_params", "rid"):
+            value = getattr(self, name)
+            if isinstance(value, list) and (not self.is_batch or len(value) != n):
+                raise ValueError(f"{name} is a list of {len(value)} but the request has "
+                                 f"{f'a batch of {n} prompts' if self.is_batch else 'a single prompt'}")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        return isinstance(self.text, list) or bool(self.input_ids and isinstance(self.input_ids[0], list))
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        p: Any = self.text if self.text is not None else self.input_ids
+        return p if self.is_batch else [p]
+
+    def per_prompt(self, name: str, n: int) -> list[Any]:
+        value = getattr(self, name)
+        return list(value) if isinstance(value, list) else [value] * n
+
+
+def _with_text(tok: Tokenizer, pairs: list[tuple[float | None, int]], text: bool) -> list[list[Any]]:
+    return [[lp, t, token_text(tok, t) if text else None] for lp, t in pairs]
+
+
+def native_result(s: Sample, req: GenerateRequest, prompt_ids: list[int], tok: Tokenizer) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": s.rid,
+        "finish_reason": None if s.finished is None else {"type": s.finished, "matched": s.matched_stop},
+        "prompt_tokens": s.prompt_tokens or len(prompt_ids),
+        "completion_tokens": len(s.token_ids),
+        "cached_tokens": s.cached_tokens,
+    }
+    if s.error is not None:
+        meta["error"] = s.error
+    if req.return_logprob:
+        text = req.return_text_in_logprobs
+        meta["output_token_logprobs"] = _with_text(tok, list(zip(s.logprobs, s.token_ids, strict=False)), text)
+        meta["output_top_logprobs"] = [_with_text(tok, [(lp, t) for t, lp in row], text) for row in s.top_logprobs]
+        first = len(prompt_ids) - len(s.input_logprobs)
+        meta["input_token_logprobs"] = _with_text(tok, list(zip(s.input_logprobs, prompt_ids[first:], strict=True)),
+                                                  text)
+    return {"text": s.text, "output_ids": list(s.token_ids), "meta_info": meta}
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    st = state_of(request)
+    req = await parse_body(request, GenerateRequest)
+    prompts = req.prompts()
+    ids = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in prompts]
+    sps = [dict(sp or {}) for sp in req.per_prompt("sampling_params", len(ids))]
+    await st.tm.check_grammars(sps)  # parsed in a thread: a large grammar never stalls other requests
+    handles = submit_all(st.tm, st.live, ids, sps,
+                         req.per_prompt("rid", len(ids)), return_logprob=req.return_logprob,
+                         logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num)
+    timers = [st.metrics.timer() for _ in handles]
+    if req.stream:
+        return sse_response(_stream(st, req, ids, handles, timers))
+    try:
+        per_prompt = await unless_disconnected(request, collect_all(handles, timers))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    samples = [s for group in per_prompt for s in group]
+    if (err := failed(samples)) is not None:
+        raise err
+    out = [native_result(s, req, ids[i], st.tokenizer) for i, group in enumerate(per_prompt) for s in group]
+    return OrjsonResponse(out[0] if len(out) == 1 and not req.is_batch else out)
+
+
+async def _stream(st: ServerState, req: GenerateRequest, prompt_ids: list[list[int]], handles: list[RequestHandle],
+                  timers: list[RequestTimer]) -> AsyncIterator[bytes]:
+    """Events of every sample of every prompt as they come; sample j of prompt i is `index` offset_i + j."""
+    offsets = [sum(len(h.rids) for h in handles[:i]) for i in range(len(handles))]
+    samples = [[Sample(j) for j in range(len(h.rids))] for h in handles]
+    try:
+        async for i, chunk in merged([metered(h, t) for h, t in zip(handles, timers, strict=True)]):
+            s = samples[i][chunk.index]
+            s.add(chunk)
+            if chunk.finished == "error":
+                yield event(request_failed(s.rid, s.error).body())
+                continue
+            yield event(native_result(s, req, prompt_ids[i], st.tokenizer) | {"index": offsets[i] + chunk.index})
+    except Exception as e:  # the engine went away mid-stream: say so in the stream, the status is sent already
+        yield event(stream_failed(e).body())
+    yield DONE
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    st = state_of(request)
+    if st.tm.dead is not None or st.procs.closed:
+        raise APIError(503, f"the engine is down: {st.tm.dead or 'shut down'}", "server_error")
+    return OrjsonResponse({"status": "ok"})
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """Healthy only if one token can be generated within 30 s."""
+    st = state_of(request)
+    handle = st.tm.submit([st.tokenizer.bos_id], {"max_new_tokens": 1, "temperature": 0}, deadline=30.0)
+    try:
+        [result] = await unless_disconnected(request, handle.result())
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except TimeoutError as e:
+        raise APIError(503, f"generation is stuck: {e}", "server_error") from None
+    if result["meta_info"]["finish_reason"]["type"] == "error":
+        raise APIError(503, f"generation fails: {result['meta_info']['error']}", "server_error")
+    return OrjsonResponse({"status": "ok"})
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> Response:
+    st = state_of(request)
+    return OrjsonResponse(st.tm.model_info() | {"tokenizer_path": st.args.model, "served_model_name": st.model_name})
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> Response:
+    st = state_of(request)
+    args = dataclasses.asdict(st.args) | {"api_key": None if st.args.api_key is None else "<set>"}
+    return OrjsonResponse(args | {"scheduler": await st.tm.get_metrics(timeout=10.0), "version": "0.1.0"})
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request) -> Response:
+    st = state_of(request)
+    if not await st.tm.flush_cache(timeout=10.0):
+        raise APIError(409, "the cache was not flushed: requests are running or queued; retry when idle",
+                       code="busy")
+    return OrjsonResponse({"success": True, "message": "the radix cache is flushed"})
+
+
+class AbortRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    rid: NonEmptyStr | None = None
+    abort_all: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one(self) -> AbortRequest:
+        if (self.rid is None) == (not self.abort_all):
+            raise ValueError("give rid, or abort_all=true")
+        return self
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    """Abort a request by the `rid` it was given (each of its n samples), or every request."""
+    st = state_of(request)
+    req = await parse_body(request, AbortRequest)
+    handles = list(st.live.values()) if req.abort_all else [h for h in (st.live.get(req.rid),) if h is not None]
+    if not handles and not req.abort_all:
+        st.tm.abort(req.rid)  # a sample's own id ("rid-1"), or one that has just finished: ignored then
+    for h in handles:
+        h.abort()
+    return OrjsonResponse({"success": True, "aborted": sum(len(h.rids) for h in handles)})

@@ -1,0 +1,273 @@
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+A request of p prompts and n samples is p engine submissions of n samples each; choice `i * n + j` is sample
+j of prompt i. Streams are server-sent events ending with `data: [DONE]`, with a final usage chunk when
+`stream_options.include_usage` is set.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from radixk3.tokenizer import Tokenizer
+from runtime.http.api_errors import APIError, OrjsonResponse, parse_body, request_failed, stream_failed
+from runtime.http.handles import (
+    ClientDisconnected,
+    Sample,
+    collect_all,
+    failed,
+    merged,
+    metered,
+    submit_all,
+    token_text,
+    unless_disconnected,
+)
+from runtime.http.k3_chat import K3Chat, K3Reply, k3_message, k3_sampling, plan_k3_chat
+from runtime.http.metrics import RequestTimer
+from runtime.http.openai_protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from runtime.http.sse import DONE, event, sse_response
+from runtime.http.state import ServerState, state_of
+from runtime.tokenizer.manager import RequestHandle
+from runtime.tokenizer.request_stream import StreamChunk
+
+router = APIRouter(prefix="/v1")
+
+
+def _check_model(st: ServerState, model: str) -> None:
+    if model != st.model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {st.model_name!r}",
+                       "invalid_request_error", param="model", code="model_not_found")
+
+
+def _usage(groups: Sequence[Sequence[Sample]]) -> Usage:
+    prompt = sum(g[0].prompt_tokens for g in groups)
+    completion = sum(len(s.token_ids) for g in groups for s in g)
+    cached = sum(max(s.cached_tokens for s in g) for g in groups)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+# --- logprobs ------------------------------------------------------------------------------------------
+
+
+def _chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float], tops: list[list[Any]]) -> ChoiceLogprobs:
+    content = []
+    for k, (t, lp) in enumerate(zip(ids, lps, strict=False)):
+        top = [TopLogprob(token=token_text(tok, i), logprob=v, bytes=list(tok.token_bytes(i, False)))
+               for i, v in (tops[k] if k < len(tops) else [])]
+        content.append(TokenLogprob(token=token_text(tok, t), logprob=lp, bytes=list(tok.token_bytes(t, False)),
+                                    top_logprobs=top))
+    return ChoiceLogprobs(content=content)
+
+
+def _completion_logprobs(tok: Tokenizer, ids: list[int], lps: list[float], tops: list[list[Any]],
+                         offset: int) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for k, (t, lp) in enumerate(zip(ids, lps, strict=False)):
+        piece = token_text(tok, t)
+        out.tokens.append(piece)
+        out.token_logprobs.append(lp)
+        out.top_logprobs.append({token_text(tok, i): v for i, v in tops[k]} if k < len(tops) else None)
+        out.text_offset.append(offset)
+        offset += len(piece)
+    return out
+
+
+# --- shared plumbing -----------------------------------------------------------------------------------
+
+
+def _submit(st: ServerState, prompts: list[list[int]], sampling: dict[str, Any], rid: str | None,
+            logprobs: bool, top: int) -> tuple[list[RequestHandle], list[RequestTimer]]:
+    rids = [rid] if rid is not None and len(prompts) == 1 else [
+        None if rid is None else f"{rid}-p{i}" for i in range(len(prompts))]
+    handles = submit_all(st.tm, st.live, prompts, [dict(sampling) for _ in prompts], rids,
+                         return_logprob=logprobs, top_logprobs_num=top)
+    return handles, [st.metrics.timer() for _ in handles]
+
+
+async def _full(request: Request, handles: list[RequestHandle], timers: list[RequestTimer]
+                ) -> list[list[Sample]] | None:
+    try:
+        groups = await unless_disconnected(request, collect_all(handles, timers))
+    except ClientDisconnected:
+        return None
+    if (err := failed(s for g in groups for s in g)) is not None:
+        raise err
+    return groups
+
+
+async def _chunks(handles: list[RequestHandle], timers: list[RequestTimer], n: int
+                  ) -> AsyncIterator[tuple[int, StreamChunk]]:
+    """(choice index, chunk) of every sample of every prompt, as they come."""
+    async for i, chunk in merged([metered(h, t) for h, t in zip(handles, timers, strict=True)]):
+        yield i * n + chunk.index, chunk
+
+
+def _stream_error(e: BaseException) -> bytes:
+    return event(stream_failed(e).body())
+
+
+def _chunk_error(c: StreamChunk) -> bytes:
+    return event(request_failed(c.rid, c.error).body())
+
+
+# --- routes --------------------------------------------------------------------------------------------
+
+
+@router.get("/models")
+async def models(request: Request) -> Response:
+    st = state_of(request)
+    card = ModelCard(id=st.model_name, created=st.started, root=st.args.model,
+                     max_model_len=st.tm.context_length)
+    return OrjsonResponse(ModelList(data=[card]).model_dump())
+
+
+@router.post("/completions")
+async def completions(request: Request) -> Response:
+    st = state_of(request)
+    req = await parse_body(request, CompletionRequest)
+    _check_model(st, req.model)
+    prompts = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in req.prompts()]
+    want_lp = req.logprobs is not None
+    sampling = req.sampling(req.max_tokens)
+    await st.tm.check_grammars([sampling])
+    handles, timers = _submit(st, prompts, sampling, req.rid, want_lp, req.logprobs or 0)
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    if req.stream:
+        return sse_response(_completion_stream(st, req, handles, timers, cid, created))
+    groups = await _full(request, handles, timers)
+    if groups is None:
+        return Response(status_code=499)
+    choices = [CompletionChoice(index=i * req.n + s.index, text=s.text, finish_reason=s.finished,
+                                logprobs=_completion_logprobs(st.tokenizer, s.token_ids, s.logprobs, s.top_logprobs, 0)
+                                if want_lp else None)
+               for i, g in enumerate(groups) for s in g]
+    body = CompletionResponse(id=cid, created=created, model=st.model_name, choices=choices, usage=_usage(groups))
+    return OrjsonResponse(body.model_dump())
+
+
+async def _completion_stream(st: ServerState, req: CompletionRequest, handles: list[RequestHandle],
+                             timers: list[RequestTimer], cid: str, created: int) -> AsyncIterator[bytes]:
+    groups = [[Sample(j) for j in range(req.n)] for _ in handles]
+    offsets = [0] * (len(handles) * req.n)
+    try:
+        async for index, c in _chunks(handles, timers, req.n):
+            groups[index // req.n][c.index].add(c)
+            if c.finished == "error":
+                yield _chunk_error(c)
+                continue
+            lp = None
+            if req.logprobs is not None:
+                lp = _completion_logprobs(st.tokenizer, c.token_ids, c.logprobs, c.top_logprobs, offsets[index])
+                offsets[index] += len(c.text)
+            choice = CompletionChoice(index=index, text=c.text, logprobs=lp, finish_reason=c.finished)
+            yield event(CompletionResponse(id=cid, created=created, model=st.model_name, choices=[choice]
+                                           ).model_dump(exclude_none=True))
+        if req.include_usage:
+            yield event(CompletionResponse(id=cid, created=created, model=st.model_name, choices=[],
+                                           usage=_usage(groups)).model_dump())
+    except Exception as e:  # the status line is sent already: the failure goes into the stream
+        yield _stream_error(e)
+    yield DONE
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    st = state_of(request)
+    req = await parse_body(request, ChatCompletionRequest)
+    _check_model(st, req.model)
+    if req.is_k3 and not st.tokenizer.has_xtml:
+        raise APIError(400, "tools and thinking need K3's markup tokens (<|open|>, <|close|>, <|sep|>, "
+                       "<|end_of_msg|>), which this model's tokenizer lacks", "invalid_request_error", param="tools")
+    k3 = plan_k3_chat(req) if req.is_k3 else None  # tools or thinking: K3's markup (runtime.tokenizer.k3_tools)
+    prompt = st.tokenizer.encode(_chat_prompt(st.tokenizer, req, k3), add_bos=True)
+    top = req.top_logprobs or 0
+    sampling = _chat_sampling(req, k3)
+    await st.tm.check_grammars([sampling])
+    handles, timers = _submit(st, [prompt], sampling, req.rid, req.logprobs, top)
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    if req.stream:
+        return sse_response(_chat_stream(st, req, handles, timers, cid, created, k3))
+    groups = await _full(request, handles, timers)
+    if groups is None:
+        return Response(status_code=499)
+    choices = [_chat_choice(st.tokenizer, req, k3, s) for s in groups[0]]
+    body = ChatCompletionResponse(id=cid, created=created, model=st.model_name, choices=choices, usage=_usage(groups))
+    return OrjsonResponse(body.model_dump())
+
+
+def _chat_prompt(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None) -> str:
+    if k3 is not None:
+        return k3.prompt.text
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+    return tok.apply_chat_template(messages)
+
+
+def _chat_sampling(req: ChatCompletionRequest, k3: K3Chat | None) -> dict[str, Any]:
+    sampling = req.sampling(req.max_new_tokens)
+    return sampling if k3 is None else k3_sampling(k3, sampling)
+
+
+def _chat_choice(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None, s: Sample) -> ChatChoice:
+    message, finish = AssistantMessage(content=s.text), s.finished
+    if k3 is not None:
+        message, finish = k3_message(k3, tok, s.text, s.finished, s.token_ids)
+    lp = _chat_logprobs(tok, s.token_ids, s.logprobs, s.top_logprobs) if req.logprobs else None
+    return ChatChoice(index=s.index, message=message, finish_reason=finish, logprobs=lp)
+
+
+async def _chat_stream(st: ServerState, req: ChatCompletionRequest, handles: list[RequestHandle],
+                       timers: list[RequestTimer], cid: str, created: int, k3: K3Chat | None
+                       ) -> AsyncIterator[bytes]:
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
+        body = ChatCompletionChunk(id=cid, created=created, model=st.model_name, choices=choices, usage=usage)
+        return event(body.model_dump(exclude_none=usage is None))
+
+    groups = [[Sample(j) for j in range(req.n)]]
+    replies = [K3Reply(k3, st.tokenizer) for _ in range(req.n)] if k3 is not None else None
+    try:
+        # The role comes first, as OpenAI sends it, before any text.
+        yield chunk([ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
+                     for j in range(req.n)])
+        async for index, c in _chunks(handles, timers, req.n):
+            groups[0][c.index].add(c)
+            if c.finished == "error":
+                yield _chunk_error(c)
+                continue
+            lp = _chat_logprobs(st.tokenizer, c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None
+            delta = DeltaMessage(content=c.text) if c.text or c.finished is None else DeltaMessage()
+            finish = c.finished
+            if replies is not None:
+                reply = replies[c.index]
+                delta, finish = reply.push(c.text, c.finished, c.token_ids), reply.finish_reason(c.finished)
+            yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish)])
+        if req.include_usage:
+            yield chunk([], _usage(groups))
+    except Exception as e:
+        yield _stream_error(e)
+    yield DONE

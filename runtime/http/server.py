@@ -1,0 +1,125 @@
+"""The HTTP server: FastAPI on uvicorn (uvloop, httptools) in the tokenizer process.
+
+`create_app(args)` builds the app; its lifespan starts the scheduler and worker processes and the
+TokenizerManager on uvicorn's event loop, and stops them after the server has drained. `run_server(args)`
+serves until SIGTERM or SIGINT: uvicorn stops accepting connections, lets in-flight requests finish for
+`graceful_shutdown_timeout` seconds, cancels the rest (which aborts them on the scheduler), then the
+lifespan shuts the engine down and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from starlette.datastructures import Headers
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from runtime.engine_processes import EngineProcesses
+from runtime.http.api_errors import APIError, install_error_handlers
+from runtime.http.native_api import router as native_router
+from runtime.http.openai_api import router as openai_router
+from runtime.http.state import ServerState, served_model_name, state_of
+from runtime.server_args import ServerArgs
+from runtime.tokenizer.manager import TokenizerManager
+
+OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (load balancers' probes)
+
+
+class AccessMiddleware:
+    """Bearer API key on every path but /health, and the request body size limit (413), checked on the
+    declared Content-Length and again on the bytes actually received (chunked bodies declare none)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.limit = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get("authorization", "").encode()
+            if not secrets.compare_digest(given, self.expected):
+                what = "a wrong API key" if given else "no API key"
+                err = APIError(401, f"the request has {what}; send the header 'Authorization: Bearer <key>'",
+                               "authentication_error", code="invalid_api_key")
+                await err.response()(scope, receive, send)
+                return
+        declared = headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            await self._too_large(declared).response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise self._too_large(f"more than {received}")
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _too_large(self, size: str) -> APIError:
+        return APIError(413, f"the request body ({size} bytes) exceeds the limit of {self.limit} bytes "
+                             "(--max-body-bytes)", param="body", code="body_too_large")
+
+
+def create_app(args: ServerArgs) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        procs = await asyncio.to_thread(EngineProcesses, args)  # spawns and waits for the children
+        tm = TokenizerManager(args, procs)
+        try:
+            await tm.start()
+            app.state.server = ServerState(args, procs, tm)
+            print(f"radixk3: serving {served_model_name(args)} on http://{args.host}:{args.port}",
+                  file=sys.stderr, flush=True)
+            yield
+        finally:
+            await tm.close()
+            await asyncio.to_thread(procs.shutdown)
+
+    app = FastAPI(title="radixk3", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.include_router(native_router)
+    app.include_router(openai_router)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        st = state_of(request)
+        body = st.metrics.render(await st.tm.get_metrics(timeout=10.0))
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.add_middleware(AccessMiddleware, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    return app
+
+
+def run_server(args: ServerArgs) -> int:
+    """Serve until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the engine or the socket failed to start."""
+    config = uvicorn.Config(create_app(args), host=args.host, port=args.port, loop="uvloop", http="httptools",
+                            ws="none", lifespan="on", log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=args.graceful_shutdown_timeout)
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal it stopped on once it has shut down; with these no-op handlers underneath,
+    # that ends in a clean exit instead of death by SIGTERM.
+    previous: dict[int, Any] = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0 if server.started else 1

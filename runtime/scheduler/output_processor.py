@@ -1,0 +1,85 @@
+"""Output processing: apply a sampled token to its request (logprobs, stop tokens, stop strings, length),
+collect input logprobs, and emit `TokenOut`s.
+
+Stop strings are detected incrementally: each new token detokenises only the tail of the output that could
+hold a stop string ending in it (one token per UTF-8 byte of the longest stop string, plus one so that the
+first token's leading-space handling cannot hide a match), never the whole output again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from runtime.messages import TokenOut
+from runtime.scheduler.request import Req
+
+
+class OutputProcessor:
+    def __init__(self, stop_ids: frozenset[int], detokenize: Callable[[list[int]], str]) -> None:
+        self.stop_ids = stop_ids
+        self.detokenize = detokenize
+        self.outbox: list[TokenOut] = []
+
+    def stop_tokens(self, req: Req) -> set[int]:
+        return set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else set(self.stop_ids))
+
+    def banned_at(self, req: Req, index: int) -> list[int]:
+        """Token ids that output `index` of `req` may not take: its stops while below min_new_tokens."""
+        return sorted(self.stop_tokens(req)) if index < req.params.min_new_tokens else []
+
+    def on_token(self, req: Req, tok: int, logprob: float, top_ids: list[int], top_lps: list[float]) -> str | None:
+        """Append a sampled token; return the finish reason if the request is done."""
+        p = req.params
+        if p.max_new_tokens == 0:
+            return "length"
+        req.output_ids.append(tok)
+        if req.return_logprob:
+            req.new_token_logprobs.append(logprob)
+            req.new_top_logprobs.append(list(zip(top_ids, top_lps, strict=True))[: req.top_logprobs_num])
+        n_out = len(req.output_ids)
+        if tok in self.stop_tokens(req):  # masked while below min_new_tokens (see banned_at)
+            req.matched_stop = tok
+            return "stop"
+        if n_out >= p.min_new_tokens and p.stop and (s := self._stop_string(req)) is not None:
+            req.matched_stop = s
+            return "stop"
+        if n_out >= p.max_new_tokens:
+            return "length"
+        return None
+
+    def _stop_string(self, req: Req) -> str | None:
+        """The stop string that occurs first in the output's tail, if any."""
+        stops = req.params.stop
+        window = max(len(s.encode()) for s in stops) + 1
+        text = self.detokenize(req.output_ids[-window:])
+        hits = [(text.find(s), s) for s in stops if s in text]
+        return min(hits)[1] if hits else None
+
+    def collect_input_logprobs(self, req: Req, first_none: bool, positions: list[int], values: list[float]) -> None:
+        if first_none:
+            req.input_logprobs.append(None)  # the first token has no context
+            req.input_logprob_next = 1
+        for pos, v in zip(positions, values, strict=True):
+            req.input_logprobs.append(v)
+            req.input_logprob_next = pos + 1
+
+    def finish(self, req: Req, reason: str, error: str | None = None) -> None:
+        req.finished = reason
+        self.emit(req, error)
+
+    def emit(self, req: Req, error: str | None = None) -> None:
+        new = req.output_ids[req.sent_tokens :]
+        if not new and req.finished is None and not req.input_logprobs:
+            return
+        out = TokenOut(req.rid, new, finished=req.finished, matched_stop=req.matched_stop,
+                       prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens, error=error)
+        if req.return_logprob:
+            out.logprobs, out.top_logprobs = req.new_token_logprobs, req.new_top_logprobs
+            out.input_logprobs, req.input_logprobs = req.input_logprobs, []
+            req.new_token_logprobs, req.new_top_logprobs = [], []
+        req.sent_tokens = len(req.output_ids)
+        self.outbox.append(out)
+
+    def take(self) -> list[TokenOut]:
+        out, self.outbox = self.outbox, []
+        return out

@@ -1,0 +1,102 @@
+"""A step as the scheduler remembers it until its result comes back (`StepRecord`), and the `StepPlan` the
+worker gets for it. Physical ids are resolved here, after every allocation of the step (allocations may
+compact the pool), so the plan matches the pool after the copies and moves it carries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.grammar import GrammarMatcher, fill_masks
+from runtime.messages import StepPlan
+from runtime.scheduler.output_processor import OutputProcessor
+from runtime.scheduler.page_table import PageTables
+from runtime.scheduler.pool import UnifiedPool
+from runtime.scheduler.request import Req
+
+
+@dataclass
+class SeqEntry:
+    req: Req
+    start: int  # tokens of the request in the cache before this step
+    n: int  # tokens it adds
+    sampled: bool
+    input_lp_first_none: bool = False  # the request's first prompt token's (absent) logprob is due
+    input_lp_positions: list[int] = field(default_factory=list)  # prompt positions whose logprob is computed
+    drafts: list[int] = field(default_factory=list)  # verify: draft tokens after the last sampled one (-1: the
+    # worker's proposer supplies them); the step samples at every one of the n = 1 + len(drafts) positions
+
+
+@dataclass
+class Checkpoint:
+    seq: int  # index into StepRecord.seqs
+    pos: int  # the state after this many tokens of the request
+    block: int  # virtual state block the worker writes it into
+
+
+@dataclass
+class StepRecord:
+    step: int
+    mode: str
+    seqs: list[SeqEntry]
+    ckpts: list[Checkpoint]
+
+
+def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: OutputProcessor) -> StepPlan:
+    for s in rec.seqs:
+        tables.sync(s.req)
+    table_rows, table_cols, table_pages, resets = tables.drain(pool)
+    ids: list[int] = []
+    cu, rows, prefix, slots = [0], [], [], []
+    sample_rows: list[int] = []
+    params: list[dict] = []
+    banned: list[list[int]] = []
+    lp_rows: list[tuple[int, int]] = []  # (packed row, next token)
+    grammar_rows: list[int] = []
+    matchers: list[GrammarMatcher] = []
+    top_n = 0
+    for s in rec.seqs:
+        req = s.req
+        a, b = s.start, s.start + s.n
+        known = min(b - len(s.drafts), req.known_len)
+        ids.extend(req.ids(a, known))
+        ids.extend([-1] * (b - len(s.drafts) - known))  # the token being sampled now: the worker feeds it itself
+        ids.extend(s.drafts)
+        rows.append(req.row)
+        prefix.append(a)
+        slots.append(pool.state_slot(req.state))  # type: ignore[arg-type]
+        base = cu[-1]
+        cu.append(base + s.n)
+        lp_rows.extend((base + pos - 1 - a, req.prompt_ids[pos]) for pos in s.input_lp_positions)
+        if s.sampled:
+            first = req.output_index - 1  # its pending sample is counted
+            for j in range(len(s.drafts) + 1):  # a verify window samples at each of its positions
+                sample_rows.append(base + s.n - 1 - len(s.drafts) + j)
+                params.append(req.params.row(first + j).__dict__)
+                banned.append(outputs.banned_at(req, first + j))
+            if req.grammar is not None:
+                # The mask needs every earlier output accepted: no other sample of it may be in flight.
+                assert req.pending_samples == 1, f"request {req.rid}: grammar mask planned ahead of its tokens"
+                grammar_rows.append(len(sample_rows) - 1)
+                matchers.append(req.grammar)
+            top_n = max(top_n, req.top_logprobs_num if req.return_logprob else 0)
+    ckpt_seq = [c.seq for c in rec.ckpts]
+    ckpt_offset = [c.pos - rec.seqs[c.seq].start for c in rec.ckpts]
+    ckpt_slot = [pool.state_slot(c.block) for c in rec.ckpts]
+    copies = [tuple(c) for c in pool.drain_copies()]
+    moves = pool.drain_page_moves()
+
+    def arr(x: list[int]) -> np.ndarray:
+        return np.array(x, dtype=np.int64)
+
+    return StepPlan(
+        step=rec.step, mode=rec.mode, copies=copies, page_moves=moves, table_rows=table_rows,
+        table_cols=table_cols, table_pages=table_pages, rows=arr(rows), prefix_lens=arr(prefix),
+        cu_seqlens=arr(cu), state_slots=arr(slots), input_ids=arr(ids), ckpt_seq=arr(ckpt_seq),
+        ckpt_offset=arr(ckpt_offset), ckpt_slot=arr(ckpt_slot),
+        logits_index=arr(sample_rows + [r for r, _ in lp_rows]), sample_params=params, banned=banned,
+        reset_rows=resets, top_logprobs_num=top_n,
+        input_logprob_rows=[(len(sample_rows) + i, tok) for i, (_, tok) in enumerate(lp_rows)],
+        grammar_rows=arr(grammar_rows), grammar_mask=fill_masks(matchers).reshape(-1),
+    )

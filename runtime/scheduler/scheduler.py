@@ -1,0 +1,647 @@
+"""The scheduler: waiting queue, running batch, radix cache and pool metadata; no model tensors.
+
+Every request is a run of tokens, the first `num_computed` of which are planned into the cache. A step is
+either an extend step (prefill chunks of running and newly admitted requests, up to `chunked_prefill_size`
+tokens; running decodes ride along only with `enable_mixed_chunk`) or, when there is no prefill work, a
+decode step with every running decode. Checkpoints (branching point, shared prefixes, chunk ends, prompt
+end, every `decode_checkpoint_interval` decode tokens) are requested in the plan of the step that computes
+that position and enter the tree when its result is processed.
+
+Results may come one step late (the overlap scheduler plans step N+1 while the worker runs step N): a
+decode planned before its input token is known feeds -1, and a request is released (its memory donated
+to the tree) only once no step in flight includes it.
+
+Structured output (SGLang's grammar queue): a request with a grammar waits in `grammar_wait` while a
+thread compiles it, then joins the waiting queue with its matcher. Its token mask needs its previous token,
+so its decode is never planned while a sample of it is in flight (`grammar_blocked` tells the step loop to
+resolve the step in flight first); a step's sampled tokens advance the matchers as they are processed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.grammar import GrammarBackend, GrammarKey
+from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
+from runtime.pool_layout import PoolLayout, pool_budget
+from runtime.sampling_params import InvalidRequest, SamplingParams
+from runtime.scheduler.admission import NO_DEMAND, Admission, Demand, request_demand
+from runtime.scheduler.output_processor import OutputProcessor
+from runtime.scheduler.page_table import PageTables
+from runtime.scheduler.plan_builder import Checkpoint, SeqEntry, StepRecord, build_plan
+from runtime.scheduler.policy import NewTokenRatio, order_waiting, shared_prefix_leader
+from runtime.scheduler.pool import Kind, UnifiedPool
+from runtime.scheduler.radix_cache import HybridRadixCache, MatchResult
+from runtime.scheduler.req_cache import ReqCache
+from runtime.scheduler.request import Req
+from runtime.server_args import ServerArgs
+from runtime.spec.ngram import NgramCorpus, NgramIndex, propose_drafts
+
+
+@dataclass
+class SchedulerMetrics:
+    steps: int = 0
+    extend_steps: int = 0
+    decode_steps: int = 0
+    running: int = 0
+    queued: int = 0
+    prefill_tokens_computed: int = 0
+    decode_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+    state_hits: int = 0
+    state_misses: int = 0
+    evictions: int = 0
+    retractions: int = 0
+    checkpoints: int = 0
+    state_pool_bytes: int = 0
+    kv_pool_bytes: int = 0
+    verify_steps: int = 0
+    spec_windows: int = 0  # sequences verified with at least one draft
+    draft_tokens: int = 0  # drafts proposed
+    accepted_tokens: int = 0  # drafts accepted
+
+    @property
+    def accept_length(self) -> float:
+        """Mean tokens a verified sequence gained per step (accepted drafts + the target's own token)."""
+        return 1.0 + self.accepted_tokens / self.spec_windows if self.spec_windows else 0.0
+
+
+MAX_STEP_RETRIES = 2  # failed steps a request may share with others before it fails itself
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, layout: PoolLayout, stop_ids: frozenset[int],
+                 detokenize: Callable[[list[int]], str], vocab_size: int,
+                 grammar: GrammarBackend | None = None) -> None:
+        self.args = args
+        self.grammar = grammar
+        self.grammar_wait: list[tuple[Req, concurrent.futures.Future[Any]]] = []  # compiling, in arrival order
+        self.vocab_size = vocab_size
+        self.pool = UnifiedPool(layout, pool_budget(layout, args))
+        self.cache = None if args.disable_radix_cache else HybridRadixCache(self.pool)
+        self.ps = layout.page_size
+        self.admission = Admission(self.pool, self.cache)
+        self.req_cache = ReqCache(self.pool, self.cache)
+        self.tables = PageTables(args.max_running_requests)
+        self.outputs = OutputProcessor(stop_ids, detokenize)
+        self.ratio = NewTokenRatio(args.schedule_conservativeness)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # requests holding pool memory and a row (finished ones until released)
+        # A request is running iff it owns a page-table row: `req.row is not None` is the O(1) membership test.
+        self.metrics = SchedulerMetrics()
+        self._arrivals = 0
+        self._step = 0
+        self._inflight: deque[StepRecord] = deque()
+        self._retracted_now: set[int] = set()
+        self.spec = args.speculative_algorithm
+        # n-gram: finished requests' tokens, where every request also looks for its drafts.
+        self.ngram_corpus = NgramCorpus(args.speculative_ngram_min, args.speculative_ngram_max,
+                                        args.speculative_ngram_capacity) \
+            if self.spec == "ngram" and args.speculative_ngram_capacity > 0 else None
+        # Drafts of this step's verify windows, by request: n-gram drafts are proposed here; a model proposer's
+        # are -1 placeholders that the worker's proposer fills.
+        self._drafts: dict[int, list[int]] = {}
+
+    # --- requests in -----------------------------------------------------------------------------------
+    def add(self, msg: GenerateReq) -> None:
+        try:
+            params = SamplingParams.from_dict(msg.sampling, self.vocab_size)
+            if not msg.input_ids:
+                raise InvalidRequest("the prompt is empty")
+            bad = [t for t in msg.input_ids if isinstance(t, bool) or not isinstance(t, int)
+                   or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequest(f"input_ids hold {bad[:3]}: token ids must be ints in [0, {self.vocab_size})")
+            if not isinstance(msg.top_logprobs_num, int) or not 0 <= msg.top_logprobs_num <= self.vocab_size:
+                raise InvalidRequest(f"top_logprobs_num must be an int in [0, {self.vocab_size}]")
+            if not isinstance(msg.logprob_start_len, int):
+                raise InvalidRequest("logprob_start_len must be an int")
+            need = len(msg.input_ids) + params.max_new_tokens
+            # The request alone, with its state block, must fit the pool (with one spare checkpoint block).
+            if not self.pool.fits_packed(-(-need // self.ps), 2):
+                raise InvalidRequest(f"prompt + max_new_tokens = {need} tokens exceed the pool's capacity")
+            if len(self.waiting) + len(self.grammar_wait) >= self.args.max_queued_requests:
+                raise InvalidRequest("the queue is full, try again later")
+            if params.grammar is not None and self.grammar is None:
+                raise InvalidRequest("structured output is not available in this engine", param=params.grammar[0])
+        except (InvalidRequest, TypeError) as e:
+            self.outputs.outbox.append(TokenOut(msg.rid, [], finished="error", error=str(e)))
+            return
+        self._arrivals += 1
+        req = Req(msg.rid, list(msg.input_ids), params, msg.return_logprob, msg.logprob_start_len,
+                  msg.top_logprobs_num, arrival=self._arrivals)
+        if params.grammar is not None and self.grammar is not None:
+            self.grammar_wait.append((req, self.grammar.submit(GrammarKey(*params.grammar))))
+        else:
+            self.waiting.append(req)
+
+    def abort(self, rid: str) -> None:
+        for item in list(self.grammar_wait):
+            if item[0].rid == rid:
+                self.grammar_wait.remove(item)
+                self.outputs.finish(item[0], "abort")
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self.outputs.finish(req, "abort")
+        for req in self.running:
+            if req.rid == rid and not req.finished:
+                req.aborted = True  # released once no step in flight includes it
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.outputs.outbox or self._inflight or self.grammar_wait)
+
+    @property
+    def grammar_blocked(self) -> bool:
+        """A constrained request's next mask waits for its sample in flight: resolve that step first."""
+        return any(r.grammar is not None and r.pending_samples and r.active for r in self.running)
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block until a grammar compiling finishes, at most `timeout` s (when nothing else can be done)."""
+        if self.grammar_wait:
+            concurrent.futures.wait([f for _, f in self.grammar_wait], timeout,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is compiled join the waiting queue with a matcher; a failed one fails."""
+        still: list[tuple[Req, concurrent.futures.Future[Any]]] = []
+        for req, fut in self.grammar_wait:
+            if not fut.done():
+                still.append((req, fut))
+                continue
+            try:
+                req.grammar = self.grammar.matcher(fut.result())  # type: ignore[union-attr]
+            except Exception as e:  # InvalidRequest with xgrammar's message, or the compiler failing
+                self.outputs.finish(req, "error", str(e))
+                continue
+            self.waiting.append(req)
+        self.grammar_wait = still
+
+    @property
+    def steps_in_flight(self) -> int:
+        return len(self._inflight)
+
+    def take_outputs(self) -> list[TokenOut]:
+        return self.outputs.take()
+
+    # --- one step --------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step (results of the steps in flight may still be outstanding), or None."""
+        self._retracted_now = set()  # ids of requests retracted while planning: not readmitted in this step
+        self._drafts = {}
+        if self.grammar_wait:
+            self._admit_compiled()
+        for req in [r for r in self.running if r.in_flight == 0 and not r.active]:
+            self._settle(req)
+        batch = self._extend_batch()
+        mode = "extend"
+        if batch and self.args.enable_mixed_chunk and not batch[0][0].isolate:
+            batch += self._decode_batch(batch)
+        elif not batch:
+            batch, mode = self._decode_batch([], speculate=self.spec is not None), "decode"
+            if self._drafts:
+                mode = "verify"
+        batch = [(r, n) for r, n in batch if r.row is not None]  # drop requests retracted while planning
+        if not batch:
+            if not self._inflight:  # nothing runs and nothing will free memory: fail one request, never spin
+                if self.running:
+                    req = max((r for r in self.running if r.active), key=lambda r: r.arrival, default=None)
+                    if req is not None:
+                        self.outputs.finish(req, "error", "the request does not fit in the memory pool")
+                        self._settle(req)
+                elif self.waiting:
+                    self.outputs.finish(self.waiting.popleft(), "error", "the request does not fit in the memory pool")
+            return None
+        self._step += 1
+        rec = self._record(batch, mode)
+        self._inflight.append(rec)
+        if mode != "extend":
+            self.ratio.on_decode_step()
+        return build_plan(rec, self.pool, self.tables, self.outputs)
+
+    def process(self, result: StepResult) -> list[TokenOut]:
+        """Apply the result of the oldest step in flight."""
+        rec = self._inflight.popleft()
+        if result.step != rec.step:
+            raise RuntimeError(f"result of step {result.step} while step {rec.step} is the oldest in flight")
+        failed = result.error is not None
+        row_errors = dict(result.row_errors)
+        sample_i = lp_i = tok_i = 0
+        for s in rec.seqs:
+            req = s.req
+            req.in_flight -= 1
+            if s.sampled:
+                req.pending_samples -= 1
+            if failed:
+                self._on_failed_step(req, len(rec.seqs) == 1, result.error)
+                continue
+            if rec.mode == "verify":
+                self.metrics.decode_tokens += 1 + result.num_accepted[sample_i]
+            elif s.n == 1 and s.start >= len(req.prompt_ids):
+                self.metrics.decode_tokens += 1
+            else:
+                self.metrics.prefill_tokens_computed += s.n
+            n_lp = len(s.input_lp_positions)
+            if s.input_lp_first_none or n_lp:
+                self.outputs.collect_input_logprobs(req, s.input_lp_first_none, s.input_lp_positions,
+                                                    result.input_logprobs[lp_i : lp_i + n_lp])
+                lp_i += n_lp
+            if s.sampled:
+                i = sample_i
+                sample_i += 1
+                n_tok, first = (result.num_accepted[i] + 1, tok_i) if rec.mode == "verify" else (1, i)
+                tok_i += n_tok
+                self._apply_samples(req, result, first, n_tok, row_errors.get(i))
+                if rec.mode == "verify":
+                    self._commit_window(req, s, n_tok)
+        for c in rec.ckpts:
+            req = rec.seqs[c.seq].req
+            req.pending_ckpts.discard(c.pos)
+            if req.poisoned:
+                self.pool.free_state(c.block)
+                continue
+            self.tables.mark_changed(req, self.req_cache.insert_checkpoint(req, c.pos, c.block))
+            self.metrics.checkpoints += 1
+        for s in rec.seqs:
+            if s.req.in_flight == 0 and not s.req.active and s.req.row is not None:
+                self._settle(s.req)
+        self.metrics.steps += 1
+        if rec.mode == "decode":
+            self.metrics.decode_steps += 1
+        elif rec.mode == "verify":
+            self.metrics.verify_steps += 1
+        else:
+            self.metrics.extend_steps += 1
+        self._refresh_metrics()
+        return self.take_outputs()
+
+    def _apply_samples(self, req: Req, result: StepResult, first: int, n_tok: int, row_error: str | None) -> None:
+        """The tokens sampled for `req` in a step (one, or a verified window's run), in order: a stop, a stop
+        string, the length or the grammar may end the request inside the run (the rest is discarded)."""
+        if req.finished or req.poisoned:
+            return  # planned before the request ended: its tokens are discarded
+        if row_error is not None:  # the worker could not sample this row: it fails alone
+            req.poisoned = True
+            self.outputs.finish(req, "error", row_error)
+            return
+        req.isolate = False  # a step sampling for it succeeded: it is not the culprit
+        lp, ids, lps = result.logprobs, result.top_ids, result.top_logprobs
+        reason = None
+        for j in range(first, first + n_tok):
+            tok = result.tokens[j]
+            # An aborted request keeps its token: a step in flight may already have fed it.
+            reason = self.outputs.on_token(req, tok, lp[j] if lp else 0.0, ids[j] if ids else [],
+                                           lps[j] if lps else [])
+            if req.grammar is not None:
+                if not req.grammar.accept(tok):  # only if the mask left nothing to draw
+                    reason = "error"
+                elif reason is None and req.grammar.terminated:
+                    reason = "stop"
+            if reason is not None:
+                break
+        if reason == "error":
+            self.outputs.finish(req, reason, f"the grammar allows no token after {len(req.output_ids) - 1} "
+                                             "outputs (stop tokens banned by min_new_tokens?)")
+        elif reason is not None:
+            self.outputs.finish(req, reason)
+        elif not req.aborted:
+            self.outputs.emit(req)
+
+    def _commit_window(self, req: Req, s: SeqEntry, n_tok: int) -> None:
+        """The worker committed the window's first n_tok tokens (its last sampled token and the accepted drafts)
+        into the cache: cut the request's cache back to them, so the rejected positions' KV pages return to
+        the pool. If the request ended inside the run it keeps fewer tokens than the state has seen: that
+        state is never donated."""
+        committed = s.start + n_tok
+        if s.drafts:
+            self.metrics.spec_windows += 1
+            self.metrics.draft_tokens += len(s.drafts)
+            self.metrics.accepted_tokens += n_tok - 1
+        req.num_computed = min(committed, req.known_len)
+        req.state_ahead = req.state_ahead or committed > req.num_computed
+        self.req_cache.shrink(req)
+        self.tables.truncate(req)
+
+    def _on_failed_step(self, req: Req, alone: bool, error: str | None) -> None:
+        """A step including `req` failed. The forward may have advanced its state: it is never cached. Alone
+        in the step (or out of retries) it caused the failure and fails; else it is retried alone."""
+        if not req.poisoned and not req.finished and not req.aborted:  # a later step of a poisoned one proves nothing
+            if alone or req.retries >= MAX_STEP_RETRIES:
+                self.outputs.finish(req, "error", error)
+            else:
+                req.retry = True
+        req.poisoned = True
+
+    def _requeue(self, req: Req) -> None:
+        """Drop everything a failed step may have touched (nothing is donated) and queue the request again,
+        to be recomputed alone; its outputs so far came from steps that succeeded and are kept."""
+        assert req.in_flight == 0
+        self._release(req, donate=False)
+        req.num_computed = req.branch_len = 0
+        req.prefill_done = req.retract_pending = req.poisoned = req.retry = False
+        req.ckpt_points.clear()
+        req.isolate = True
+        req.retries += 1
+        self.waiting.appendleft(req)
+        self._retracted_now.add(id(req))
+
+    # --- batches ---------------------------------------------------------------------------------------
+    def _extend_batch(self) -> list[tuple[Req, int]]:
+        """Prefill chunks: running requests' next chunks first, then new admissions, within the budget."""
+        batch: list[tuple[Req, int]] = []
+        budget = self.args.chunked_prefill_size
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if budget <= 0:
+                break
+            if req.active and not req.prefill_done and req.row is not None:
+                if req.isolate and batch:
+                    continue  # planned alone, in a step of its own
+                n = min(req.known_len - req.num_computed, budget)
+                if self._grow(req, n):
+                    batch.append((req, n))
+                    budget -= n
+                    if req.isolate:
+                        break
+        batch = [(r, n) for r, n in batch if r.row is not None]
+        if budget <= 0 or (batch and batch[0][0].isolate):
+            return batch
+        self.waiting = order_waiting(self.waiting, self.cache, self._match_ids, self.args.schedule_policy,
+                                     self.args.lpm_max_queue)
+        sources = [r for r in self.running if r.active and (not r.prefill_done or r.pending_ckpts)]
+        reserved = self._running_reserve()
+        deferred: list[Req] = []
+        while self.waiting and budget > 0 and len(self.running) < self.args.max_running_requests:
+            req = self.waiting.popleft()
+            if id(req) in self._retracted_now:
+                deferred.append(req)
+                continue
+            if len(deferred) >= self.args.lpm_max_queue or (req.isolate and batch):
+                # Bound the scan of a long queue of followers; a request to isolate starts the next step.
+                self.waiting.appendleft(req)
+                break
+            match = self.cache.match_prefix(self._match_ids(req)) if self.cache is not None else None
+            if match is not None and self._follow(req, match, sources):
+                deferred.append(req)
+                continue
+            demand = self._demand(req, match)
+            if not self.admission.fits(demand, reserved) or not self.req_cache.admit(req, match):
+                self.waiting.appendleft(req)
+                break
+            n = min(req.known_len - req.num_computed, budget)
+            if not self.req_cache.grow(req, n):
+                self.req_cache.cache_req(req, donate=False)
+                self.waiting.appendleft(req)
+                break
+            self._count_admission(req, match)
+            self.tables.assign(req)
+            self.running.append(req)
+            batch.append((req, n))
+            sources.append(req)
+            budget -= n
+            reserved = reserved.plus(demand)
+            if req.isolate:
+                break
+        self.waiting.extendleft(reversed(deferred))
+        return batch
+
+    def _decode_batch(self, taken: list[tuple[Req, int]], speculate: bool = False) -> list[tuple[Req, int]]:
+        """One token for every running request whose tokens are all fed but the last sampled one; with
+        `speculate`, that token and its drafts (a verify window)."""
+        in_batch = {id(r) for r, _ in taken}
+        batch: list[tuple[Req, int]] = []
+        self._drafts = {}
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if (req.active and req.prefill_done and id(req) not in in_batch and req.row is not None
+                    and not req.isolate  # its first sample since the retry is in flight: wait for it
+                    and not (req.grammar is not None and req.pending_samples)  # its mask needs that sample
+                    and req.seq_len - req.num_computed == 1
+                    and req.output_index < req.params.max_new_tokens):  # else it ends with the pending sample
+                drafts = self._propose(req) if speculate else []
+                if drafts and self._grow(req, 1 + len(drafts)):
+                    self._drafts[id(req)] = drafts
+                    batch.append((req, 1 + len(drafts)))
+                elif self._grow(req, 1):
+                    batch.append((req, 1))
+        batch = [(r, n) for r, n in batch if r.row is not None]
+        self._drafts = {id(r): self._drafts[id(r)] for r, _ in batch if id(r) in self._drafts}
+        return batch
+
+    def _propose(self, req: Req) -> list[int]:
+        """The drafts of `req`'s verify window: up to k, never past max_new_tokens (the window also emits the
+        target's own token). n-gram drafts are looked up here; a model proposer's are -1 for the worker."""
+        # (no pending-sample check: speculation turns the overlap scheduler off, so the window's first token,
+        # last step's sample, is always known here)
+        if not req.params.speculative or req.grammar is not None:
+            return []
+        k = min(self.args.speculative_num_draft_tokens, req.params.max_new_tokens - len(req.output_ids) - 1)
+        if k <= 0:
+            return []
+        if self.spec != "ngram":
+            return [-1] * k
+        if req.ngram is None:
+            req.ngram = NgramIndex(self.args.speculative_ngram_min, self.args.speculative_ngram_max)
+        return propose_drafts(req.ngram, self.ngram_corpus, req.all_ids, k)
+
+    def _follow(self, req: Req, match: MatchResult, sources: list[Req]) -> bool:
+        """Whether `req` should wait for a leader to checkpoint a prefix they share (in-batch prefix caching);
+        if so, ask the leader for that checkpoint."""
+        found = shared_prefix_leader(self._match_ids(req), match.prefix_len, sources, self.ps)
+        if found is None:
+            return False
+        leader, pos = found
+        if pos > leader.num_computed:
+            leader.ckpt_points.add(pos)
+        return True
+
+    def _grow(self, req: Req, n: int) -> bool:
+        """Pages for `n` more tokens of running `req`; under pressure retract the newest other running
+        request that no step in flight includes (a batch member is dropped from the batch), or, if all are
+        in flight, mark one to be retracted when its step is processed and skip `req` for this step."""
+        while not self.req_cache.grow(req, n):
+            victims = [r for r in self.running if r is not req and r.active and r.in_flight == 0]
+            if victims:
+                self._retract(max(victims, key=lambda r: r.arrival))
+                continue
+            later = [r for r in self.running if r is not req and r.active]
+            if later:
+                max(later, key=lambda r: r.arrival).retract_pending = True
+            return False
+        return True
+
+    def _retract(self, req: Req) -> None:
+        """Free a running request's memory (caching what it computed) and queue it again; nothing is lost."""
+        assert req.in_flight == 0
+        self._release(req, donate=True)
+        req.num_computed = req.branch_len = 0
+        req.prefill_done = req.retract_pending = False
+        req.ckpt_points.clear()
+        self.waiting.appendleft(req)
+        self._retracted_now.add(id(req))
+        self.metrics.retractions += 1
+        self.ratio.on_retract()
+
+    def _settle(self, req: Req) -> None:
+        """A request that is in no step in flight and will not be scheduled again: release or retract it."""
+        if req.retry and not (req.finished or req.aborted):
+            self._requeue(req)
+        elif req.finished or req.aborted or req.poisoned:
+            self._release(req, donate=not req.poisoned)
+            if not req.finished:
+                self.outputs.finish(req, "abort")
+        elif req.retract_pending:
+            self._retract(req)
+
+    def _release(self, req: Req, donate: bool) -> None:
+        if self.ngram_corpus is not None and req.finished and not req.poisoned:
+            self.ngram_corpus.add(req.all_ids)
+        self.req_cache.cache_req(req, donate and not req.state_ahead)
+        req.state_ahead = False
+        self.tables.release(req)
+        self.running.remove(req)
+
+    # --- the step record -------------------------------------------------------------------------------
+    def _record(self, batch: list[tuple[Req, int]], mode: str) -> StepRecord:
+        """Checkpoints and input-logprob rows of each sequence; advances what each request has planned."""
+        rec = StepRecord(self._step, mode, [], [])
+        for i, (req, n) in enumerate(batch):
+            a, b = req.num_computed, req.num_computed + n
+            drafts = self._drafts.get(id(req), [])
+            sampled = b - len(drafts) == req.seq_len
+            s = SeqEntry(req, a, n, sampled, drafts=drafts)
+            if req.wants_input_logprobs:
+                s.input_lp_first_none = a == 0 and req.wants_input_logprob(0)
+                s.input_lp_positions = [p for p in range(a + 1, b + 1) if req.wants_input_logprob(p)]
+            rec.seqs.append(s)
+            # A verify window's tokens are not committed yet: it takes no checkpoints (donation still happens).
+            for pos in self._checkpoint_positions(req, a, b, sampled) if mode != "verify" else []:
+                block = self.req_cache.alloc_checkpoint()
+                if block is None:
+                    break  # no room: skipped (the later ones would need room too)
+                rec.ckpts.append(Checkpoint(i, pos, block))
+                req.pending_ckpts.add(pos)
+                req.ckpt_points.discard(pos)
+            req.num_computed = b
+            req.in_flight += 1
+            if sampled:
+                req.pending_samples += 1
+                req.prefill_done = True
+        return rec
+
+    def _checkpoint_positions(self, req: Req, a: int, b: int, sampled: bool) -> list[int]:
+        """Positions in (a, b] where the step must checkpoint `req`'s state."""
+        if self.cache is None:
+            return []
+        ps = self.ps
+        want: set[int] = set()
+        if not req.prefill_done:
+            want.add(req.branch_len)  # the branching point found by matching
+            want.add((len(req.prompt_ids) - 1) // ps * ps)  # the prompt's end, as far as a repeat can hit
+            want.update(req.ckpt_points)  # prefixes that waiting requests share with this one
+            if not sampled:
+                want.add(b // ps * ps)  # a chunk ending mid-prompt
+        else:
+            req.decode_since_checkpoint += b - a
+            if req.decode_since_checkpoint >= self.args.decode_checkpoint_interval and b % ps == 0:
+                want.add(b)
+            want.update(req.ckpt_points)
+        out = sorted(p for p in want if a < p <= b and p % ps == 0 and p not in req.pending_ckpts)
+        if out and out[-1] == b:
+            req.decode_since_checkpoint = 0
+        return out
+
+    # --- admission -------------------------------------------------------------------------------------
+    def _match_ids(self, req: Req) -> list[int]:
+        ids = req.all_ids
+        if req.wants_input_logprobs:  # tokens whose input logprobs are wanted must be recomputed
+            ids = ids[: max(req.logprob_start_len - 1, 0) + 1]
+        return ids
+
+    def _decode_reserve(self, req: Req) -> int:
+        """Decode tokens admission reserves pages for: the new-token ratio's share of those left."""
+        return math.ceil(self.ratio.value * max(req.params.max_new_tokens - len(req.output_ids), 0))
+
+    def _demand(self, req: Req, match: MatchResult | None) -> Demand:
+        if match is None:
+            match = MatchResult([], None, None, 0, 0)  # type: ignore[arg-type]
+        return request_demand(self.ps, match, req.known_len, self._decode_reserve(req))
+
+    def _running_reserve(self) -> Demand:
+        """Pages the running requests will still take (prompt remainder and their decode reserve)."""
+        pages = 0
+        for r in self.running:
+            if r.active:
+                target = -(-(r.known_len + self._decode_reserve(r)) // self.ps)
+                pages += max(0, target - len(r.pages))
+        return Demand(pages, 0) if pages else NO_DEMAND
+
+    def _count_admission(self, req: Req, match: MatchResult | None) -> None:
+        if req.admitted:  # count each request once, not again after a retraction
+            return
+        req.admitted = True
+        req.cached_tokens = req.num_computed
+        self.metrics.cached_tokens += req.num_computed
+        self.metrics.prompt_tokens += len(req.prompt_ids)
+        if match is not None and match.state is not None:
+            self.metrics.state_hits += 1
+        else:
+            self.metrics.state_misses += 1
+
+    # --- metrics and invariants ------------------------------------------------------------------------
+    def metrics_now(self) -> SchedulerMetrics:
+        """The counters as of now (an abort or a release since the last step is reflected)."""
+        self._refresh_metrics()
+        return self.metrics
+
+    def flush_cache(self) -> bool:
+        """Empty the radix cache if nothing is running, queued or in flight; return whether it was flushed."""
+        if self.waiting or self.running or self._inflight or self.grammar_wait:
+            return False
+        if self.cache is not None:
+            self.cache.evict(Kind.KV, self.pool.pages_used + 1)
+            self.cache.evict(Kind.STATE, self.pool.states_used + 1)
+        if self.ngram_corpus is not None:
+            self.ngram_corpus.clear()
+        self._refresh_metrics()
+        return True
+
+    def _refresh_metrics(self) -> None:
+        m = self.metrics
+        m.running, m.queued = len(self.running), len(self.waiting) + len(self.grammar_wait)
+        u = self.pool.usage()
+        m.state_pool_bytes, m.kv_pool_bytes = u.state_bytes, u.kv_bytes
+        if self.cache is not None:
+            s = self.cache.stats()
+            m.evictions = s.evicted_pages + s.evicted_states
+
+    def check_integrity(self) -> None:
+        """The pool, the tree and every request's share of them, the page-table rows, the in-flight counts."""
+        self.pool.check_integrity()
+        ckpt_blocks = [c.block for rec in self._inflight for c in rec.ckpts]
+        live = [r.state for r in self.running if r.state is not None]
+        assert len(live) == len(self.running), "a running request has no live state"
+        if self.cache is not None:
+            held_pages = [p for r in self.running for p in r.pages[r.tree_pages :]]
+            self.cache.check_integrity(held_pages=held_pages, held_states=live + ckpt_blocks)
+        else:
+            assert set(live) == self.pool.live_states() and not ckpt_blocks, "state blocks leaked"
+            assert {p for r in self.running for p in r.pages} == self.pool.live_pages(), "KV pages leaked"
+        self.tables.check_integrity(self.running)
+        if self.ngram_corpus is not None:
+            self.ngram_corpus.check_integrity()
+        counts: dict[int, int] = {}
+        for rec in self._inflight:
+            for s in rec.seqs:
+                counts[id(s.req)] = counts.get(id(s.req), 0) + 1
+        for r in self.running:
+            assert r.in_flight == counts.get(id(r), 0), f"request {r.rid}: in-flight count drifted"
+            assert len(r.pages) == -(-r.num_computed // self.ps), f"request {r.rid}: pages != planned tokens"
+            assert r.num_computed <= r.seq_len, f"request {r.rid}: planned past its tokens"
+        for r in self.waiting:
+            assert r.state is None and not r.pages and r.row is None, f"waiting request {r.rid} holds pool memory"

@@ -1,0 +1,244 @@
+"""K3 chat rendering with tools and thinking, and the one-shot parse of an assistant reply.
+
+Messages keep Kimi's role framing (`<|im_user|>user<|im_middle|>...<|im_end|>`); what K3 adds is XTML inside:
+
+- the tool declaration: a `tool_declare` system message holding the OpenAI function tools as JSON (Kimi's);
+- assistant turns: `[<|open|>think<|sep|>R<|close|>think<|sep|>]<|open|>response<|sep|>C<|close|>response<|sep|>`
+  then the calls (`runtime.tokenizer.k3_stream_parser` has the grammar) and `<|close|>message<|sep|><|end_of_msg|>`;
+  argument values are raw strings or JSON, attributes escape `&` and `"`, indices are 1-based;
+- tool results: one `tool` message per result, `<|open|>result tool="NAME" index="I"<|sep|>...<|close|>result<|sep|>`,
+  reordered to the order of the assistant's calls and annotated with the call's name and 1-based index;
+- the generation prefix ends at `<|open|>think<|sep|>` when thinking, else `<|open|>response<|sep|>`.
+
+Forced tool calls (`tool_choice` "required" or named) are constrained by xgrammar's `kimi_k3` structural tag
+(the grammar of the whole rest of the reply), handed to the grammar backend as EBNF.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from radixk3.tokenizer import (
+    _ROLE_MARKERS,
+    END_OF_MSG,
+    IM_ASSISTANT,
+    IM_END,
+    IM_MIDDLE,
+    IM_SYSTEM,
+    XTML_CLOSE,
+    XTML_OPEN,
+    XTML_SEP,
+)
+from runtime.tokenizer.k3_stream_parser import K3StreamParser
+
+_ROLES = {**_ROLE_MARKERS, "tool": IM_SYSTEM}  # the tokenizer's chat roles; tool results are system turns
+THINK_PREFIX = f"{XTML_OPEN}think{XTML_SEP}"
+RESPONSE_PREFIX = f"{XTML_OPEN}response{XTML_SEP}"
+MESSAGE_END = f"{XTML_CLOSE}message{XTML_SEP}{END_OF_MSG}"
+# A forced reply without thinking is its calls: the prompt closes the (empty) response itself.
+FORCED_PREFIX = f"{RESPONSE_PREFIX}{XTML_CLOSE}response{XTML_SEP}"
+
+
+class RenderError(ValueError):
+    """A conversation the template cannot render (a client error: HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+
+@dataclass
+class ParsedReply:
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class K3Prompt:
+    text: str
+    prefix: str  # the markup the prompt ends with, inside the reply: the parser starts from it
+    thinking: bool
+    forced: str | None  # "required" or the forced tool's name
+
+
+def escape_attr(value: str) -> str:
+    return value.replace("&", "&amp;").replace('"', "&quot;")
+
+
+def _open(name: str, **attrs: str) -> str:
+    return XTML_OPEN + name + "".join(f' {k}="{escape_attr(v)}"' for k, v in attrs.items()) + XTML_SEP
+
+
+def _close(name: str) -> str:
+    return f"{XTML_CLOSE}{name}{XTML_SEP}"
+
+
+def _block(name: str, body: str, **attrs: str) -> str:
+    return _open(name, **attrs) + body + _close(name)
+
+
+def _arg_type(v: Any) -> str:
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int | float):
+        return "number"
+    if v is None:
+        return "null"
+    if isinstance(v, dict):
+        return "object"
+    if isinstance(v, list):
+        return "array"
+    raise RenderError(f"tool call argument of type {type(v).__name__} is not JSON")
+
+
+def render_call(name: str, arguments: Mapping[str, Any], index: int) -> str:
+    """One call: typed `argument` elements, strings raw, other values JSON; `index` is 1-based."""
+    args = "".join(_block("argument", v if isinstance(v, str) else orjson.dumps(v).decode(), key=k, type=_arg_type(v))
+                   for k, v in arguments.items())
+    return _block("call", args, tool=name, index=str(index))
+
+
+def render_reply(content: str | None, calls: Sequence[tuple[str, Mapping[str, Any]]] = (),
+                 reasoning: str | None = None) -> str:
+    """An assistant reply as the model writes it, from the first channel to the end of the message."""
+    out = _block("think", reasoning) if reasoning is not None else ""
+    out += _block("response", content or "")
+    if calls:
+        out += _block("tools", "".join(render_call(n, a, i + 1) for i, (n, a) in enumerate(calls)))
+    return out + MESSAGE_END
+
+
+def _turn(role: str, name: str, body: str, end: str = IM_END) -> str:
+    return f"{_ROLES[role]}{name}{IM_MIDDLE}{body}{end}"
+
+
+def _arguments(call: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    fn = call.get("function") or {}
+    raw = fn.get("arguments", "{}")
+    try:
+        args = orjson.loads(raw) if isinstance(raw, str) else raw
+    except orjson.JSONDecodeError as e:
+        raise RenderError(f"tool call {call.get('id')!r}: arguments are not JSON ({e})") from None
+    if not isinstance(args, dict):
+        raise RenderError(f"tool call {call.get('id')!r}: arguments must be a JSON object")
+    return str(call.get("id", "")), str(fn.get("name", "")), args
+
+
+def _tool_results(calls: list[tuple[str, str, dict[str, Any]]], results: list[Mapping[str, Any]]) -> str:
+    """Tool messages in the order of the calls they answer, each annotated with its call's name and index."""
+    order = {cid: k for k, (cid, _, _) in enumerate(calls)}
+    placed: dict[int, Mapping[str, Any]] = {}
+    for r in results:
+        k = order.get(r.get("tool_call_id"))  # type: ignore[arg-type]
+        if k is None:
+            raise RenderError(f"tool message for {r.get('tool_call_id')!r} answers no call of the assistant before it")
+        if k in placed:
+            raise RenderError(f"two tool messages answer the call {r.get('tool_call_id')!r}")
+        placed[k] = r
+    return "".join(_turn("tool", "tool", _block("result", _text(placed[k]), tool=calls[k][1], index=str(k + 1)))
+                   for k in sorted(placed))
+
+
+def _text(m: Mapping[str, Any]) -> str:
+    c = m.get("content")
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    return "".join(p["text"] for p in c)
+
+
+def render_k3_chat(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+                   thinking: bool = False, forced: str | None = None) -> K3Prompt:
+    """The prompt text (markers as text; `Tokenizer.encode` gives them their single ids) and the prefix the
+    reply continues. `tools` are OpenAI function tools, already filtered by `tool_choice` ("none": no tools)."""
+    out: list[str] = []
+    if tools:
+        out.append(_turn("system", "tool_declare", orjson.dumps(list(tools)).decode()))
+    calls: list[tuple[str, str, dict[str, Any]]] = []
+    results: list[Mapping[str, Any]] = []
+    for m in [*messages, None]:
+        if results and (m is None or m.get("role") != "tool"):
+            out.append(_tool_results(calls, results))
+            results = []
+        if m is None:
+            break
+        role = m.get("role")
+        if role == "tool":
+            if not calls:
+                raise RenderError("a tool message must follow an assistant message with tool_calls")
+            results.append(m)
+        elif role == "assistant":
+            calls = [_arguments(c) for c in m.get("tool_calls") or []]
+            body = render_reply(_text(m), [(n, a) for _, n, a in calls], m.get("reasoning_content"))
+            out.append(_turn("assistant", m.get("name") or "assistant", body, end=""))
+        elif role in ("system", "user"):
+            out.append(_turn(role, m.get("name") or role, _text(m)))
+        else:
+            raise RenderError(f"unsupported chat role {role!r}")
+    prefix = THINK_PREFIX if thinking else FORCED_PREFIX if forced else RESPONSE_PREFIX
+    out.append(f"{IM_ASSISTANT}assistant{IM_MIDDLE}{prefix}")
+    return K3Prompt("".join(out), prefix, thinking, forced)
+
+
+def parse_reply(text: str, prefix: str = RESPONSE_PREFIX, *, tools: bool = True, forced: bool = False
+                ) -> ParsedReply:
+    """The reply `text` (markers kept) that continues `prefix`, as OpenAI's message fields; `forced`: it was
+    written under `forcing_grammar`."""
+    parser = K3StreamParser(prefix, tools=tools, strip_strings=forced)
+    d1, d2 = parser.feed(text), parser.finish()
+    reasoning, content = d1.reasoning + d2.reasoning, d1.content + d2.content
+    calls: dict[int, list[str]] = {}
+    names: dict[int, tuple[str, str]] = {}
+    for d in (*d1.tool_calls, *d2.tool_calls):
+        if d.name is not None:
+            names[d.index] = (d.id or "", d.name)
+        calls.setdefault(d.index, []).append(d.arguments)
+    return ParsedReply(
+        content=content or None,
+        reasoning_content=reasoning if reasoning or prefix == THINK_PREFIX else None,
+        tool_calls=[ToolCall(names[i][0], names[i][1], "".join(calls[i])) for i in sorted(calls)],
+    )
+
+
+def forcing_grammar(tools: Sequence[Mapping[str, Any]], tool_choice: str | Mapping[str, Any],
+                    thinking: bool, parallel: bool = True) -> str:
+    """EBNF of the rest of a reply that must call a tool (any for "required", else the named one), from
+    xgrammar's `kimi_k3` structural tag. Without thinking the prompt ends at `FORCED_PREFIX` (an empty
+    response: a forced reply is its calls), so the grammar starts at the tools section."""
+    import xgrammar as xgr
+    from xgrammar import structural_tag as st
+
+    # One whitespace at most where the grammar allows it, and call indices of at most three digits:
+    # unbounded repeats would let a weak model loop inside the markup until max_tokens.
+    tag = xgr.get_model_structural_tag("kimi_k3", tools=list(tools), tool_choice=tool_choice,  # type: ignore[arg-type]
+                                       reasoning="enabled" if thinking else "disabled", max_whitespace_cnt=1,
+                                       parallel_tool_calls=parallel)
+    elements = list(tag.format.elements)  # type: ignore[union-attr]
+    if not thinking:
+        elements = elements[-2:]  # the tools section and the message end
+    tag = xgr.StructuralTag(format=st.SequenceFormat(elements=[_bounded_index(e) for e in elements]))
+    return str(xgr.Grammar.from_structural_tag(tag))
+
+
+def _bounded_index(fmt: Any) -> Any:
+    from pydantic import BaseModel
+    from xgrammar import structural_tag as st
+
+    if isinstance(fmt, st.RegexFormat) and fmt.pattern == r"\d+":
+        return st.RegexFormat(pattern="[1-9][0-9]{0,2}")
+    if isinstance(fmt, list):
+        return [_bounded_index(f) for f in fmt]
+    if isinstance(fmt, BaseModel):
+        return fmt.model_copy(update={k: _bounded_index(getattr(fmt, k)) for k in type(fmt).model_fields})
+    return fmt

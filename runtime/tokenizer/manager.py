@@ -1,0 +1,503 @@
+"""The tokenizer process's side of the ZeroMQ link, asyncio-native (as SGLang's TokenizerManager).
+
+`TokenizerManager` runs on the event loop it is started on (uvicorn's in the server, a background loop
+thread inside the sync `Engine`). It validates a request at the door, sends it to the scheduler and returns
+a `RequestHandle` at once; one receive task reads the scheduler's replies from a `zmq.asyncio` socket and
+hands each chunk to its request's queue, with no thread hop (a consumer on another event loop is woken
+with `call_soon_threadsafe`). A consumer that goes away (handle aborted, task cancelled, stream closed or
+garbage-collected, per-chunk timeout or total deadline expired) aborts its requests on the scheduler, which
+frees their memory. Metrics and flush replies are matched to their request by id.
+
+With `--dp M` (without DP attention) there are M engine replicas, each with its own scheduler, workers and
+radix cache, and one PUSH socket to each; their replies share one PULL. A `DPRouter` chooses each request's
+replica (`--load-balance-method`); an abort goes to the request's replica; metrics are gathered from every
+replica and added up; a flush goes to all. One replica behaves exactly as an engine without DP.
+
+`submit`, `abort`, `get_metrics`, `flush_cache` and `close` are called on the manager's loop; `abort` may be
+called from any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import math
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from runtime.dp_router import DPRouter
+from runtime.engine_processes import EngineProcesses
+from runtime.errors import EngineError, EngineOverloaded
+from runtime.grammar import GrammarKey, check_grammar
+from runtime.messages import (
+    AbortReq,
+    FlushCacheOut,
+    FlushCacheReq,
+    GenerateReq,
+    MetricsOut,
+    MetricsReq,
+    TokenOut,
+    decode,
+    encode,
+)
+from runtime.pool_layout import pool_budget, pool_layout, serving_dtype
+from runtime.sampling_params import (
+    INT64_MAX,
+    InvalidRequest,
+    SamplingParams,
+    check_bool,
+    check_int,
+    check_token_ids,
+)
+from runtime.server_args import ServerArgs
+from runtime.tokenizer.request_stream import SampleStream, StreamChunk
+
+SHUT_DOWN = "the engine is shut down"
+CHECKED_GRAMMARS = 1024  # grammars remembered as valid, so a repeated one is not parsed again
+
+
+class _Sink:
+    """A handle's queue, on its consumer's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[StreamChunk | BaseException] = asyncio.Queue()
+
+
+def _put_all(items: list[tuple[_Sink, StreamChunk | BaseException]]) -> None:
+    for sink, item in items:
+        sink.queue.put_nowait(item)
+
+
+@dataclass
+class _Entry:
+    sample: SampleStream
+    sink: _Sink
+    replica: int
+
+
+class RequestHandle:
+    """The request(s) of one `submit`: n samples, ids `rids` (sample i is `rids[i]`)."""
+
+    def __init__(self, tm: TokenizerManager, rids: list[str], samples: dict[str, SampleStream], sink: _Sink,
+                 prompt_ids: list[int], timeout: float | None, deadline_at: float | None) -> None:
+        self.rids = rids
+        self._tm = tm
+        self._samples = samples
+        self._sink = sink
+        self._prompt_ids = prompt_ids
+        self._timeout = timeout
+        self._deadline_at = deadline_at  # on the consumer loop's clock
+        self._open = set(rids)
+        self._started = False
+
+    @property
+    def finished(self) -> bool:
+        return not self._open
+
+    def abort(self) -> None:
+        """Abort every sample that has not finished (the scheduler frees their memory); thread-safe."""
+        if self._open:
+            self._tm.abort(*sorted(self._open))
+
+    async def _next(self) -> StreamChunk:
+        wait = self._timeout
+        if self._deadline_at is not None:
+            left = self._deadline_at - self._sink.loop.time()
+            wait = left if wait is None else min(wait, left)
+        try:
+            async with asyncio.timeout(None if wait is None else max(wait, 0.0)):
+                item = await self._sink.queue.get()
+        except TimeoutError:
+            deadline = self._deadline_at is not None and self._sink.loop.time() >= self._deadline_at
+            what = "passed its deadline" if deadline else f"produced nothing for {self._timeout}s"
+            raise TimeoutError(f"request {', '.join(self.rids)} {what}") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def stream(self) -> AsyncIterator[StreamChunk]:
+        """Chunks of all samples as they come (interleaved); each sample ends with a chunk with `finished`.
+        Leaving early (break, close, cancellation, timeout) aborts the samples still running."""
+        if self._started:
+            raise RuntimeError("a request handle is consumed once")
+        self._started = True
+        try:
+            while self._open:
+                chunk = await self._next()
+                if chunk.finished is not None:
+                    self._open.discard(chunk.rid)
+                yield chunk
+        finally:
+            try:
+                self.abort()
+            except EngineError:
+                pass  # shut down or dead: nothing runs any more
+
+    async def result(self) -> list[dict[str, Any]]:
+        """One dict per sample, in the shape `Engine.generate` returns."""
+        async for _ in self.stream():
+            pass
+        return [self._samples[r].result(self._prompt_ids) for r in self.rids]
+
+    def __del__(self) -> None:
+        # Dropped without being consumed to the end: nobody will read the output, so free the memory.
+        if getattr(self, "_open", None):
+            try:
+                self.abort()
+            except Exception:
+                pass
+
+
+def max_request_tokens(args: ServerArgs, procs: EngineProcesses) -> int:
+    """The most tokens (prompt + new) one request may hold: its KV pages and two state blocks (its live
+    state and a spare checkpoint) must fit the pool alone, as the scheduler requires."""
+    layout = pool_layout(procs.config, args)
+    g = layout.geometry(pool_budget(layout, args))
+    if g.num_state_slots < 2:
+        return 0
+    room = g.state_base + (g.num_state_slots - 2) * g.state_block_bytes
+    return min(g.num_pages, room // g.page_bytes) * layout.page_size
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, procs: EngineProcesses) -> None:
+        self.args = args
+        self.procs = procs
+        self.tokenizer = procs.tokenizer
+        self.vocab_size = procs.vocab_size
+        self.context_length = max_request_tokens(args, procs)
+        self._reqs: dict[str, _Entry] = {}
+        self._waiters: dict[str, asyncio.Future[Any]] = {}
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: int | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.dead: EngineError | None = None
+        # Chunks for consumers on other event loops, handed over once per burst of replies (one wake-up).
+        self._foreign: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, StreamChunk | BaseException]]] = {}
+        self._grammars_ok: collections.OrderedDict[GrammarKey, None] = collections.OrderedDict()
+        self.num_replicas: int = procs.num_replicas
+        self.router = DPRouter(self.num_replicas, args.load_balance_method)
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
+        self._actx = zmq.asyncio.Context()
+        self._pull = self._actx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(self.procs.endpoint("sched_out"))
+        self._ctx = zmq.Context()
+        self._push: list[zmq.Socket] = []  # one per replica
+        for i in range(self.num_replicas):
+            push = self._ctx.socket(zmq.PUSH)  # sync sends on this loop's thread: never block (no HWM)
+            push.setsockopt(zmq.LINGER, 0)
+            push.setsockopt(zmq.SNDHWM, 0)
+            push.connect(self.procs.endpoint(f"sched_in_{i}"))
+            self._push.append(push)
+        self._task = asyncio.create_task(self._receive(), name="radixk3-tokenizer-manager")
+        self.procs.on_death(self._on_death)
+
+    async def close(self) -> None:
+        """Stop receiving; every pending request and waiter fails with EngineError. The processes are the
+        caller's to shut down (`EngineProcesses.shutdown`)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._fail_all(EngineError(SHUT_DOWN))
+        self._pull.close(linger=0)
+        for push in self._push:
+            push.close(linger=0)
+        self._actx.term()
+        self._ctx.term()
+
+    def _on_death(self, err: EngineError) -> None:  # the watcher thread
+        self.dead = err
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._fail_all, err)
+            except RuntimeError:
+                pass
+
+    def _deliver(self, sink: _Sink, item: StreamChunk | BaseException) -> None:
+        if sink.loop is self._loop:
+            sink.queue.put_nowait(item)
+            return
+        if not self._foreign:
+            self._loop.call_soon(self._hand_over)  # type: ignore[union-attr]
+        self._foreign.setdefault(sink.loop, []).append((sink, item))
+
+    def _hand_over(self) -> None:
+        foreign, self._foreign = self._foreign, {}
+        for loop, items in foreign.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the consumer's loop is closed: nobody is waiting any more
+                pass
+
+    def _fail_all(self, err: EngineError) -> None:
+        reqs, self._reqs = self._reqs, {}
+        for rid, entry in reqs.items():
+            self.router.finished(rid)
+            self._deliver(entry.sink, err)
+        waiters, self._waiters = self._waiters, {}
+        for fut in waiters.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise self.dead
+        if self._closed or self.procs.closed:
+            raise EngineError(SHUT_DOWN)
+        if self._loop is None:
+            raise EngineError("the tokenizer manager is not started")
+
+    def _check_thread(self) -> None:
+        if threading.get_ident() != self._thread:
+            raise RuntimeError("call the tokenizer manager on the event loop it was started on")
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._reqs)
+
+    # --- receiving -------------------------------------------------------------------------------------
+    async def _receive(self) -> None:
+        try:
+            while True:
+                self._dispatch(decode(await self._pull.recv_multipart()))
+                for _ in range(4096):  # what else has arrived, in this turn of the loop (no await yields)
+                    if not self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        break
+                    self._dispatch(decode(await self._pull.recv_multipart()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # never leave requests waiting on a receiver that is gone
+            self.dead = EngineError(f"the tokenizer manager's receiver failed: {type(e).__name__}: {e}")
+            self._fail_all(self.dead)
+            raise
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, TokenOut):
+            entry = self._reqs.get(msg.rid)
+            if entry is None:
+                return  # already failed or forgotten
+            if msg.finished is not None:
+                del self._reqs[msg.rid]
+                self.router.finished(msg.rid)
+            self._deliver(entry.sink, entry.sample.chunk(msg))
+        elif isinstance(msg, MetricsOut):
+            self._resolve(msg.req_id, msg.metrics)
+        elif isinstance(msg, FlushCacheOut):
+            self._resolve(msg.req_id, msg.flushed)
+
+    def _resolve(self, req_id: str, value: Any) -> None:
+        fut = self._waiters.pop(req_id, None)
+        if fut is not None and not fut.done():  # a reply nobody waits for any more is dropped
+            fut.set_result(value)
+
+    def _send(self, msg: Any, replica: int) -> None:
+        self._push[replica].send_multipart(encode(msg), flags=zmq.NOBLOCK)
+
+    # --- requests --------------------------------------------------------------------------------------
+    async def check_grammars(self, sampling_params: list[Any]) -> None:
+        """Parse the grammars (regex / json_schema / ebnf) of these sampling params in a thread, never on
+        this loop; raises InvalidRequest for a bad one. Valid ones are remembered: `submit` then skips them.
+        Params that are invalid otherwise are left for `submit` to refuse."""
+        for sp in sampling_params:
+            try:
+                grammar = SamplingParams.from_dict(sp, self.vocab_size).grammar
+            except (InvalidRequest, TypeError):
+                continue
+            if grammar is not None and (key := GrammarKey(*grammar)) not in self._grammars_ok:
+                await asyncio.to_thread(check_grammar, key)
+                self._grammar_ok(key)
+
+    def _grammar_ok(self, key: GrammarKey) -> None:
+        self._grammars_ok[key] = None
+        self._grammars_ok.move_to_end(key)
+        while len(self._grammars_ok) > CHECKED_GRAMMARS:
+            self._grammars_ok.popitem(last=False)
+
+    def submit(self, prompt: str | list[int], sampling_params: dict[str, Any] | None = None, *,
+               rid: str | None = None, return_logprob: bool = False, logprob_start_len: int = -1,
+               top_logprobs_num: int = 0, return_text_in_logprobs: bool = False, timeout: float | None = None,
+               deadline: float | None = None) -> RequestHandle:
+        """Validate, register and send the request (n samples = n requests, ids `rid` or `f"{rid}-{i}"`);
+        returns at once. `timeout`: seconds the consumer waits for each chunk; `deadline`: seconds from now
+        the whole request may take. Either expiring aborts the request and raises TimeoutError in the
+        consumer. Raises InvalidRequest (bad input), EngineOverloaded (queue full), EngineError (shut down)."""
+        return self._submit(prompt, sampling_params, asyncio.get_running_loop(), rid=rid,
+                            return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                            top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
+                            timeout=timeout, deadline=deadline)
+
+    def _submit(self, prompt: str | list[int], sampling_params: dict[str, Any] | None,
+                consumer: asyncio.AbstractEventLoop, *, rid: str | None, return_logprob: bool,
+                logprob_start_len: int, top_logprobs_num: int, return_text_in_logprobs: bool,
+                timeout: float | None, deadline: float | None) -> RequestHandle:
+        self._check_thread()
+        self._check_alive()
+        ids = self._prompt_ids(prompt)
+        params = SamplingParams.from_dict(sampling_params, self.vocab_size)
+        if params.grammar is not None and (key := GrammarKey(*params.grammar)) not in self._grammars_ok:
+            # Not checked by `check_grammars` (a direct caller): parse it here; no tokenizer, so it is cheap.
+            check_grammar(key)
+            self._grammar_ok(key)
+        check_bool("return_logprob", return_logprob)
+        check_int("logprob_start_len", logprob_start_len, -1)
+        check_int("top_logprobs_num", top_logprobs_num, 0, self.vocab_size)
+        check_bool("return_text_in_logprobs", return_text_in_logprobs)
+        _check_seconds("timeout", timeout)
+        _check_seconds("deadline", deadline)
+        need = len(ids) + params.max_new_tokens
+        if need > self.context_length:
+            raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {need} "
+                                 f"tokens exceed the pool's capacity of {self.context_length} tokens per request",
+                                 param="max_new_tokens")
+        if rid is None:
+            rid = uuid.uuid4().hex
+        elif not isinstance(rid, str) or not rid:
+            raise InvalidRequest(f"rid must be a non-empty string, got {rid!r}", param="rid")
+        n = params.n
+        rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+        if any(r in self._reqs for r in rids):
+            raise InvalidRequest(f"request id {rid!r} is already in use", param="rid")
+        if len(self._reqs) + n > self.args.max_queued_requests:
+            raise EngineOverloaded(f"{len(self._reqs)} requests pending (the limit is "
+                                   f"{self.args.max_queued_requests}); try again later")
+        sink = _Sink(consumer)
+        samples: dict[str, SampleStream] = {}
+        base = params.to_dict() | {"n": 1}
+        msgs = []
+        for i, r in enumerate(rids):
+            sp = base | ({"seed": params.seed + i} if params.seed is not None else {})
+            samples[r] = SampleStream(r, i, self.tokenizer, params.stop, params.skip_special_tokens,
+                                      return_text_in_logprobs)
+            msgs.append(GenerateReq(r, ids, sp, return_logprob, logprob_start_len, top_logprobs_num, stream=True))
+        frames = [encode(m) for m in msgs]  # encoded before anything is registered: a failure leaves nothing
+        for r, f in zip(rids, frames, strict=True):
+            replica = self.router.route(r, ids)
+            self._reqs[r] = _Entry(samples[r], sink, replica)
+            self._push[replica].send_multipart(f, flags=zmq.NOBLOCK)
+        deadline_at = None
+        if deadline is not None:
+            deadline_at = consumer.time() + deadline
+            # The deadline holds even for a handle nobody reads: abort and tell the consumer when it passes.
+            self._loop.call_later(deadline, self._expire, rids)  # type: ignore[union-attr]
+        return RequestHandle(self, rids, samples, sink, ids, timeout, deadline_at)
+
+    def _expire(self, rids: list[str]) -> None:
+        live = [r for r in rids if r in self._reqs]
+        if not live:
+            return
+        sink = self._reqs[live[0]].sink
+        self._abort_now(live)
+        self._deliver(sink, TimeoutError(f"request {', '.join(rids)} passed its deadline"))
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty", param="prompt")
+            return self.tokenizer.encode(prompt, add_bos=True)
+        if isinstance(prompt, list | tuple):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty", param="input_ids")
+            return check_token_ids("input_ids", list(prompt), self.vocab_size, allow_empty=False)
+        raise InvalidRequest(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                             param="prompt")
+
+    def abort(self, *rids: str) -> None:
+        """Abort requests by id (unknown or finished ids are ignored); from any thread."""
+        self._check_alive()
+        if threading.get_ident() == self._thread:
+            self._abort_now(list(rids))
+        else:
+            try:
+                self._loop.call_soon_threadsafe(self._abort_now, list(rids))  # type: ignore[union-attr]
+            except RuntimeError:
+                raise EngineError(SHUT_DOWN) from None
+
+    def _abort_now(self, rids: list[str]) -> None:
+        if self._closed:
+            return
+        for r in rids:
+            if (entry := self._reqs.get(r)) is not None:  # its final chunk ("abort") comes back from the scheduler
+                self._send(AbortReq(r), entry.replica)
+
+    async def _ask(self, msg_type: type, timeout: float | None) -> list[Any]:
+        """Send `msg_type(req_id)` to every replica; their replies in replica order."""
+        self._check_thread()
+        self._check_alive()
+        req_ids = [f"q{next(self._ids)}" for _ in range(self.num_replicas)]
+        futs = [self._loop.create_future() for _ in req_ids]  # type: ignore[union-attr]
+        self._waiters.update(zip(req_ids, futs, strict=True))
+        try:
+            for i, req_id in enumerate(req_ids):
+                self._send(msg_type(req_id), i)
+            async with asyncio.timeout(timeout):
+                return list(await asyncio.gather(*futs))
+        finally:
+            for req_id in req_ids:
+                self._waiters.pop(req_id, None)
+
+    async def get_metrics(self, timeout: float | None = 10.0) -> dict[str, Any]:
+        """The scheduler's counters (running, queued, prefill tokens computed, cached tokens, state checkpoint
+        hits/misses, pool bytes per side, evictions, retractions, checkpoints), plus pending requests here.
+        With several replicas every count is their sum (so cached / prompt tokens is the engine's hit rate),
+        and `replicas` lists each replica's own counters."""
+        per = await self._ask(MetricsReq, timeout)
+        metrics = per[0] if len(per) == 1 else sum_metrics(per) | {"replicas": per}
+        return metrics | {"pending_requests": len(self._reqs)}
+
+    async def flush_cache(self, timeout: float | None = 10.0) -> bool:
+        """Empty the radix cache of every replica that has nothing running or queued; returns whether all
+        did."""
+        return all(await self._ask(FlushCacheReq, timeout))
+
+    def model_info(self) -> dict[str, Any]:
+        self._check_alive()
+        cfg, args = self.procs.config, self.args
+        return {
+            "model_path": args.model,
+            "vocab_size": cfg.vocab_size,
+            "context_length": self.context_length,
+            "dtype": str(serving_dtype(cfg, args)).removeprefix("torch."),
+            "page_size": args.page_size,
+            "max_running_requests": args.max_running_requests,
+            "max_queued_requests": args.max_queued_requests,
+            "eos_token_id": cfg.eos_token_id,
+            "is_generation": True,
+        }
+
+
+def sum_metrics(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
+    """Replicas' counters added up, key by key (every scheduler counter is a count or a byte total)."""
+    out: dict[str, Any] = {}
+    for m in per_replica:
+        for k, v in m.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def _check_seconds(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0 \
+            or value > INT64_MAX:
+        raise InvalidRequest(f"{name} must be a positive number of seconds, got {value!r}", param=name)

@@ -1,0 +1,1 @@
+"""The worker (rank) processes: the model worker's step, its page table and the pool's tensors."""

@@ -1,0 +1,295 @@
+"""The worker's job for one step: apply the plan's pool copies and page-table changes, run the forward in the
+plan's mode through the attention backend, sample."""
+
+from __future__ import annotations
+
+import traceback
+
+import numpy as np
+import torch
+
+from kernels.sampling import SampleResult, SamplingRow, TokenMask, sample
+from kernels.spec_layout import pad, window_layout
+from kernels.spec_sampling import VerifyResult, verify_drafts
+from kernels.state_checkpoints import StateCheckpoints
+from radixk3.config import BUILTIN_PRESET, preset
+from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
+from radixk3.model import KimiForCausalLM, build_model
+from radixk3.parallel import is_collective_failure
+from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
+from runtime.messages import StepPlan, StepResult
+from runtime.pool_layout import CopyCommand, pool_budget, pool_layout, serving_dtype
+from runtime.server_args import ServerArgs
+from runtime.spec.mtp import MTPProposer
+from runtime.spec.proposers import build_proposer
+from runtime.worker.page_table import WorkerPageTable
+from runtime.worker.pool_buffer import PoolBuffer
+
+
+def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
+    if args.model is None:
+        model = build_model(preset(BUILTIN_PRESET), seed=args.seed, device=args.device)
+    else:
+        from radixk3.checkpoint import load_model
+
+        model = load_model(args.model, device=args.device)
+    dtype = serving_dtype(model.config, args)
+    return model if dtype == model.config.torch_dtype else model.cast_(dtype)
+
+
+class ModelWorker:
+    def __init__(self, args: ServerArgs, model: KimiForCausalLM | None = None) -> None:
+        self.args = args
+        self.model = model if model is not None else load_worker_model(args)
+        self.layout = pool_layout(self.model.config, args)
+        self.buffer = PoolBuffer(self.layout, pool_budget(self.layout, args), device=args.device)
+        cfg = self.model.config
+        self.cache = HybridCache(
+            recurrent=[self.buffer.recurrent_state(i) for i in range(cfg.num_kda_layers)],
+            conv=[self.buffer.conv_state(i) for i in range(cfg.num_kda_layers)],
+            latent=[self.buffer.kv(i) for i in range(cfg.num_mla_layers)],
+        )
+        self.tables = WorkerPageTable(self.model.device, rows=max(args.max_running_requests, 1))
+        self.window: SpecWindow | None = None
+        if args.speculative_algorithm is not None:
+            self.window = SpecWindow.allocate(
+                cfg, args.spec_state, max(args.max_running_requests, 1), args.speculative_num_draft_tokens + 1,
+                self.layout.kv_dtype, self.model.device, record_inputs=args.debug_spec_state)
+        # A model proposer (draft model) fills the verify windows' drafts; its cache lives in the same pool.
+        self.proposer = build_proposer(args, self.model, self.buffer)
+        # DP attention with MTP: the proposer joins the other groups' MTP layer calls (see MTPProposer.idle_drafts).
+        self.lockstep_mtp = self.proposer if self.model.dp_attention and isinstance(self.proposer, MTPProposer) \
+            else None
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.array(a, dtype=np.int64)).to(self.model.device)
+
+    def apply_plan_changes(self, plan: StepPlan) -> None:
+        """Byte copies, then page moves, then table writes, then row resets: the order the plan prescribes."""
+        self.buffer.apply_copies(CopyCommand(*c) for c in plan.copies)
+        self.tables.move_pages(plan.page_moves)
+        self.tables.write(plan.table_rows, plan.table_cols, plan.table_pages)
+        for row, history in plan.reset_rows:
+            self.tables.reset(row, history)
+
+    def forward_batch(self, plan: StepPlan) -> ForwardBatch:
+        """The plan's sequences as a ForwardBatch over the worker's page table."""
+        rows = self._tensor(plan.rows)
+        cu = np.asarray(plan.cu_seqlens, dtype=np.int64)
+        prefix = np.asarray(plan.prefix_lens, dtype=np.int64)
+        ids = self._tensor(plan.input_ids)
+        if (np.asarray(plan.input_ids) < 0).any():  # tokens sampled last step, which the plan could not know
+            lens = torch.from_numpy(np.diff(cu)).to(ids.device)
+            seq_rows = torch.repeat_interleave(rows, lens, output_size=ids.numel())
+            ids = torch.where(ids < 0, self.tables.last_token[seq_rows], ids)
+        ps = self.layout.page_size
+        num_pages = int(-(-(prefix + np.diff(cu)).max() // ps)) if len(prefix) else 0
+        ck = None
+        if len(plan.ckpt_slot):
+            ck = StateCheckpoints(self._tensor(plan.ckpt_seq), self._tensor(plan.ckpt_offset),
+                                  self._tensor(plan.ckpt_slot))
+        return ForwardBatch.from_table(
+            ForwardMode(plan.mode), ids, self._tensor(cu), self._tensor(prefix), self._tensor(plan.state_slots),
+            self.tables.block_table(plan.rows, num_pages), ps, ck, self._tensor(plan.logits_index),
+        )
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step. An exception becomes a failed StepResult (the scheduler then confines it to the
+        request that caused it), never a dead worker; only a broken TP group (a failed collective) escapes."""
+        try:
+            return self._execute(plan)
+        except Exception as e:
+            if is_collective_failure(e):  # the TP group is broken: not this step's fault, fatal for the rank
+                raise
+            return StepResult(plan.step, [], [], [], [], [], error=traceback.format_exc(limit=8))
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> StepResult:
+        self.apply_plan_changes(plan)
+        if plan.mode == ForwardMode.IDLE.value:
+            if self.model.dp_attention:  # DP attention, nothing for this group: join the others' FFN collectives
+                if self.lockstep_mtp is not None:
+                    self.lockstep_mtp.idle_drafts(1, plan.dp_draft_steps)
+                self.model.idle_step()
+                if self.lockstep_mtp is not None:
+                    self.lockstep_mtp.idle_observe()
+            return StepResult(step=plan.step, tokens=[], logprobs=[], top_ids=[], top_logprobs=[], input_logprobs=[])
+        if plan.mode == ForwardMode.VERIFY.value:
+            return self._verify(plan)
+        batch = self.forward_batch(plan)
+        if self.lockstep_mtp is not None:
+            self.lockstep_mtp.idle_drafts(1, plan.dp_draft_steps)
+        pre: list[torch.Tensor] | None = [] if self.proposer is not None and self.proposer.needs_hidden else None
+        logits = self._forward(batch, pre)
+        n = len(plan.sample_params)
+        # Table row of each sampled logits row: sampled rows come first, one per sampled sequence.
+        sampled_seqs = np.searchsorted(np.asarray(plan.cu_seqlens), np.asarray(plan.logits_index[:n]), "right") - 1
+        sampled_rows = [int(plan.rows[s]) for s in sampled_seqs]
+        histories = [self.tables.histories.get(r, []) for r in sampled_rows]
+        res, row_errors = self._sample(logits[:n], plan, histories)
+        tokens = res.tokens.tolist()
+        self.tables.record_samples(sampled_rows, res.tokens, tokens)
+        if self.proposer is not None:  # after sampling: an MTP proposer reads each sequence's sampled token
+            next_last = torch.full((len(plan.rows),), -1, dtype=torch.int64, device=res.tokens.device)
+            next_last[torch.from_numpy(sampled_seqs).to(next_last.device)] = res.tokens
+            self.proposer.observe(batch, pre[0] if pre else None, next_last, self._tensor(plan.rows))
+        input_lp: list[float] = []
+        if plan.input_logprob_rows:
+            lp = logits.log_softmax(-1)
+            idx = self._tensor(np.array([r for r, _ in plan.input_logprob_rows]))
+            tok = self._tensor(np.array([x for _, x in plan.input_logprob_rows]))
+            input_lp = lp[idx, tok].tolist()
+        return StepResult(
+            step=plan.step, tokens=tokens, logprobs=res.logprobs.tolist(),
+            top_ids=res.top_ids.tolist(), top_logprobs=res.top_logprobs.tolist(), input_logprobs=input_lp,
+            row_errors=row_errors,
+        )
+
+    def _forward(self, batch: ForwardBatch, prenorm: list[torch.Tensor] | None) -> torch.Tensor:
+        """The target's step; the pre-norm hiddens (or a DSpark proposer's aux states: the target's states after
+        its `aux_layer_ids`, concatenated) are asked for only when a proposer reads them."""
+        if prenorm is None:
+            return self.model.forward_batch(batch, self.cache).float()
+        ids = self.proposer.aux_layer_ids if self.proposer is not None else ()
+        if ids:
+            aux = dict.fromkeys(ids, torch.empty(0))
+            logits = self.model.forward_batch(batch, self.cache, aux=aux).float()
+            prenorm.append(torch.cat([aux[i] for i in ids], dim=-1))
+            return logits
+        return self.model.forward_batch(batch, self.cache, prenorm=prenorm).float()
+
+    def _verify(self, plan: StepPlan) -> StepResult:
+        """One verify step: the target runs every sequence's window (its last sampled token and its drafts)
+        from the live state without writing it; acceptance decides how many drafts each keeps; the window
+        commit then advances the KDA states by exactly the committed tokens (ReplaySSM or snapshot copy)."""
+        assert self.window is not None, "a verify plan for an engine without speculative decoding"
+        batch = self.forward_batch(plan)
+        rows = self._tensor(plan.rows)
+        cu = np.asarray(plan.cu_seqlens, dtype=np.int64)
+        lens = np.diff(cu)
+        n, width = len(lens), int(lens.max())
+        params = [SamplingRow(**p) for p in plan.sample_params]
+        starts = cu[:-1]
+        rows_of = [params[starts[i] : starts[i] + lens[i]] for i in range(n)]
+        draft_probs = None
+        if self.proposer is not None:  # before the target reads the window: its drafts replace the placeholders
+            draft_probs = self.proposer.propose(batch, rows, rows_of)
+        if self.lockstep_mtp is not None:  # the MTP chain made calls 1 .. width - 2 itself
+            self.lockstep_mtp.idle_drafts(max(width - 1, 1), plan.dp_draft_steps)
+        lay = window_layout(batch.cu_seqlens, int(batch.input_ids.numel()))  # once: the backend reuses it
+        batch.spec = WindowRows(self.window, rows, lay)
+        cache = self.cache
+        before = None
+        if self.args.debug_spec_state:
+            before = ([t.index_select(0, batch.state_slots) for t in cache.recurrent],
+                      [t.index_select(0, batch.state_slots) for t in cache.conv])
+        pre: list[torch.Tensor] | None = [] if self.proposer is not None and self.proposer.needs_hidden else None
+        logits = self._forward(batch, pre)
+        # Sampled rows come sequence after sequence, one per window position: padded to [N, width, V].
+        padded = pad(logits[: lay.total], lay)
+        drafts = pad(batch.input_ids, lay)[:, 1:]  # zeros past a window's drafts (ignored)
+        banned = [plan.banned[starts[i] : starts[i] + lens[i]] for i in range(n)]
+        histories = [self.tables.histories.get(int(r), []) for r in plan.rows]
+        mask = None
+        if len(plan.grammar_rows):  # constrained requests never draft: their one position is masked as in decode
+            g = np.asarray(plan.grammar_rows, dtype=np.int64)
+            bitmask = torch.from_numpy(np.array(plan.grammar_mask, dtype=np.int32).reshape(len(g), -1))
+            seq = np.repeat(np.arange(n), lens)
+            pos = np.arange(int(cu[-1])) - cu[:-1][seq]
+            mask = TokenMask(torch.from_numpy(seq[g] * width + pos[g]), bitmask)
+        res, row_errors = self._accept(padded, drafts, torch.from_numpy(lens - 1), rows_of, histories, banned,
+                                       plan.top_logprobs_num, mask, draft_probs)
+        num_accepted = res.num_accepted
+        self.window.commit(cache.recurrent, cache.conv, batch.state_slots, rows, num_accepted + 1)
+        if self.proposer is not None:
+            self.proposer.commit(batch.state_slots, rows, num_accepted.to(rows.device) + 1, before is not None)
+        if before is not None:
+            check_committed_states(self.window, before, cache.recurrent, cache.conv, batch.state_slots, rows,
+                                   num_accepted + 1)
+        counts = (num_accepted + 1).tolist()
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        top_ids: list[list[int]] = []
+        top_lps: list[list[float]] = []
+        all_tokens, all_lps = res.tokens.tolist(), res.logprobs.tolist()
+        all_top, all_top_lps = res.top_ids.tolist(), res.top_logprobs.tolist()
+        for i, c in enumerate(counts):
+            tokens += all_tokens[i][:c]
+            logprobs += all_lps[i][:c]
+            top_ids += all_top[i][:c]
+            top_lps += all_top_lps[i][:c]
+            row = int(plan.rows[i])
+            self.tables.histories.setdefault(row, []).extend(all_tokens[i][:c])
+        last = torch.tensor([t[c - 1] for t, c in zip(all_tokens, counts, strict=True)], device=rows.device)
+        self.tables.last_token[rows] = last
+        if pre:  # the MTP proposer catches up over the committed positions with the target's hiddens there
+            assert self.proposer is not None
+            self.proposer.after_verify(batch, pre[0], num_accepted.to(rows.device) + 1, last, rows)
+        return StepResult(step=plan.step, tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lps,
+                          input_logprobs=[], row_errors=row_errors, num_accepted=num_accepted.tolist())
+
+    def _accept(self, logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
+                rows: list[list[SamplingRow]], histories: list[list[int]], banned: list[list[list[int]]], k: int,
+                mask: TokenMask | None = None, draft_probs: torch.Tensor | None = None,
+                ) -> tuple[VerifyResult, list[tuple[int, str]]]:
+        """Acceptance for every window at once; if that fails, window by window, so that a window that cannot
+        be sampled fails alone (it then commits only its last sampled token, which the scheduler discards)."""
+        try:
+            return verify_drafts(logits, drafts, num_drafts, rows, histories, banned, draft_probs, mask=mask,
+                                 top_logprobs_num=k), []
+        except Exception:
+            if not rows:
+                raise
+        parts: list[VerifyResult] = []
+        errors: list[tuple[int, str]] = []
+        for i in range(len(rows)):
+            try:
+                w = logits.shape[1]
+                one_mask = None
+                if mask is not None:
+                    mine = (mask.rows >= i * w) & (mask.rows < (i + 1) * w)
+                    one_mask = TokenMask(mask.rows[mine] - i * w, mask.bitmask[mine])
+                parts.append(verify_drafts(logits[i : i + 1], drafts[i : i + 1], num_drafts[i : i + 1],
+                                           rows[i : i + 1], histories[i : i + 1], banned[i : i + 1],
+                                           None if draft_probs is None else draft_probs[i : i + 1], mask=one_mask,
+                                           top_logprobs_num=k))
+            except Exception as e:
+                errors.append((i, f"sampling failed: {type(e).__name__}: {e}"))
+                zero = torch.zeros(1, w, k, device=logits.device)
+                parts.append(VerifyResult(torch.zeros(1, dtype=torch.int64), torch.zeros(1, w, dtype=torch.int64),
+                                          torch.zeros(1, w), zero.long(), zero))
+        return VerifyResult(*(torch.cat(p) for p in zip(*parts, strict=True))), errors
+
+    def _sample(self, logits: torch.Tensor, plan: StepPlan, histories: list[list[int]]
+                ) -> tuple[SampleResult, list[tuple[int, str]]]:
+        """Sample every row at once; if that fails, row by row, so that a row that cannot be sampled fails
+        alone (its token is a placeholder, 0, that the scheduler discards) and its batch-mates keep theirs."""
+        k = plan.top_logprobs_num
+        masked = [int(r) for r in plan.grammar_rows]
+        mask = bitmask = None
+        if masked:
+            bitmask = torch.from_numpy(np.array(plan.grammar_mask, dtype=np.int32).reshape(len(masked), -1))
+            mask = TokenMask(torch.tensor(masked, dtype=torch.int64), bitmask)
+        try:
+            params = [SamplingRow(**p) for p in plan.sample_params]
+            return sample(logits, params, histories, k, plan.banned, mask), []
+        except Exception:
+            if not plan.sample_params:
+                raise
+        rows: list[SampleResult] = []
+        errors: list[tuple[int, str]] = []
+        for i, p in enumerate(plan.sample_params):
+            one_mask = None
+            if bitmask is not None and i in masked:
+                j = masked.index(i)
+                one_mask = TokenMask(torch.zeros(1, dtype=torch.int64), bitmask[j : j + 1])
+            try:
+                one = sample(logits[i : i + 1], [SamplingRow(**p)], histories[i : i + 1], k, plan.banned[i : i + 1],
+                             one_mask)
+                rows.append(one)
+            except Exception as e:
+                errors.append((i, f"sampling failed: {type(e).__name__}: {e}"))
+                zero = torch.zeros(1, k, device=logits.device)
+                rows.append(SampleResult(torch.zeros(1, dtype=torch.int64, device=logits.device),
+                                         torch.zeros(1, device=logits.device), zero.long(), zero))
+        return SampleResult(*(torch.cat(parts) for parts in zip(*rows, strict=True))), errors

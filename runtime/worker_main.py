@@ -1,0 +1,70 @@
+"""A worker rank's process: load its shard of the model, then run the plans its scheduler sends, each rank of
+the replica (or of its DP attention group) the same plan, until Shutdown. A rank whose collective fails (a
+peer died or hangs past `--dist-timeout`) reports it and exits: the engine fails as a whole."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+
+import zmq
+
+from runtime.messages import RankFailed, Shutdown, WorkerReady, decode, encode
+from runtime.server_args import ServerArgs
+from runtime.sockets import LINGER_MS, die_with_parent, disconnected, make_socket
+from runtime.topology import COLLECTIVE_FAILED_EXIT, Topology, rank_label
+
+
+def worker_main(args: ServerArgs, topo: Topology, replica: int, rank: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and tells us to stop
+    die_with_parent()
+    who = rank_label(replica, rank)
+    ctx = zmq.Context()
+    plans = make_socket(ctx, zmq.PULL, topo.addr(f"worker_in_{replica}_{rank}"), bind=False)
+    # The scheduler's end of the plan socket closing means the scheduler (or its node) is gone: stop.
+    scheduler_watch = plans.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    results = make_socket(ctx, zmq.PUSH, topo.addr(f"worker_out_{replica}"), bind=False)
+    try:
+        import torch
+
+        from radixk3.parallel import exit_rank, init_parallel
+        from runtime.worker.model_worker import ModelWorker  # the model only in the worker: never in the scheduler
+
+        torch.set_num_threads(topo.rank_threads(len(os.sched_getaffinity(0))))
+        args = dataclasses.replace(args, device=topo.rank_device(args.device, replica, rank))
+        init_parallel(rank, topo.tp_size, topo.dist_init(replica), args.ep_size, timeout_s=args.dist_timeout,
+                      dp_size=topo.attention_groups)
+        worker = ModelWorker(args)
+    except Exception as e:  # report why we could not start, then exit
+        results.send_multipart(encode(WorkerReady(rank, error=f"{who}: {type(e).__name__}: {e}")))
+        ctx.destroy(linger=LINGER_MS)
+        return
+    results.send_multipart(encode(WorkerReady(rank)))
+    poller = zmq.Poller()
+    poller.register(plans, zmq.POLLIN)
+    poller.register(scheduler_watch, zmq.POLLIN)
+    scheduler_gone = False
+    while True:
+        events = dict(poller.poll())
+        if scheduler_watch in events:
+            scheduler_gone |= disconnected(scheduler_watch)
+        if plans not in events:  # plans first: a Shutdown may be waiting behind the scheduler's exit
+            if scheduler_gone and not plans.poll(0):
+                os._exit(1)  # nobody left to serve; the group may be broken, so no orderly teardown
+            continue
+        msg = decode(plans.recv_multipart())
+        if isinstance(msg, Shutdown):
+            break
+        try:  # a failed step comes back as a failed StepResult; what escapes is a broken TP group
+            res = worker.execute(msg)
+        except Exception as e:  # fatal for this rank, and so for the engine
+            why = f"{who}: collective failed (a peer rank died or hangs): {type(e).__name__}: {e}"
+            results.send_multipart(encode(RankFailed(rank, why)))
+            ctx.destroy(linger=LINGER_MS)
+            os._exit(COLLECTIVE_FAILED_EXIT)
+        if topo.leads_group(rank):  # every rank of a group computes the same tokens; its first rank's count
+            res.dp_rank = topo.attention_group(rank)
+            results.send_multipart(encode(res))
+    ctx.destroy(linger=0)
+    exit_rank(0)
