@@ -8,59 +8,22 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable, MutableMapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from radixk3.tokenizer import Tokenizer
 from runtime.http.api_errors import APIError, request_failed
 from runtime.http.metrics import RequestTimer
 from runtime.tokenizer.manager import RequestHandle, TokenizerManager
-from runtime.tokenizer.request_stream import StreamChunk
+from runtime.tokenizer.request_stream import Sample, StreamChunk
 
 T = TypeVar("T")
-
-
-@dataclass
-class Sample:
-    """Everything one sample produced, built from its chunks (streaming and full responses share it)."""
-
-    index: int
-    rid: str = ""
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[Any]] = field(default_factory=list)
-    input_logprobs: list[float | None] = field(default_factory=list)
-    finished: str | None = None
-    matched_stop: int | str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    error: str | None = None
-
-    def add(self, c: StreamChunk) -> None:
-        self.rid = c.rid
-        self.text += c.text
-        self.token_ids.extend(c.token_ids)
-        self.logprobs.extend(c.logprobs)
-        self.top_logprobs.extend(c.top_logprobs)
-        self.input_logprobs.extend(c.input_logprobs)
-        self.prompt_tokens = c.prompt_tokens or self.prompt_tokens
-        self.cached_tokens = c.cached_tokens or self.cached_tokens
-        if c.finished is not None:
-            self.finished, self.matched_stop, self.error = c.finished, c.matched_stop, c.error
 
 
 def failed(samples: Iterable[Sample]) -> APIError | None:
     """The error of the first sample that failed, if one did."""
     bad = next((s for s in samples if s.finished == "error"), None)
     return None if bad is None else request_failed(bad.rid, bad.error)
-
-
-def token_text(tok: Tokenizer, t: int) -> str:
-    """One token's text, special tokens included (the logprobs' `token`)."""
-    return tok.decode([t], skip_special_tokens=False)
 
 
 async def metered(handle: RequestHandle, timer: RequestTimer) -> AsyncIterator[StreamChunk]:

@@ -17,7 +17,6 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 from starlette.responses import Response
 
-from radixk3.tokenizer import Tokenizer
 from runtime.http.api_errors import APIError, OrjsonResponse, parse_body, request_failed, stream_failed
 from runtime.http.handles import (
     ClientDisconnected,
@@ -27,7 +26,6 @@ from runtime.http.handles import (
     merged,
     metered,
     submit_all,
-    token_text,
     unless_disconnected,
 )
 from runtime.http.metrics import RequestTimer
@@ -80,30 +78,6 @@ class GenerateRequest(BaseModel):
         return list(value) if isinstance(value, list) else [value] * n
 
 
-def _with_text(tok: Tokenizer, pairs: list[tuple[float | None, int]], text: bool) -> list[list[Any]]:
-    return [[lp, t, token_text(tok, t) if text else None] for lp, t in pairs]
-
-
-def native_result(s: Sample, req: GenerateRequest, prompt_ids: list[int], tok: Tokenizer) -> dict[str, Any]:
-    meta: dict[str, Any] = {
-        "id": s.rid,
-        "finish_reason": None if s.finished is None else {"type": s.finished, "matched": s.matched_stop},
-        "prompt_tokens": s.prompt_tokens or len(prompt_ids),
-        "completion_tokens": len(s.token_ids),
-        "cached_tokens": s.cached_tokens,
-    }
-    if s.error is not None:
-        meta["error"] = s.error
-    if req.return_logprob:
-        text = req.return_text_in_logprobs
-        meta["output_token_logprobs"] = _with_text(tok, list(zip(s.logprobs, s.token_ids, strict=False)), text)
-        meta["output_top_logprobs"] = [_with_text(tok, [(lp, t) for t, lp in row], text) for row in s.top_logprobs]
-        first = len(prompt_ids) - len(s.input_logprobs)
-        meta["input_token_logprobs"] = _with_text(tok, list(zip(s.input_logprobs, prompt_ids[first:], strict=True)),
-                                                  text)
-    return {"text": s.text, "output_ids": list(s.token_ids), "meta_info": meta}
-
-
 @router.post("/generate")
 async def generate(request: Request) -> Response:
     st = state_of(request)
@@ -114,7 +88,8 @@ async def generate(request: Request) -> Response:
     await st.tm.check_grammars(sps)  # parsed in a thread: a large grammar never stalls other requests
     handles = submit_all(st.tm, st.live, ids, sps,
                          req.per_prompt("rid", len(ids)), return_logprob=req.return_logprob,
-                         logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num)
+                         logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num,
+                         return_text_in_logprobs=req.return_text_in_logprobs)
     timers = [st.metrics.timer() for _ in handles]
     if req.stream:
         return sse_response(_stream(st, req, ids, handles, timers))
@@ -125,7 +100,7 @@ async def generate(request: Request) -> Response:
     samples = [s for group in per_prompt for s in group]
     if (err := failed(samples)) is not None:
         raise err
-    out = [native_result(s, req, ids[i], st.tokenizer) for i, group in enumerate(per_prompt) for s in group]
+    out = [handles[i].result_of(s) for i, group in enumerate(per_prompt) for s in group]
     return OrjsonResponse(out[0] if len(out) == 1 and not req.is_batch else out)
 
 
@@ -141,7 +116,7 @@ async def _stream(st: ServerState, req: GenerateRequest, prompt_ids: list[list[i
             if chunk.finished == "error":
                 yield event(request_failed(s.rid, s.error).body())
                 continue
-            yield event(native_result(s, req, prompt_ids[i], st.tokenizer) | {"index": offsets[i] + chunk.index})
+            yield event(handles[i].result_of(s) | {"index": offsets[i] + chunk.index})
     except Exception as e:  # the engine went away mid-stream: say so in the stream, the status is sent already
         yield event(stream_failed(e).body())
     yield DONE

@@ -19,13 +19,11 @@ from radixk3.tokenizer import Tokenizer
 from runtime.http.api_errors import APIError, OrjsonResponse, parse_body, request_failed, stream_failed
 from runtime.http.handles import (
     ClientDisconnected,
-    Sample,
     collect_all,
     failed,
     merged,
     metered,
     submit_all,
-    token_text,
     unless_disconnected,
 )
 from runtime.http.k3_chat import K3Chat, K3Reply, k3_message, k3_sampling, plan_k3_chat
@@ -53,7 +51,7 @@ from runtime.http.openai_protocol import (
 from runtime.http.sse import DONE, event, sse_response
 from runtime.http.state import ServerState, state_of
 from runtime.tokenizer.manager import RequestHandle
-from runtime.tokenizer.request_stream import StreamChunk
+from runtime.tokenizer.request_stream import Sample, StreamChunk, token_text
 
 router = APIRouter(prefix="/v1")
 
@@ -66,7 +64,7 @@ def _check_model(st: ServerState, model: str) -> None:
 
 def _usage(groups: Sequence[Sequence[Sample]]) -> Usage:
     prompt = sum(g[0].prompt_tokens for g in groups)
-    completion = sum(len(s.token_ids) for g in groups for s in g)
+    completion = sum(len(s.output_ids) for g in groups for s in g)
     cached = sum(max(s.cached_tokens for s in g) for g in groups)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
@@ -164,7 +162,7 @@ async def completions(request: Request) -> Response:
     if groups is None:
         return Response(status_code=499)
     choices = [CompletionChoice(index=i * req.n + s.index, text=s.text, finish_reason=s.finished,
-                                logprobs=_completion_logprobs(st.tokenizer, s.token_ids, s.logprobs, s.top_logprobs, 0)
+                                logprobs=_completion_logprobs(st.tokenizer, s.output_ids, s.logprobs, s.top_logprobs, 0)
                                 if want_lp else None)
                for i, g in enumerate(groups) for s in g]
     body = CompletionResponse(id=cid, created=created, model=st.model_name, choices=choices, usage=_usage(groups))
@@ -236,8 +234,8 @@ def _chat_sampling(req: ChatCompletionRequest, k3: K3Chat | None) -> dict[str, A
 def _chat_choice(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None, s: Sample) -> ChatChoice:
     message, finish = AssistantMessage(content=s.text), s.finished
     if k3 is not None:
-        message, finish = k3_message(k3, tok, s.text, s.finished, s.token_ids)
-    lp = _chat_logprobs(tok, s.token_ids, s.logprobs, s.top_logprobs) if req.logprobs else None
+        message, finish = k3_message(k3, tok, s.text, s.finished, s.output_ids)
+    lp = _chat_logprobs(tok, s.output_ids, s.logprobs, s.top_logprobs) if req.logprobs else None
     return ChatChoice(index=s.index, message=message, finish_reason=finish, logprobs=lp)
 
 

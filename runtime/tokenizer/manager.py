@@ -57,7 +57,7 @@ from runtime.sampling_params import (
     check_token_ids,
 )
 from runtime.server_args import ServerArgs
-from runtime.tokenizer.request_stream import SampleStream, StreamChunk
+from runtime.tokenizer.request_stream import Sample, SampleStream, StreamChunk
 
 SHUT_DOWN = "the engine is shut down"
 CHECKED_GRAMMARS = 1024  # grammars remembered as valid, so a repeated one is not parsed again
@@ -86,13 +86,15 @@ class _Entry:
 class RequestHandle:
     """The request(s) of one `submit`: n samples, ids `rids` (sample i is `rids[i]`)."""
 
-    def __init__(self, tm: TokenizerManager, rids: list[str], samples: dict[str, SampleStream], sink: _Sink,
-                 prompt_ids: list[int], timeout: float | None, deadline_at: float | None) -> None:
+    def __init__(self, tm: TokenizerManager, rids: list[str], sink: _Sink, prompt_ids: list[int],
+                 return_logprob: bool, text_in_logprobs: bool, timeout: float | None, deadline_at: float | None
+                 ) -> None:
         self.rids = rids
         self._tm = tm
-        self._samples = samples
         self._sink = sink
-        self._prompt_ids = prompt_ids
+        self.prompt_ids = prompt_ids
+        self.return_logprob = return_logprob
+        self.text_in_logprobs = text_in_logprobs
         self._timeout = timeout
         self._deadline_at = deadline_at  # on the consumer loop's clock
         self._open = set(rids)
@@ -141,11 +143,20 @@ class RequestHandle:
             except EngineError:
                 pass  # shut down or dead: nothing runs any more
 
+    async def samples(self) -> list[Sample]:
+        """Every sample, once all have finished, in sample order."""
+        samples = [Sample(i) for i in range(len(self.rids))]
+        async for chunk in self.stream():
+            samples[chunk.index].add(chunk)
+        return samples
+
     async def result(self) -> list[dict[str, Any]]:
-        """One dict per sample, in the shape `Engine.generate` returns."""
-        async for _ in self.stream():
-            pass
-        return [self._samples[r].result(self._prompt_ids) for r in self.rids]
+        """One dict per sample, in the shape `Engine.generate` (and `/generate`) returns."""
+        return [self.result_of(s) for s in await self.samples()]
+
+    def result_of(self, sample: Sample) -> dict[str, Any]:
+        return sample.result(self.prompt_ids, self._tm.tokenizer, return_logprob=self.return_logprob,
+                             text_in_logprobs=self.text_in_logprobs)
 
     def __del__(self) -> None:
         # Dropped without being consumed to the end: nobody will read the output, so free the memory.
@@ -387,8 +398,7 @@ class TokenizerManager:
         msgs = []
         for i, r in enumerate(rids):
             sp = base | ({"seed": params.seed + i} if params.seed is not None else {})
-            samples[r] = SampleStream(r, i, self.tokenizer, params.stop, params.skip_special_tokens,
-                                      return_text_in_logprobs)
+            samples[r] = SampleStream(r, i, self.tokenizer, params.stop, params.skip_special_tokens)
             msgs.append(GenerateReq(r, ids, sp, return_logprob, logprob_start_len, top_logprobs_num, stream=True))
         frames = [encode(m) for m in msgs]  # encoded before anything is registered: a failure leaves nothing
         for r, f in zip(rids, frames, strict=True):
@@ -400,7 +410,7 @@ class TokenizerManager:
             deadline_at = consumer.time() + deadline
             # The deadline holds even for a handle nobody reads: abort and tell the consumer when it passes.
             self._loop.call_later(deadline, self._expire, rids)  # type: ignore[union-attr]
-        return RequestHandle(self, rids, samples, sink, ids, timeout, deadline_at)
+        return RequestHandle(self, rids, sink, ids, return_logprob, return_text_in_logprobs, timeout, deadline_at)
 
     def _expire(self, rids: list[str]) -> None:
         live = [r for r in rids if r in self._reqs]

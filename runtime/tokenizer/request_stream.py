@@ -1,5 +1,6 @@
 """The tokenizer side of one sample's output: TokenOut chunks from the scheduler become `StreamChunk`s with
-incremental text, and are accumulated into the result dict `Engine.generate` returns.
+incremental text (`SampleStream`), which accumulate into a `Sample`: the one result type every API returns, with
+the one `meta_info` builder.
 
 Text is produced by the tokenizer's incremental decoder. Stop strings are trimmed as they are found: text
 that could be the start of a stop string is held back until the next token shows whether it is, so no
@@ -8,6 +9,7 @@ streamed chunk ever holds a part of the matched stop string.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,67 +71,86 @@ class TextStream:
 
 
 class SampleStream:
-    """One sample: turns its TokenOuts into StreamChunks and keeps what `result()` returns."""
+    """One sample: turns its TokenOuts into StreamChunks (incremental text, stop strings trimmed)."""
 
-    def __init__(self, rid: str, index: int, tokenizer: Tokenizer, stops: list[str], skip_special_tokens: bool,
-                 return_text_in_logprobs: bool = False) -> None:
+    def __init__(self, rid: str, index: int, tokenizer: Tokenizer, stops: list[str], skip_special_tokens: bool) -> None:
         self.rid, self.index = rid, index
-        self._tok = tokenizer
         self._text = TextStream(tokenizer, stops, skip_special_tokens)
-        self._text_in_logprobs = return_text_in_logprobs
-        self.pieces: list[str] = []
-        self.ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top_logprobs: list[list[tuple[int, float]]] = []
-        self.input_logprobs: list[float | None] = []
-        self.last: StreamChunk | None = None
+        self._completion_tokens = 0
 
     def chunk(self, out: TokenOut) -> StreamChunk:
         text = self._text.push(out.token_ids, out.finished, out.matched_stop)
-        self.pieces.append(text)
-        self.ids.extend(out.token_ids)
-        self.logprobs.extend(out.logprobs)
+        self._completion_tokens += len(out.token_ids)
         top = [[(int(i), float(v)) for i, v in row] for row in out.top_logprobs]  # converted once per chunk
-        self.top_logprobs.extend(top)
-        self.input_logprobs.extend(out.input_logprobs)
-        self.last = StreamChunk(
+        return StreamChunk(
             rid=self.rid, index=self.index, text=text, token_ids=list(out.token_ids), logprobs=list(out.logprobs),
-            top_logprobs=top,
-            input_logprobs=list(out.input_logprobs), finished=out.finished, matched_stop=out.matched_stop,
-            prompt_tokens=out.prompt_tokens, completion_tokens=len(self.ids), cached_tokens=out.cached_tokens,
-            error=out.error,
+            top_logprobs=top, input_logprobs=list(out.input_logprobs), finished=out.finished,
+            matched_stop=out.matched_stop, prompt_tokens=out.prompt_tokens, completion_tokens=self._completion_tokens,
+            cached_tokens=out.cached_tokens, error=out.error,
         )
-        return self.last
 
-    def result(self, prompt_ids: list[int] | None = None) -> dict[str, Any]:
-        """The sample in the shape `Engine.generate` returns. With `return_text_in_logprobs` the logprob
-        lists hold SGLang's (logprob, token id, token text) triples instead of bare logprobs."""
-        last = self.last
-        assert last is not None and last.finished is not None, "result() of an unfinished sample"
-        out_lp: list[Any] = list(self.logprobs)
-        top: list[Any] = list(self.top_logprobs)
-        in_lp: list[Any] = list(self.input_logprobs)
-        if self._text_in_logprobs:
-            out_lp = [(lp, t, self._piece(t)) for lp, t in zip(self.logprobs, self.ids, strict=False)]
-            top = [[(lp, t, self._piece(t)) for t, lp in row] for row in self.top_logprobs]
-            if prompt_ids is not None:
-                first = len(prompt_ids) - len(in_lp)
-                in_lp = [(lp, t, self._piece(t)) for lp, t in zip(in_lp, prompt_ids[first:], strict=True)]
-        return {
-            "text": "".join(self.pieces),
-            "output_ids": list(self.ids),
-            "meta_info": {
-                "id": self.rid,
-                "finish_reason": {"type": last.finished, "matched": last.matched_stop},
-                "prompt_tokens": last.prompt_tokens,
-                "completion_tokens": len(self.ids),
-                "cached_tokens": last.cached_tokens,
-                "error": last.error,
-                "output_token_logprobs": out_lp,
-                "input_token_logprobs": in_lp,
-                "output_top_logprobs": top,
-            },
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """One token's text, special tokens included (what logprobs name a token by)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+@dataclass
+class Sample:
+    """Everything one sample produced so far, accumulated from its chunks: the one result type of the engine API,
+    the native API and the OpenAI API (streamed or not)."""
+
+    index: int
+    rid: str = ""
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    finished: str | None = None
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+    def add(self, c: StreamChunk) -> None:
+        self.rid = c.rid
+        self.text += c.text
+        self.output_ids.extend(c.token_ids)
+        self.logprobs.extend(c.logprobs)
+        self.top_logprobs.extend(c.top_logprobs)
+        self.input_logprobs.extend(c.input_logprobs)
+        self.prompt_tokens = c.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = c.cached_tokens or self.cached_tokens
+        if c.finished is not None:
+            self.finished, self.matched_stop, self.error = c.finished, c.matched_stop, c.error
+
+    def meta_info(self, prompt_ids: list[int], tokenizer: Tokenizer, *, return_logprob: bool,
+                  text_in_logprobs: bool = False) -> dict[str, Any]:
+        """SGLang's `meta_info`; with `return_logprob`, the logprobs as SGLang's (logprob, token id, text) triples
+        (text None unless `text_in_logprobs`), the input ones for the prompt positions from the first asked."""
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": None if self.finished is None else {"type": self.finished, "matched": self.matched_stop},
+            "prompt_tokens": self.prompt_tokens or len(prompt_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            "error": self.error,
         }
+        if return_logprob:
 
-    def _piece(self, token_id: int) -> str:
-        return self._tok.decode([token_id], skip_special_tokens=False)
+            def triples(pairs: Iterable[tuple[float | None, int]]) -> list[tuple[float | None, int, str | None]]:
+                return [(lp, t, token_text(tokenizer, t) if text_in_logprobs else None) for lp, t in pairs]
+
+            first = len(prompt_ids) - len(self.input_logprobs)
+            meta["input_token_logprobs"] = triples(zip(self.input_logprobs, prompt_ids[first:], strict=True))
+            meta["output_token_logprobs"] = triples(zip(self.logprobs, self.output_ids, strict=False))
+            meta["output_top_logprobs"] = [triples((lp, t) for t, lp in row) for row in self.top_logprobs]
+        return meta
+
+    def result(self, prompt_ids: list[int], tokenizer: Tokenizer, *, return_logprob: bool,
+               text_in_logprobs: bool = False) -> dict[str, Any]:
+        """The sample as `/generate` and `Engine.generate` return it: text, output ids and meta_info."""
+        return {"text": self.text, "output_ids": list(self.output_ids),
+                "meta_info": self.meta_info(prompt_ids, tokenizer, return_logprob=return_logprob,
+                                            text_in_logprobs=text_in_logprobs)}

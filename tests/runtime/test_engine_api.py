@@ -50,7 +50,13 @@ def test_submit_stream_and_result(engine: Engine) -> None:
         assert h.rids == ["a-0", "a-1"]
         chunks = [c async for c in h.stream()]
         assert [c.index for c in chunks if c.finished] and sorted(c.index for c in chunks if c.finished) == [0, 1]
-        again = await tm.submit("Weng earns", GREEDY | {"n": 2, "temperature": 1.0, "seed": 5}).result()
+        again = await tm.submit("Weng earns", GREEDY | {"n": 2, "temperature": 1.0, "seed": 5},
+                                return_logprob=True).result()
+        plain = await tm.submit("Weng earns", GREEDY | {"n": 2, "temperature": 1.0, "seed": 5}).result()
+        # SGLang's shape: the logprob fields only when asked for, the rest always.
+        assert [r["output_ids"] for r in plain] == [r["output_ids"] for r in again]
+        assert all(set(r["meta_info"]) == {"id", "finish_reason", "prompt_tokens", "completion_tokens",
+                                           "cached_tokens", "error"} for r in plain)
         for i, r in enumerate(again):
             mine = [c for c in chunks if c.index == i]
             assert r["output_ids"] == [t for c in mine for t in c.token_ids]

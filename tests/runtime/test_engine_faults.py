@@ -209,8 +209,8 @@ def test_logprobs_under_min_new_tokens_are_raw(engine: Engine) -> None:
     first = free["output_ids"][0]
     banned = engine.generate("Natalia sold", GREEDY | {"stop_token_ids": [first], "min_new_tokens": 2}, **kw)
     assert banned["output_ids"][0] != first
-    top = banned["meta_info"]["output_top_logprobs"][0]
-    assert top[0][0] == first and top[0][1] == pytest.approx(free["meta_info"]["output_top_logprobs"][0][0][1],
+    top = banned["meta_info"]["output_top_logprobs"][0]  # (logprob, token id, text) triples, as SGLang's
+    assert top[0][1] == first and top[0][0] == pytest.approx(free["meta_info"]["output_top_logprobs"][0][0][0],
                                                              abs=1e-4)
 
 
