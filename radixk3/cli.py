@@ -1,4 +1,8 @@
-"""`radixk3` command line: plan, make-checkpoint, generate, serve."""
+"""`radixk3` command line: plan, make-checkpoint, generate, serve.
+
+One of the package's public entry points (with `radixk3.Engine` and `python -m radixk3.launch_server`), the one
+exception to "radixk3 imports nothing of runtime" (tests/test_imports.py lists them): `generate` and `serve`
+start the runtime, imported inside those commands."""
 
 from __future__ import annotations
 
