@@ -37,7 +37,7 @@ class ImportGraph:
         return seen
 
     def path(self, start: str, goal: str) -> list[str] | None:
-        """A shortest import chain start -> ... -> goal (start itself when goal == start is not required)."""
+        """A shortest import chain start -> ... -> goal (with goal == start: a shortest cycle through start)."""
         prev: dict[str, str] = {}
         todo = deque([start])
         while todo:
@@ -67,7 +67,7 @@ def module_files(root: Path) -> dict[str, Path]:
     """Dotted module name -> source file, for every module of the project's packages."""
     files = {}
     for package in PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
+        for path in sorted((root / package).rglob("*.py")):  # a package absent under root has no modules
             parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
