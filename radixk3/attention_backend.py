@@ -144,9 +144,3 @@ class AttentionBackend:
                                  scale=scale, absorbed=True, kv_rows=self._kv_rows)
         return mla_paged_prefill(q_nope, q_pe, buf, kv_b_weight, self.paged, cu_q=self.batch.cu_seqlens,
                                  scale=scale, validate=False, kv_rows=self._kv_rows)
-
-
-def attach_backend(batch: ForwardBatch, cache: HybridCache) -> ForwardBatch:
-    """Give `batch` the backend over `cache` that its layers will call."""
-    batch.attn_backend = AttentionBackend(batch, cache)
-    return batch
