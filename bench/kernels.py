@@ -34,7 +34,8 @@ from kernels.backend import ENV_VAR  # noqa: E402
 from kernels.conv1d_pool import conv1d_decode, conv1d_prefill  # noqa: E402
 from kernels.kda import kda_chunked, kda_gate, kda_recurrent, l2norm  # noqa: E402
 from kernels.kda_pool import kda_decode, kda_prefill  # noqa: E402
-from kernels.mla_paged import PagedKV, mla_paged_decode, mla_paged_prefill, mla_store, paged_slots  # noqa: E402
+from kernels.mla_paged import mla_paged_decode, mla_paged_prefill, mla_store  # noqa: E402
+from kernels.paged_kv import PagedKV, paged_slots  # noqa: E402
 from kernels.state_checkpoints import StateCheckpoints  # noqa: E402
 from runtime.pool_layout import PoolLayout  # noqa: E402
 from runtime.worker.pool_buffer import PoolBuffer  # noqa: E402

@@ -264,11 +264,6 @@ class SchedulerReplay:
         return s.metrics.prefill_tokens_computed - before
 
 
-def sim_args(pool_bytes: int, **overrides: object) -> ServerArgs:
-    """ServerArgs for the replay: the given pool, long prompts accepted, everything else as the engine's."""
-    return ServerArgs(**({"mem_bytes": pool_bytes} | overrides))  # type: ignore[arg-type]
-
-
 def simulate(requests: Sequence[Request], layout: PoolLayout, args: ServerArgs, block_tokens: int,
              vocab_size: int, check: bool = False, wire: bool = False) -> WorkloadResult:
     radix = SchedulerReplay(layout, args, vocab_size, wire)

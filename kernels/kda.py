@@ -10,11 +10,21 @@ Per token and head: S = diag(exp g_t) S;  S = S + beta_t k_t (v_t - S^T k_t)^T; 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.kda_chunk import chunk_scan, plan_chunks
+
+
+class KDAGate(NamedTuple):
+    """`kda_gate`'s parameters, for the pool ops (decode, replay) that compute the decay from the raw gate."""
+
+    A_log: Tensor  # H elements
+    dt_bias: Tensor | None  # [H*K]
+    lower_bound: float | None = None
 
 
 def kda_gate(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor | None, lower_bound: float | None = None) -> Tensor:

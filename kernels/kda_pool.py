@@ -15,19 +15,11 @@ import torch
 from torch import Tensor
 
 from kernels.backend import kernel_backend
-from kernels.kda import kda_gate, kda_read, kda_step, kda_step_, l2norm, seq_bounds
+from kernels.kda import KDAGate, kda_gate, kda_read, kda_step, kda_step_, l2norm, seq_bounds
 from kernels.kda_chunk import chunk_scan, plan_chunks
 from kernels.pool_slots import gather_slots, scatter_slots
 from kernels.spec_layout import WindowLayout, pad, unpad, window_layout
 from kernels.state_checkpoints import StateCheckpoints, check_num_tokens, check_slots
-
-
-class KDAGate(NamedTuple):
-    """Gate parameters for computing the decay inside decode/replay from the raw gate projection."""
-
-    A_log: Tensor  # H elements
-    dt_bias: Tensor | None  # [H*K]
-    lower_bound: float | None = None
 
 
 class StepInputs(NamedTuple):

@@ -16,8 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.kda import seq_bounds
-from kernels.kda_pool import KDAGate
+from kernels.kda import KDAGate, seq_bounds
 from kernels.state_checkpoints import StateCheckpoints
 from kernels.triton_launch import kernel, outer_stride
 

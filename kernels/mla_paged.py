@@ -1,42 +1,20 @@
 """MLA over a paged latent KV buffer: the store of new latent rows, prefill and decode attention.
 
 Per MLA layer the buffer is [num_kv_slots, R + Dr] (c_kv already RMS-normalised | k_pe, unrotated: NoPE).
-A page table maps sequence positions to slots: slot(i, p) = block_table[i, p // page_size] * page_size
-+ p % page_size (page_size 1: one slot per token). Sequence i holds kv_lens[i] cached tokens (its prefix and
-this step's new tokens, stored first); its queries are its last q_len tokens, causal in that alignment.
+A page table maps sequence positions to slots (`paged_kv`). Sequence i holds kv_lens[i] cached tokens (its
+prefix and this step's new tokens, stored first); its queries are its last q_len tokens, causal in that alignment.
 Torch: `mla.mla_attention` gathers each group's rows from the buffer (prefill expanded, decode absorbed).
 Triton: one absorbed-form kernel (MQA over the latent) for both, in `mla_triton`.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
 from kernels.backend import kernel_backend
 from kernels.mla import mla_attention
-
-
-class PagedKV(NamedTuple):
-    block_table: Tensor  # [N, max_pages] int64 page ids
-    kv_lens: Tensor  # [N] int64 cached tokens per sequence, this step's included
-    page_size: int
-
-
-def paged_slots(block_table: Tensor, seq: Tensor, pos: Tensor, page_size: int) -> Tensor:
-    """KV slot of each (sequence, position) pair, [M] int64."""
-    return block_table[seq, pos // page_size] * page_size + pos % page_size
-
-
-def sequence_slots(kv: PagedKV) -> Tensor:
-    """The slots of every cached token, sequence after sequence: [sum(kv_lens)] int64."""
-    lens = kv.kv_lens.to(torch.int64)
-    seq = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
-    starts = torch.cumsum(lens, 0) - lens
-    pos = torch.arange(int(lens.sum()), device=lens.device) - starts[seq]
-    return paged_slots(kv.block_table, seq, pos, kv.page_size)
+from kernels.paged_kv import PagedKV, sequence_slots
 
 
 def check_store_slots(slots: Tensor, num_slots: int | None = None) -> None:

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.mla_paged import PagedKV
+from kernels.paged_kv import PagedKV
 from kernels.triton_launch import kernel, outer_stride
 
 BLOCK_N = 16

@@ -1,103 +1,19 @@
-"""MoE: the DeepSeek-V3 / Kimi "noaux_tc" router and the routed experts grouped by expert (plain torch).
+"""MoE: the routed experts, grouped by expert (plain torch), and the dispatch to the Triton fused path.
 
-Router: s = sigmoid(logits) in fp32; experts are chosen by s + e_score_correction_bias (the bias only
-selects), optionally group-limited (groups scored by the sum of their top-2 biased scores, the best
-`topk_group` kept); weights are the unbiased s of the chosen experts, renormalised w / (sum w + 1e-20), times
-routed_scaling_factor. Experts are stacked: w13 [E, 2I, D] (rows [:I] gate = checkpoint w1, [I:] up = w3) and
-w2 [E, D, I] (down); expert e is w2[e] act(gate, up) with `GLU` act (SwiGLU or K3's SiTU-GLU), and the output
-sums weight * expert over the k choices. The Triton fused path (`moe_triton`, both activations) runs on CUDA;
-the dispatch is `moe_experts`.
+Experts are stacked: w13 [E, 2I, D] (rows [:I] gate = checkpoint w1, [I:] up = w3) and w2 [E, D, I] (down);
+expert e is w2[e] act(gate, up) with a `glu.GLU` act (SwiGLU or K3's SiTU-GLU), and the output sums weight *
+expert over the k choices of the route (`moe_route`). The Triton fused path (`moe_triton`, both activations)
+runs on CUDA; the dispatch is `moe_experts`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.backend import kernel_backend
-
-
-class MoERoute(NamedTuple):
-    weights: Tensor  # [T, k] fp32
-    experts: Tensor  # [T, k] int64
-
-
-class ExpertGroups(NamedTuple):
-    """The (token, choice) pairs sorted by expert: pair p = token p // k, choice p % k."""
-
-    order: Tensor  # [T*k] int64 pair ids, expert after expert
-    counts: Tensor  # [E] int64 pairs per expert
-
-
-def moe_route(
-    router_logits: Tensor,
-    *,
-    top_k: int,
-    correction_bias: Tensor | None = None,
-    num_expert_group: int = 1,
-    topk_group: int = 1,
-    renormalize: bool = True,
-    routed_scaling_factor: float = 1.0,
-) -> MoERoute:
-    """router_logits [T, E] -> the top_k experts per token and their weights."""
-    t, e = router_logits.shape
-    scores = torch.sigmoid(router_logits.float())
-    choice = scores if correction_bias is None else scores + correction_bias.float()
-    if num_expert_group > 1:
-        if e % num_expert_group:
-            raise ValueError(f"{e} experts do not split into {num_expert_group} groups")
-        grouped = choice.view(t, num_expert_group, e // num_expert_group)
-        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-        keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
-        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(t, e)
-    experts = choice.topk(top_k, dim=-1).indices
-    weights = scores.gather(1, experts)
-    if renormalize:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return MoERoute(weights * routed_scaling_factor, experts)
-
-
-def group_by_expert(route: MoERoute, num_experts: int) -> ExpertGroups:
-    flat = route.experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    return ExpertGroups(order, torch.bincount(flat, minlength=num_experts))
-
-
-@dataclass(frozen=True)
-class GLU:
-    """The gated activation act(gate) * up of every MLP: SwiGLU, or K3's SiTU-GLU
-    gate' = beta tanh(gate / beta) sigmoid(gate), up' = beta_lin tanh(up / beta_lin) (up unchanged without
-    beta_lin); a bounded SiLU that tends to SiLU as beta grows. This is the torch reference of the activation
-    that the Triton expert kernel fuses."""
-
-    kind: str = "silu"  # "silu" or "situ"
-    beta: float | None = None
-    linear_beta: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("silu", "situ"):
-            raise ValueError(f"unsupported GLU activation {self.kind!r}: expected 'silu' or 'situ'")
-
-    @property
-    def gate_beta(self) -> float:
-        return 1.0 if self.beta is None else self.beta
-
-    def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
-        if self.kind == "silu":
-            return F.silu(gate) * up
-        beta = self.gate_beta
-        gate = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
-        if self.linear_beta is not None:
-            up = self.linear_beta * torch.tanh(up / self.linear_beta)
-        return gate * up
-
-
-SILU = GLU()
+from kernels.glu import GLU, SILU
+from kernels.moe_route import MoERoute, group_by_expert
 
 
 def moe_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU = SILU) -> Tensor:

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.moe import GLU, MoERoute, group_by_expert
+from kernels.glu import GLU
+from kernels.moe_route import MoERoute, group_by_expert
 from kernels.triton_launch import kernel
 
 BLOCK_M = 16

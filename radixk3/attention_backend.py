@@ -26,15 +26,8 @@ from kernels.backend import kernel_backend
 from kernels.conv1d_pool import conv1d_decode, conv1d_prefill, conv1d_verify_padded
 from kernels.kda_pool import kda_decode, kda_prefill, kda_verify_padded
 from kernels.mla import mla_attention
-from kernels.mla_paged import (
-    PagedKV,
-    check_paged,
-    check_store_slots,
-    mla_paged_decode,
-    mla_paged_prefill,
-    mla_store,
-    sequence_slots,
-)
+from kernels.mla_paged import check_paged, check_store_slots, mla_paged_decode, mla_paged_prefill, mla_store
+from kernels.paged_kv import PagedKV, sequence_slots
 from kernels.spec_layout import pad, unpad, window_layout
 from kernels.state_checkpoints import StateCheckpoints, check_slots
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
@@ -151,9 +144,3 @@ class AttentionBackend:
                                  scale=scale, absorbed=True, kv_rows=self._kv_rows)
         return mla_paged_prefill(q_nope, q_pe, buf, kv_b_weight, self.paged, cu_q=self.batch.cu_seqlens,
                                  scale=scale, validate=False, kv_rows=self._kv_rows)
-
-
-def attach_backend(batch: ForwardBatch, cache: HybridCache) -> ForwardBatch:
-    """Give `batch` the backend over `cache` that its layers will call."""
-    batch.attn_backend = AttentionBackend(batch, cache)
-    return batch

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from radixk3.config import ModelConfig
+from radixk3.config_formats import load_model_config, model_config_to_dict
 from radixk3.model import KimiForCausalLM, build_model
 from radixk3.tensor_names import (
     Shard,
@@ -49,7 +50,7 @@ def write_checkpoint(model: KimiForCausalLM, out_dir: str | Path, *, num_shards:
                               "unsharded model (built or loaded without --tp) instead")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(model_config_to_dict(model.config), indent=2) + "\n")
     cfg = model.config
     # Cloned: the public tensors are views of fused parameters, and safetensors refuses shared storage.
     tensors = {checkpoint_name(cfg, k): v.detach().to("cpu", copy=True).contiguous()
@@ -135,7 +136,7 @@ def load_model(path: str | Path, *, device: torch.device | str = "cpu", dtype: t
     Under TP (`parallel.init_parallel` before) the model is this rank's shard, and only its part of each
     sharded tensor is read (`get_slice`)."""
     path = Path(path)
-    cfg = ModelConfig.from_file(path)
+    cfg = load_model_config(path)
     if dtype is not None:
         cfg = cfg.replace(dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype])
     with torch.device("meta"):

@@ -1,4 +1,8 @@
-"""`radixk3` command line: plan, make-checkpoint, generate, serve."""
+"""`radixk3` command line: plan, make-checkpoint, generate, serve.
+
+One of the package's public entry points (with `radixk3.Engine` and `python -m radixk3.launch_server`), the one
+exception to "radixk3 imports nothing of runtime" (tests/test_imports.py lists them): `generate` and `serve`
+start the runtime, imported inside those commands."""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ from pathlib import Path
 import orjson
 
 from radixk3.checkpoint import CheckpointError, write_random_checkpoint
-from radixk3.config import BUILTIN_PRESET, PRESETS, TRUE_SIZE_PRESETS, ConfigError, ModelConfig, preset
+from radixk3.config import BUILTIN_PRESET, PRESETS, TRUE_SIZE_PRESETS, ConfigError, preset
+from radixk3.config_formats import load_model_config
 from radixk3.plan import EXPERT_FORMATS, memory_plan, parallel_plan, parse_bytes
 
 
@@ -86,7 +91,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     server_args = ServerArgs.from_cli_args(args)
     # Checked here, before any process starts, so that a bad directory gets a one-line error.
-    cfg = preset(BUILTIN_PRESET) if server_args.model is None else ModelConfig.from_file(server_args.model)
+    cfg = preset(BUILTIN_PRESET) if server_args.model is None else load_model_config(server_args.model)
     try:
         engine = Engine(**dataclasses.asdict(server_args))
     except EngineError as e:
@@ -119,7 +124,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     server_args = ServerArgs.from_cli_args(args)
     if server_args.model is not None:
-        ModelConfig.from_file(server_args.model)  # a bad directory gets a one-line error before any process starts
+        load_model_config(server_args.model)  # a bad directory gets a one-line error before any process starts
     if server_args.node_rank > 0:  # another node: only its ranks, serving node 0's plans until it stops
         from runtime.node_main import run_node
 

@@ -1,8 +1,8 @@
-"""Typed model config, read from a Hugging Face `config.json`, plus presets.
+"""Typed model config, and the presets (the built-in test models and the true sizes for memory plans).
 
-Two checkpoint formats share one `ModelConfig`: the public Kimi-Linear one (`model_type: kimi_linear`, flat; read
-and written by `hf_config`) and native Kimi K3 (`model_type: kimi_k3`, the text model nested under `text_config`;
-`k3_config`). The K3
+Two checkpoint formats share one `ModelConfig`: the public Kimi-Linear one (`model_type: kimi_linear`, flat;
+`hf_config`) and native Kimi K3 (`model_type: kimi_k3`, the text model nested under `text_config`; `k3_config`);
+`config_formats` reads and writes a config.json in either (this module imports neither, so nothing cycles). The K3
 switches (full-rank and safe KDA gates, Gated MLA, Block Attention Residuals, LatentMoE, SiTU, MTP layers) are
 fields whose defaults are the Kimi-Linear model. Layer lists in the checkpoint are 1-based
 (`linear_attn_config.kda_layers` / `full_attn_layers`); here they are kept 0-based. Every unknown or inconsistent
@@ -37,6 +37,18 @@ class VisionSpec:
     model_type: str
     config_json: str  # the `vision_config` object as canonical JSON
     media_placeholder_token_id: int | None = None
+
+
+def default_vision(text_hidden_size: int, media_placeholder_token_id: int | None) -> VisionSpec:
+    """The `kimi_k3_vision` defaults as the reference lists them (carried only; never built)."""
+    raw = {
+        "model_type": "kimi_k3_vision", "patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_width": 64,
+        "init_pos_emb_time": 4, "pos_emb_type": "divided_fixed", "num_attention_heads": 12,
+        "num_hidden_layers": 27, "hidden_size": 1024, "intermediate_size": 4096, "merge_kernel_size": [2, 2],
+        "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2", "qkv_hidden_size": 1536,
+        "text_hidden_size": text_hidden_size,
+    }
+    return VisionSpec("kimi_k3_vision", json.dumps(raw, sort_keys=True), media_placeholder_token_id)
 
 
 @dataclass(frozen=True)
@@ -213,32 +225,6 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
-    # --- config.json -----------------------------------------------------------------------------------
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json of this model's checkpoint format (transformers loads the Kimi-Linear one too)."""
-        # Imported here: both modules build on this one.
-        if self.is_k3_format:
-            from radixk3.k3_config import k3_config_dict
-
-            return k3_config_dict(self)
-        from radixk3.hf_config import text_config_dict
-
-        return text_config_dict(self, all_switches=False)
-
-    @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        if raw.get("model_type") == "kimi_k3":
-            from radixk3.k3_config import parse_kimi_k3
-
-            return parse_kimi_k3(raw)
-        from radixk3.hf_config import text_config_fields
-
-        return cls(**text_config_fields(raw, k3=False))
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> ModelConfig:
-        return cls.from_hf_dict(read_config_json(path))
-
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
     """A checkpoint's config.json (`path` the file or its directory), as a dict; ConfigError when absent or
@@ -300,15 +286,40 @@ def _k3_tiny() -> ModelConfig:
 
 
 def _kimi_k3() -> ModelConfig:
-    from radixk3.k3_config import kimi_k3_preset  # k3_config imports this module
-
-    return kimi_k3_preset()
+    """The true K3 sizes, for memory plans only. Launch figures: 93 layers = 69 KDA + 24 MLA, 16 of 896 experts,
+    2.8T parameters / 104B active; other sizes are the reference's hints (hidden 7168, latent 3584, 96 heads,
+    q_lora 1536, moe_intermediate 3072); attn_res_block_size 12 gives the 8 blocks the native kernel allows."""
+    kda, mla = every_mla(93, [*range(4, 93, 4), 93])
+    return ModelConfig(
+        vocab_size=163840, hidden_size=7168, num_hidden_layers=93, kda_layers=kda, mla_layers=mla,
+        kda_num_heads=96, kda_head_dim=128, conv_kernel_size=4,
+        num_attention_heads=96, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, intermediate_size=18432, moe_intermediate_size=3072, num_experts=896,
+        num_experts_per_token=16, num_shared_experts=1, routed_scaling_factor=2.446, first_k_dense_replace=1,
+        rms_norm_eps=1e-6,
+        bos_token_id=163584, eos_token_id=163586, pad_token_id=163839, dtype="bfloat16", model_type="kimi_k3",
+        kda_full_rank_gate=True, kda_gate_lower_bound=-5.0, mla_use_output_gate=True, attn_res_block_size=12,
+        routed_expert_hidden_size=3584, latent_moe_use_norm=True, hidden_act="situ", activation_situ_beta=1.0,
+        num_nextn_predict_layers=1, vision=default_vision(7168, 163605),
+    )
 
 
 def _k3_tiny_native() -> ModelConfig:
-    from radixk3.k3_config import k3_tiny_native_preset
-
-    return k3_tiny_native_preset()
+    """Every K3 feature on at test size: k3-tiny's 4 layers (MLA at 1-based 2 and 4), AttnRes blocks of 3 (the
+    second one partial), LatentMoE with norm, SiTU with both betas, one MTP layer."""
+    kda, mla = every_mla(4, [2, 4])
+    return ModelConfig(
+        vocab_size=4096, hidden_size=64, num_hidden_layers=4, kda_layers=kda, mla_layers=mla,
+        kda_num_heads=2, kda_head_dim=32, conv_kernel_size=4,
+        num_attention_heads=2, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_token=2, num_shared_experts=1, routed_scaling_factor=2.446, first_k_dense_replace=1,
+        num_expert_group=2, topk_group=1, rms_norm_eps=1e-6,
+        model_type="kimi_k3", kda_full_rank_gate=True, kda_gate_lower_bound=-5.0, mla_use_output_gate=True,
+        attn_res_block_size=3, routed_expert_hidden_size=32, latent_moe_use_norm=True, hidden_act="situ",
+        activation_situ_beta=2.0, activation_situ_linear_beta=4.0, num_nextn_predict_layers=1,
+        vision=default_vision(64, 4095),
+    )
 
 
 PRESETS = {

@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from kernels.mla import mla_attention
-from kernels.mla_paged import PagedKV, mla_paged_prefill, mla_store, paged_slots
+from kernels.mla_paged import mla_paged_prefill, mla_store
+from kernels.paged_kv import PagedKV, paged_slots
 from radixk3.dspark_config import DSparkConfig
 from radixk3.forward_batch import ForwardBatch, HybridCache
 from radixk3.layers import MLP, RMSNorm

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from kernels import moe
+from kernels import glu
 from radixk3.config import ModelConfig
 from radixk3.parallel import shard_range
 from radixk3.parallel_linear import ColumnParallelLinear, PublicPart, RowParallelLinear, TPRank, row_parts
@@ -79,8 +79,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (xf * torch.sigmoid(gate.float())).to(x.dtype)
 
 
-class GLU(moe.GLU):
-    """`kernels.moe.GLU` (SwiGLU or K3's SiTU-GLU, the activation the expert kernels fuse), built from a config."""
+class GLU(glu.GLU):
+    """`kernels.glu.GLU` (SwiGLU or K3's SiTU-GLU, the activation the expert kernels fuse), built from a config."""
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> GLU:
@@ -92,7 +92,7 @@ class MLP(nn.Module):
     the intermediate dim is split (gate|up column-parallel, down row-parallel); `reduce_results` False leaves the
     output a partial sum for the caller to all-reduce with others (an MoE's shared and routed experts)."""
 
-    def __init__(self, hidden: int, intermediate: int, act: moe.GLU | None = None, *,
+    def __init__(self, hidden: int, intermediate: int, act: glu.GLU | None = None, *,
                  reduce_results: bool = True) -> None:
         super().__init__()
         self.gate_up_proj = FusedLinear(hidden, [("gate_proj", intermediate), ("up_proj", intermediate)])

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import moe
-from kernels.moe import MoERoute, moe_experts, moe_route
+from kernels import glu
+from kernels.moe import moe_experts
+from kernels.moe_route import MoERoute, moe_route
 from radixk3.config import ConfigError, ModelConfig
 from radixk3.layers import GLU, MLP, PublicPart, RMSNorm
 from radixk3.parallel import ParallelState, parallel_state, shard_range, tp_all_reduce
@@ -79,7 +80,7 @@ class Experts(nn.Module):
     the gate, checkpoint `experts.{e}.w1`; rows [I_part:] the up projection, `experts.{e}.w3`) and w2_weight
     [E_held, D, I_part] (`experts.{e}.w2`). Unsharded: every expert, whole."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: moe.GLU,
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: glu.GLU,
                  held: range | None = None, inter: slice | None = None) -> None:
         super().__init__()
         self.num_experts, self.hidden, self.full_intermediate = num_experts, hidden, intermediate

@@ -158,16 +158,6 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Concatenate every TP rank's `x` along `dim`, in rank order (`x` itself on one rank)."""
-    state = _STATE
-    if state.tp_size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(state.tp_size)]
-    dist.all_gather(parts, x.contiguous(), group=state.group)
-    return torch.cat(parts, dim=dim)
-
-
 def all_reduce(x: torch.Tensor, g: Group) -> torch.Tensor:
     """Sum `x` over `g` (in place; the identity on one rank)."""
     if g.size > 1:

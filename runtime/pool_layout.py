@@ -268,10 +268,10 @@ def pool_layout(cfg: ModelConfig, args: ServerArgs) -> PoolLayout:
     tp = args.tp_size // args.dp_size if args.enable_dp_attention else args.tp_size
     layout = dataclasses.replace(PoolLayout.from_config(cfg, tp, page_size=args.page_size), kv_dtype=dtype)
     if args.speculative_algorithm == "draft":
-        from radixk3.config import ModelConfig
+        from radixk3.config_formats import load_model_config
 
         assert args.speculative_draft_model is not None
-        dcfg = ModelConfig.from_file(args.speculative_draft_model)
+        dcfg = load_model_config(args.speculative_draft_model)
         check_draft_config(cfg, dcfg)
         draft = dataclasses.replace(PoolLayout.from_config(dcfg, tp, page_size=args.page_size), kv_dtype=dtype)
         layout = dataclasses.replace(layout, draft=draft)

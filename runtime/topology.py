@@ -145,9 +145,6 @@ class Topology:
         except ValueError:  # a host name: listen on every interface (ZeroMQ binds interfaces, not names)
             return f"tcp://*:{port}"
 
-    def is_tcp(self, name: str) -> bool:
-        return self._port(name) is not None
-
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host

@@ -8,7 +8,6 @@ Concurrency is therefore capped by states as well as by tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 from runtime.scheduler.pool import UnifiedPool
@@ -21,13 +20,6 @@ class Demand(NamedTuple):
 
     def plus(self, other: Demand) -> Demand:
         return Demand(self.pages + other.pages, self.states + other.states)
-
-
-class Headroom(NamedTuple):
-    pages: int  # more KV pages that fit if no more states are taken (after evicting what can be)
-    states: int  # more state blocks that fit if no more pages are taken
-    reclaimable_pages: int  # what evicting every unlocked cached node would free
-    reclaimable_states: int
 
 
 NO_DEMAND = Demand(0, 0)
@@ -65,25 +57,3 @@ class Admission:
         requests admitted in the same step but not yet allocated."""
         need = self.committed().plus(reserved).plus(demand)
         return self.pool.fits_packed(need.pages, need.states)
-
-    def headroom(self) -> Headroom:
-        base = self.committed()
-        g = self.pool.geometry
-        pages = _largest(lambda n: self.pool.fits_packed(base.pages + n, base.states), g.num_pages)
-        states = _largest(lambda n: self.pool.fits_packed(base.pages, base.states + n), g.num_state_slots)
-        free = self.cache.reclaimable() if self.cache is not None else (0, 0)
-        return Headroom(pages, states, free[0], free[1])
-
-
-def _largest(ok: Callable[[int], bool], hi: int) -> int:
-    """Largest n in [0, hi] with ok(n), for a monotone ok; -1 when even ok(0) fails (over-committed)."""
-    if not ok(0):
-        return -1
-    lo = 0
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

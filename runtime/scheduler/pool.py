@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
 from runtime.pool_layout import CopyCommand, PoolGeometry, PoolLayout
@@ -235,12 +235,6 @@ class UnifiedPool:
 
     def page_index(self, vid: int) -> int:
         return self._kv.rank(vid)
-
-    def token_slots(self, pages: Sequence[int], start: int, end: int) -> list[int]:
-        """Physical token slots (rows of the per-layer KV views) of token positions [start, end) of a
-        sequence whose KV lives in `pages`, in order."""
-        ps = self.geometry.page_size
-        return [self._kv.rank(pages[i // ps]) * ps + i % ps for i in range(start, end)]
 
     def is_state(self, vid: int) -> bool:
         return vid in self._st.rank_of

@@ -90,10 +90,6 @@ class Req:
         """Index among the outputs of the next token to be sampled."""
         return len(self.output_ids) + self.pending_samples
 
-    def token_at(self, pos: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
-
     def ids(self, start: int, end: int) -> list[int]:
         """Known token ids [start, end), without building the whole sequence."""
         n = len(self.prompt_ids)

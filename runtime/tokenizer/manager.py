@@ -283,10 +283,6 @@ class TokenizerManager:
         if threading.get_ident() != self._thread:
             raise RuntimeError("call the tokenizer manager on the event loop it was started on")
 
-    @property
-    def num_pending(self) -> int:
-        return len(self._reqs)
-
     # --- receiving -------------------------------------------------------------------------------------
     async def _receive(self) -> None:
         try:

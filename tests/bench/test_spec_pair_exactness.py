@@ -15,12 +15,12 @@ import pytest
 from bench.gsm8k import DATA, few_shot_prefix, one_example, read_jsonl
 from bench.train_spec_pair import Recipe, SpecPair, Stage, ensure_spec_pair, k3_config
 from radixk3.checkpoint import load_model
-from radixk3.generate import greedy_reference
 from radixk3.model import KimiForCausalLM
 from radixk3.tokenizer import load_tokenizer
 from runtime.local_engine import LocalEngine
 from runtime.pool_layout import pool_budget, pool_layout
 from runtime.server_args import ServerArgs
+from tests.greedy import greedy_reference
 
 SMALL = Recipe(
     target=k3_config(64, 2, [2], 1, 32, 128, mtp=1),

@@ -8,8 +8,8 @@ import torch
 from kda_inputs import KDAInputs, fla_reference, kda_inputs
 
 from kernels.backend import ENV_VAR
-from kernels.kda import kda_recurrent
-from kernels.kda_pool import KDAGate, kda_decode, kda_prefill, kda_replay, preprocess_step
+from kernels.kda import KDAGate, kda_recurrent
+from kernels.kda_pool import kda_decode, kda_prefill, kda_replay, preprocess_step
 from kernels.state_checkpoints import StateCheckpoints
 
 H, K, V = 2, 16, 12

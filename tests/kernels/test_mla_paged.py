@@ -8,7 +8,8 @@ import torch
 from test_mla import DN, DR, DV, H, R, dense
 
 from kernels.backend import ENV_VAR
-from kernels.mla_paged import PagedKV, mla_paged_decode, mla_paged_prefill, mla_store, paged_slots
+from kernels.mla_paged import mla_paged_decode, mla_paged_prefill, mla_store
+from kernels.paged_kv import PagedKV, paged_slots
 
 SCALE = (DN + DR) ** -0.5
 

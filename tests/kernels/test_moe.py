@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.moe import GLU, SILU, MoERoute, moe_experts, moe_route
+from kernels.glu import GLU, SILU
+from kernels.moe import moe_experts
+from kernels.moe_route import MoERoute, moe_route
 
 E, D, INTER = 8, 24, 20
 

@@ -13,9 +13,10 @@ from torch import Tensor
 
 from kernels.backend import ENV_VAR
 from kernels.conv1d_pool import conv1d_decode, conv1d_prefill, conv1d_replay
-from kernels.kda import l2norm
-from kernels.kda_pool import KDAGate, kda_decode, kda_prefill, kda_replay
-from kernels.mla_paged import PagedKV, mla_paged_decode, mla_paged_prefill, mla_store, paged_slots
+from kernels.kda import KDAGate, l2norm
+from kernels.kda_pool import kda_decode, kda_prefill, kda_replay
+from kernels.mla_paged import mla_paged_decode, mla_paged_prefill, mla_store
+from kernels.paged_kv import PagedKV, paged_slots
 from kernels.state_checkpoints import StateCheckpoints
 from runtime.pool_layout import PoolLayout, dtype_bytes
 from runtime.worker.pool_buffer import PoolBuffer

@@ -17,7 +17,8 @@ from kernels.conv1d import causal_conv1d
 from kernels.conv1d_pool import conv1d_prefill
 from kernels.kda import kda_recurrent
 from kernels.kda_pool import kda_decode, kda_prefill, kda_replay
-from kernels.mla_paged import PagedKV, mla_paged_prefill, mla_store, paged_slots
+from kernels.mla_paged import mla_paged_prefill, mla_store
+from kernels.paged_kv import PagedKV, paged_slots
 from kernels.state_checkpoints import StateCheckpoints
 
 H, K, V = 2, 16, 8

@@ -6,8 +6,8 @@ import torch
 
 from radixk3.config import preset
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
-from radixk3.generate import greedy_cached, greedy_reference
 from radixk3.model import build_model
+from tests.greedy import greedy_cached, greedy_reference
 
 TOL = 1e-5
 

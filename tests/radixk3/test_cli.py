@@ -44,9 +44,9 @@ def test_generate_builtin_and_bad_model_path(tmp_path: Path, capsys: pytest.Capt
 def test_generate_streams_the_engine_greedy_output(capsys: pytest.CaptureFixture[str]) -> None:
     """Through the engine (with ServerArgs flags), the printed text is the prompt + the no-cache greedy loop."""
     from radixk3.config import BUILTIN_PRESET, BUILTIN_SEED, preset
-    from radixk3.generate import greedy_reference
     from radixk3.model import build_model
     from radixk3.tokenizer import load_tokenizer
+    from tests.greedy import greedy_reference
 
     tok = load_tokenizer()
     prompt = "Natalia sold clips to 48 of her friends"

@@ -5,13 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from radixk3.config import PRESETS, ConfigError, ModelConfig, preset
+from radixk3.config import PRESETS, ConfigError, preset
+from radixk3.config_formats import load_model_config, model_config_from_dict, model_config_to_dict
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_round_trip_through_config_json(name: str) -> None:
     cfg = preset(name)
-    assert ModelConfig.from_hf_dict(json.loads(json.dumps(cfg.to_hf_dict()))) == cfg
+    assert model_config_from_dict(json.loads(json.dumps(model_config_to_dict(cfg)))) == cfg
 
 
 def test_k3_small_is_the_design_card_model() -> None:
@@ -27,7 +28,7 @@ def test_kimi_k3_layer_counts() -> None:
 
 
 def _raw() -> dict:
-    return preset("k3-tiny").to_hf_dict()
+    return model_config_to_dict(preset("k3-tiny"))
 
 
 @pytest.mark.parametrize(
@@ -50,15 +51,15 @@ def test_bad_config_names_the_key(mutate, message: str) -> None:  # noqa: ANN001
     raw = _raw()
     mutate(raw)
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_hf_dict(raw)
+        model_config_from_dict(raw)
 
 
 def test_missing_and_invalid_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
-        ModelConfig.from_file(tmp_path)
+        load_model_config(tmp_path)
     (tmp_path / "config.json").write_text("{nope")
     with pytest.raises(ConfigError, match="not valid JSON"):
-        ModelConfig.from_file(tmp_path)
+        load_model_config(tmp_path)
 
 
 def test_unknown_preset() -> None:

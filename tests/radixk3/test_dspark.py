@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from bench.spec_train_dspark import draw_samples, dspark_loss, target_data, train_dspark
 from kernels.backend import ENV_VAR
-from kernels.mla_paged import PagedKV, mla_paged_prefill, mla_store, paged_slots
+from kernels.mla_paged import mla_paged_prefill, mla_store
+from kernels.paged_kv import PagedKV, paged_slots
 from radixk3.checkpoint import CheckpointError
 from radixk3.config import ConfigError, preset
 from radixk3.dspark import (

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from radixk3.config import preset
-from radixk3.generate import greedy_reference
 from radixk3.model import KimiForCausalLM, build_model
+from tests.greedy import greedy_reference
 
 U = 2.0**-8
 SUBLAYER_TOL = 4 * U

@@ -7,9 +7,9 @@ import torch
 
 from radixk3.config import preset
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
-from radixk3.generate import greedy_cached, greedy_reference
 from radixk3.model import KimiForCausalLM, build_model
 from radixk3.mtp import allocate_mtp_cache, token_positions
+from tests.greedy import greedy_cached, greedy_reference
 
 TOL = 1e-5
 

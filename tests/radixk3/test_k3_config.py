@@ -7,12 +7,13 @@ import json
 
 import pytest
 
-from radixk3.config import ConfigError, ModelConfig, preset
+from radixk3.config import ConfigError, preset
+from radixk3.config_formats import model_config_from_dict, model_config_to_dict
 from radixk3.plan import memory_plan
 
 
 def _raw() -> dict:
-    return copy.deepcopy(preset("k3-tiny-native").to_hf_dict())
+    return copy.deepcopy(model_config_to_dict(preset("k3-tiny-native")))
 
 
 def test_nested_config_reads_every_switch() -> None:
@@ -20,7 +21,7 @@ def test_nested_config_reads_every_switch() -> None:
     text = raw["text_config"]
     text["linear_attn_config"].update(kda_layers=[1, 3, 4], full_attn_layers=[2])  # never consulted
     raw["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
-    cfg = ModelConfig.from_hf_dict(raw)
+    cfg = model_config_from_dict(raw)
     assert cfg.model_type == "kimi_k3" and cfg.is_k3_format
     assert cfg.kda_layers == (0, 2, 3) and cfg.mla_layers == (1,)  # 1-based; every other layer is MLA
     assert cfg.kda_full_rank_gate and cfg.kda_gate_lower_bound == -5.0 and cfg.mla_use_output_gate
@@ -36,15 +37,15 @@ def test_nested_config_reads_every_switch() -> None:
 def test_sizes_are_forwarded_from_the_top() -> None:
     raw = _raw()
     del raw["text_config"]["hidden_size"]
-    assert ModelConfig.from_hf_dict(raw).hidden_size == 64
+    assert model_config_from_dict(raw).hidden_size == 64
     raw["hidden_size"] = 65
     raw["text_config"]["hidden_size"] = 64
     with pytest.raises(ConfigError, match="hidden_size 65 at the top disagrees"):
-        ModelConfig.from_hf_dict(raw)
+        model_config_from_dict(raw)
 
 
 def test_vision_is_accepted_but_images_are_refused() -> None:
-    cfg = ModelConfig.from_hf_dict(_raw())
+    cfg = model_config_from_dict(_raw())
     assert cfg.vision is not None and cfg.vision.model_type == "kimi_k3_vision"
     cfg.check_images(0)
     with pytest.raises(ConfigError, match="kimi_k3_vision vision tower .* not supported"):
@@ -53,7 +54,7 @@ def test_vision_is_accepted_but_images_are_refused() -> None:
     for key in ("vision_config", "media_placeholder_token_id", "image_placeholder"):
         del raw[key]
     with pytest.raises(ConfigError, match="no vision tower"):
-        ModelConfig.from_hf_dict(raw).check_images(1)
+        model_config_from_dict(raw).check_images(1)
 
 
 @pytest.mark.parametrize(
@@ -80,23 +81,23 @@ def test_bad_k3_config_names_the_key(mutate, message: str) -> None:  # noqa: ANN
     raw = _raw()
     mutate(raw)
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_hf_dict(raw)
+        model_config_from_dict(raw)
 
 
 def test_kimi_linear_config_json_is_unchanged_by_the_switches() -> None:
-    raw = preset("k3-tiny").to_hf_dict()
+    raw = model_config_to_dict(preset("k3-tiny"))
     assert raw["model_type"] == "kimi_linear" and "text_config" not in raw
     assert not {"mla_use_output_gate", "attn_res_block_size", "routed_expert_hidden_size"} & set(raw)
     assert set(raw["linear_attn_config"]) == {"kda_layers", "full_attn_layers", "num_heads", "head_dim",
                                               "short_conv_kernel_size"}
     switched = preset("k3-tiny").replace(kda_gate_lower_bound=-5.0, mla_use_output_gate=True)
-    back = ModelConfig.from_hf_dict(json.loads(json.dumps(switched.to_hf_dict())))
+    back = model_config_from_dict(json.loads(json.dumps(model_config_to_dict(switched))))
     assert back == switched and back.mla_kv_norm_eps == 1e-6 != back.rms_norm_eps  # Moonshot's convention
 
 
 def test_kimi_k3_preset_is_the_native_layout() -> None:
     cfg = preset("kimi-k3")
-    raw = cfg.to_hf_dict()
+    raw = model_config_to_dict(cfg)
     assert raw["model_type"] == "kimi_k3" and raw["text_config"]["num_hidden_layers"] == 93
     assert (cfg.num_kda_layers, cfg.num_mla_layers, cfg.num_experts, cfg.num_experts_per_token) == (69, 24, 896, 16)
     assert cfg.kda_full_rank_gate and cfg.mla_use_output_gate and cfg.q_lora_rank == 1536

@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from oracles import transformers_module
 from radixk3.checkpoint import SINGLE_FILE, load_model, write_random_checkpoint
-from radixk3.config import ModelConfig, preset
+from radixk3.config import preset
+from radixk3.config_formats import load_model_config, model_config_to_dict
 from radixk3.tensor_names import public_tensors
 
 # The K3 reference gives kv_a_layernorm rms_norm_eps where Moonshot's Kimi-Linear code uses 1e-6: with
@@ -23,10 +24,10 @@ EPS = 1e-6
 def _as_k3(kl_dir: Path, out: Path, *, legacy_names: bool) -> Path:
     """Rewrite a Kimi-Linear checkpoint as native K3: nested config, `language_model.` names, A_log as [H]
     (optionally the `language_model.layers.` alias and the legacy A_log shape)."""
-    cfg = ModelConfig.from_file(kl_dir)
+    cfg = load_model_config(kl_dir)
     k3 = cfg.replace(model_type="kimi_k3")
     out.mkdir()
-    raw = k3.to_hf_dict()
+    raw = model_config_to_dict(k3)
     assert raw["model_type"] == "kimi_k3" and raw["text_config"]["linear_attn_config"]["use_full_rank_gate"] is False
     (out / "config.json").write_text(json.dumps(raw))
     tensors = {}

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from kernels.moe import MoERoute, moe_experts
+from kernels.moe import moe_experts
+from kernels.moe_route import MoERoute
 from radixk3.config import ConfigError, ModelConfig, preset
 from radixk3.moe_layer import MoE, dispatch_local, moe_shard
 from radixk3.parallel import (

@@ -20,7 +20,6 @@ import torch.multiprocessing as mp
 from radixk3.checkpoint import CheckpointError, load_model, write_checkpoint
 from radixk3.config import ConfigError, ModelConfig, preset
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
-from radixk3.generate import greedy_cached
 from radixk3.model import KimiForCausalLM, build_model
 from radixk3.mtp import allocate_mtp_cache
 from radixk3.parallel import ParallelState, destroy_parallel, exit_rank, init_parallel, set_parallel_state, shard_range
@@ -30,6 +29,7 @@ from radixk3.tensor_names import Shard, public_shards, public_tensors
 from runtime.pool_layout import pool_layout
 from runtime.server_args import ServerArgs
 from runtime.worker.pool_buffer import PoolBuffer
+from tests.greedy import greedy_cached
 
 WORLD = 2
 SEED = 5

@@ -1,4 +1,4 @@
-"""Admission accounting: demand of a request, and fits / headroom against what eviction could free."""
+"""Admission accounting: demand of a request, and what fits against what eviction could free."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_fits_counts_what_eviction_could_free_and_not_what_is_locked() -> None:
         cache.insert([i, 0, 0, 0], pool.alloc_pages(1), pool.alloc_state())
     assert adm.committed() == Demand(0, 0)
     assert adm.fits(Demand(64, 0)) and adm.fits(Demand(0, 8)) and not adm.fits(Demand(1, 8))
-    assert adm.headroom()[:2] == (64, 8)
+    assert not adm.fits(Demand(65, 0)) and not adm.fits(Demand(0, 9))  # the whole pool, no more
     m = cache.match_prefix([0, 0, 0, 0, 9])
     cache.lock(m.node)  # a running request pins its prefix's KV, not the state it copied
     live = cache.alloc_live_state(m)
@@ -52,7 +52,7 @@ def test_fits_counts_what_eviction_could_free_and_not_what_is_locked() -> None:
     assert adm.fits(Demand(0, 0)) and not adm.fits(Demand(0, 1))
     with pytest.raises(PoolExhausted):
         pool.alloc_state()
-    assert adm.headroom() == (0, 0, 0, 0)
+    assert not adm.fits(Demand(1, 0)) and cache.reclaimable() == (0, 0)
     cache.check_integrity(held_pages=got, held_states=[live])
 
 
@@ -60,7 +60,8 @@ def test_reserved_demand_and_over_commitment() -> None:
     pool, _, adm = setup()
     held = [pool.alloc_state() for _ in range(6)]
     assert adm.fits(Demand(8, 1)) and not adm.fits(Demand(8, 1), reserved=Demand(1, 0))
-    assert adm.headroom()[:2] == (16, 2)
+    assert adm.fits(Demand(16, 0)) and not adm.fits(Demand(17, 0))  # 1024 B left: 16 pages or 2 states
+    assert adm.fits(Demand(0, 2)) and not adm.fits(Demand(0, 3))
     assert Demand(1, 2).plus(Demand(3, 4)) == Demand(4, 6)
     adm_plain = Admission(pool)
     assert adm_plain.committed() == Demand(0, 6) and len(held) == 6

@@ -36,7 +36,7 @@ async def idle(tm: TokenizerManager, timeout: float = 5.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         m = await tm.get_metrics()
-        if m["running"] == 0 and m["queued"] == 0 and tm.num_pending == 0:
+        if m["running"] == 0 and m["queued"] == 0 and m["pending_requests"] == 0:
             return m
         assert time.monotonic() < deadline, f"requests still running: {m}"
         await asyncio.sleep(0.05)
@@ -152,7 +152,7 @@ def test_refusals_at_the_door(engine: Engine) -> None:
         assert e.value.param == "rid"
         h.abort()
         await h.result()
-        assert tm.num_pending == 0
+        assert (await tm.get_metrics())["pending_requests"] == 0
 
     on_loop(engine, run())
 

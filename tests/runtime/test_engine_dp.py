@@ -43,7 +43,7 @@ def exactness(dp1: Engine) -> tuple[list[list[list[int]]], list[list[list[int]]]
 
 def _use(eng: Engine, method: str) -> DPRouter:
     """A fresh router of `method` (the engine is idle: nothing is outstanding) and empty replica caches."""
-    assert eng.tm.num_pending == 0 and eng.flush_cache()
+    assert eng.get_metrics()["pending_requests"] == 0 and eng.flush_cache()
     eng.tm.router = DPRouter(eng.tm.num_replicas, method)
     return eng.tm.router
 
@@ -86,7 +86,7 @@ def test_metrics_add_up_and_abort_reaches_its_replica(dp2: Engine) -> None:
 
 
 def _hit_rate(eng: Engine, prompts: list[str]) -> float:
-    assert eng.tm.num_pending == 0 and eng.flush_cache()
+    assert eng.get_metrics()["pending_requests"] == 0 and eng.flush_cache()
     outs = eng.generate(prompts, {"max_new_tokens": 1, "temperature": 0})
     meta = [o["meta_info"] for o in outs]
     return sum(m["cached_tokens"] for m in meta) / sum(m["prompt_tokens"] for m in meta)

@@ -10,10 +10,10 @@ from collections.abc import Callable
 import pytest
 
 from radixk3.config import preset
-from radixk3.generate import greedy_reference
 from radixk3.model import build_model
 from runtime.local_engine import LocalEngine
 from runtime.server_args import ServerArgs
+from tests.greedy import greedy_reference
 
 MAX_NEW = 6
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}

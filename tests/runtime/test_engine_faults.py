@@ -18,10 +18,10 @@ import time
 import pytest
 
 from radixk3.config import preset
-from radixk3.generate import greedy_reference
 from radixk3.model import build_model
 from runtime.sampling_params import InvalidRequest
 from runtime.tokenizer.engine import Engine, EngineError
+from tests.greedy import greedy_reference
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 LONG = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}
@@ -62,7 +62,7 @@ def test_a_bad_request_never_fails_its_batch_mates(engine: Engine, model) -> Non
         chunks = list(s)
         assert chunks[-1].finished == "length" and chunks[-1].error is None
         assert [t for c in chunks for t in c.token_ids] == greedy_reference(model, p, 6)
-    assert engine.tm.num_pending == 0  # nothing refused was left registered
+    assert engine.get_metrics()["pending_requests"] == 0  # nothing refused was left registered
 
 
 def test_negative_stop_ids_are_refused_not_wrapped(engine: Engine, model) -> None:  # noqa: ANN001
@@ -82,7 +82,7 @@ def test_loose_types_are_refused(engine: Engine, params: dict, field: str, word:
     assert e.value.param == field
     with pytest.raises(InvalidRequest):
         engine.stream("x", GREEDY | params)
-    assert engine.tm.num_pending == 0
+    assert engine.get_metrics()["pending_requests"] == 0
 
 
 def test_stream_yields_all_n_samples_with_text(engine: Engine) -> None:

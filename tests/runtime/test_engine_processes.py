@@ -9,10 +9,10 @@ import time
 import pytest
 
 from radixk3.config import preset
-from radixk3.generate import greedy_reference
 from radixk3.model import build_model
 from runtime.sampling_params import InvalidRequest
 from runtime.tokenizer.engine import Engine, EngineError
+from tests.greedy import greedy_reference
 
 
 @pytest.fixture(scope="module")

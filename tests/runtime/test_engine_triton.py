@@ -8,10 +8,10 @@ import random
 import pytest
 
 from radixk3.config import preset
-from radixk3.generate import greedy_reference
 from radixk3.model import build_model
 from runtime.local_engine import LocalEngine
 from runtime.server_args import ServerArgs
+from tests.greedy import greedy_reference
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

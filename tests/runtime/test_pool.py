@@ -9,6 +9,7 @@ import torch
 
 from runtime.pool_layout import CopyCommand, PoolLayout
 from runtime.scheduler.pool import Kind, PoolExhausted, UnifiedPool
+from tests.runtime.pool_rows import token_rows
 
 # 1 KDA layer of 1x4x4 fp32 (64 B -> one 256 B region) + conv 12x1 bf16 (one 256 B region): 512 B blocks.
 LAYOUT = PoolLayout(num_kda_layers=1, kda_heads=1, head_dim=4, conv_kernel=2, num_mla_layers=1, kv_dim=8,
@@ -28,7 +29,7 @@ def test_states_from_the_top_pages_from_the_bottom() -> None:
     assert [pool.state_slot(a), pool.state_slot(b)] == [g.num_state_slots - 1, g.num_state_slots - 2]
     pages = pool.alloc_pages(3)
     assert [pool.page_index(p) for p in pages] == [0, 1, 2]
-    assert pool.token_slots(pages, 1, 5) == [1, 2, 3, 4]
+    assert token_rows(pool, pages, 1, 5) == [1, 2, 3, 4]
     u = pool.usage()
     assert (u.state_blocks, u.kv_pages, u.state_bytes, u.kv_bytes) == (2, 3, 1024, 96)
     assert u.gap_bytes == g.total_bytes - 1024 - 96

@@ -8,6 +8,7 @@ import torch
 from runtime.pool_layout import CopyCommand, PoolLayout
 from runtime.scheduler.pool import PoolExhausted, UnifiedPool
 from runtime.worker.pool_buffer import PoolBuffer
+from tests.runtime.pool_rows import token_rows
 
 LAYOUT = PoolLayout(num_kda_layers=2, kda_heads=2, head_dim=4, conv_kernel=4, num_mla_layers=3, kv_dim=6,
                     state_dtype=torch.float32, kv_dtype=torch.bfloat16, page_size=4)
@@ -89,7 +90,7 @@ def test_data_survives_compaction_through_the_views() -> None:
     for i, s in enumerate(states):
         _write_state(buf, pool.state_slot(s), float(10 * i))
     for i, p in enumerate(pages):
-        rows = pool.token_slots([p], 0, per_page)
+        rows = token_rows(pool, [p], 0, per_page)
         for layer in range(LAYOUT.num_mla_layers):
             buf.kv(layer)[rows] = float(i % 200 + layer)
     # Free every other state and every other page: holes on both sides, no gap.
@@ -116,7 +117,7 @@ def test_data_survives_compaction_through_the_views() -> None:
             assert _state_ok(buf, pool.state_slot(s), float(10 * i)), f"state {s} lost in compaction"
     for i, p in enumerate(pages):
         if p in live_pages:
-            rows = pool.token_slots([p], 0, per_page)
+            rows = token_rows(pool, [p], 0, per_page)
             for layer in range(LAYOUT.num_mla_layers):
                 assert bool((buf.kv(layer)[rows] == float(i % 200 + layer)).all()), f"page {p} lost"
     assert len(new_states) > 2

@@ -20,6 +20,7 @@ from runtime.scheduler.admission import Admission, Demand
 from runtime.scheduler.pool import Kind, PoolExhausted, UnifiedPool
 from runtime.scheduler.radix_cache import HybridRadixCache, Node
 from runtime.worker.pool_buffer import PoolBuffer
+from tests.runtime.pool_rows import token_rows
 
 ALPHABET = 3  # few distinct tokens: prompts share prefixes often
 MAX_REQS = 4
@@ -87,7 +88,7 @@ class PoolCacheMachine(RuleBasedStateMachine):
     def write_kv(self, pages: list[int], tokens: list[int], start: int, end: int) -> None:
         if start >= end:
             return
-        rows = self.pool.token_slots(pages, start, end)
+        rows = token_rows(self.pool, pages, start, end)
         keys = [tuple(tokens[: i + 1]) for i in range(start, end)]
         for layer in range(self.lay.num_mla_layers):
             self.buf.kv(layer)[rows] = self._rows(keys, layer)
@@ -95,7 +96,7 @@ class PoolCacheMachine(RuleBasedStateMachine):
     def kv_is(self, pages: list[int], tokens: list[int] | tuple[int, ...], start: int, end: int) -> bool:
         if start >= end:
             return True
-        rows = self.pool.token_slots(pages, start, end)
+        rows = token_rows(self.pool, pages, start, end)
         keys = [tuple(tokens[: i + 1]) for i in range(start, end)]
         return all(bool((self.buf.kv(layer)[rows] == self._rows(keys, layer)).all())
                    for layer in range(self.lay.num_mla_layers))

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from radixk3.config import preset
-from radixk3.generate import greedy_reference
 from radixk3.model import build_model
 from runtime.local_engine import LocalEngine
 from runtime.server_args import ServerArgs
+from tests.greedy import greedy_reference
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 

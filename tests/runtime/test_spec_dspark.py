@@ -18,12 +18,12 @@ from radixk3.checkpoint import write_checkpoint
 from radixk3.config import ConfigError, preset
 from radixk3.dspark import target_aux_states
 from radixk3.dspark_checkpoint import write_random_dspark
-from radixk3.generate import greedy_reference
 from radixk3.model import KimiForCausalLM, build_model
 from runtime.local_engine import LocalEngine
 from runtime.pool_layout import pool_layout
 from runtime.server_args import ServerArgs
 from runtime.spec.dspark import DSparkProposer, block_length
+from tests.greedy import greedy_reference
 
 MAX_NEW = 12
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from radixk3.config import preset
-from radixk3.generate import greedy_reference
 from radixk3.model import build_model
 from radixk3.tokenizer import load_tokenizer
 from runtime.local_engine import LocalEngine
 from runtime.pool_layout import PoolLayout
 from runtime.server_args import ServerArgs
+from tests.greedy import greedy_reference
 
 MAX_NEW = 24
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}

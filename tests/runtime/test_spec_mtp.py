@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from radixk3.config import preset
-from radixk3.generate import greedy_reference
 from radixk3.model import build_model
 from runtime.local_engine import LocalEngine
 from runtime.pool_layout import pool_layout
 from runtime.server_args import ServerArgs
 from runtime.worker.pool_buffer import PoolBuffer
+from tests.greedy import greedy_reference
 
 MAX_NEW = 12
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}

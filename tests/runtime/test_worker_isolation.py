@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from radixk3.config import preset
-from radixk3.generate import greedy_reference
 from radixk3.model import build_model
 from runtime.local_engine import LocalEngine
 from runtime.server_args import ServerArgs
+from tests.greedy import greedy_reference
 
 GREEDY = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
 POISON = 4000  # a token id whose forward "crashes" the worker in the test below

@@ -1,4 +1,5 @@
-"""Single-sequence greedy generation: the plain no-cache loop (ground truth) and the cached loop."""
+"""Single-sequence greedy generation for the tests: the plain no-cache loop (the ground truth every cached and
+served path is compared with) and the cached loop through a HybridCache."""
 
 from __future__ import annotations
 
