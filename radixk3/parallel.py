@@ -170,6 +170,17 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_min(value: int, device: str | torch.device) -> int:
+    """The smallest `value` over the TP group, on every rank (`value` itself on one rank). `device`: the
+    group's (the tensor the collective takes lives there)."""
+    state = _STATE
+    if state.tp_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=state.group)
+    return int(t.item())
+
+
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every TP rank's `x` along `dim`, in rank order (`x` itself on one rank)."""
     state = _STATE
