@@ -98,6 +98,13 @@ def set_parallel_state(state: ParallelState) -> None:
     _STATE = state
 
 
+def collective_backend(device: str | torch.device) -> str:
+    """The torch.distributed backend for a group whose tensors live on `device`: NCCL for CUDA tensors, gloo
+    for CPU ones. The rank's device decides, not what the machine has: `--device cpu` ranks on a GPU machine
+    hand CPU tensors to their collectives, which NCCL cannot take."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
 def init_parallel(
     rank: int,
     world_size: int,
@@ -106,18 +113,23 @@ def init_parallel(
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     dp_size: int = 1,
+    device: str | torch.device = "cpu",
 ) -> ParallelState:
-    """Join the `world_size`-rank TP group at `init_method` (e.g. "tcp://127.0.0.1:29500") as `rank`; gloo on
-    CPU, NCCL on CUDA unless `backend` says otherwise. Expert-parallel ranks are the TP ranks in blocks of
-    tp_size / ep_size (rank r holds expert shard r // (tp_size / ep_size)). `dp_size` > 1: DP attention with
-    dp_size attention groups of world_size / dp_size consecutive ranks."""
+    """Join the `world_size`-rank TP group at `init_method` (e.g. "tcp://127.0.0.1:29500") as `rank`, whose
+    tensors live on `device`: the backend is the device's (`collective_backend`) unless `backend` says
+    otherwise. Expert-parallel ranks are the TP ranks in blocks of tp_size / ep_size (rank r holds expert shard
+    r // (tp_size / ep_size)). `dp_size` > 1: DP attention with dp_size attention groups of world_size / dp_size
+    consecutive ranks."""
     if world_size % dp_size:
         raise ValueError(f"--dp {dp_size} must divide --tp {world_size} (DP attention)")
     if world_size == 1:
         state = ParallelState(ep_size=ep_size)
         set_parallel_state(state)
         return state
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device(device)
+    backend = backend or collective_backend(device)
+    if device.type == "cuda":  # NCCL binds each rank's communicator to the current device
+        torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
     attn_group = None
@@ -156,6 +168,17 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if state.tp_size > 1:
         dist.all_reduce(x, group=state.group)
     return x
+
+
+def tp_min(value: int, device: str | torch.device) -> int:
+    """The smallest `value` over the TP group, on every rank (`value` itself on one rank). `device`: the
+    group's (the tensor the collective takes lives there)."""
+    state = _STATE
+    if state.tp_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=state.group)
+    return int(t.item())
 
 
 def all_reduce(x: torch.Tensor, g: Group) -> torch.Tensor:
@@ -199,7 +222,7 @@ def dp_gather(x: torch.Tensor) -> DPRows:
     all_gather over every rank, unpad). A group with no tokens joins with zero rows (the idle batch). The
     ranks of one group hold the same rows: each group's first rank's copy is used."""
     s = _STATE
-    counts = torch.zeros(s.tp_size, dtype=torch.int64)
+    counts = torch.zeros(s.tp_size, dtype=torch.int64, device=x.device)  # on the group's device (NCCL: CUDA)
     counts[s.tp_rank] = x.shape[0]
     dist.all_reduce(counts, group=s.group)
     per_group = counts[:: s.attn_tp_size].tolist()

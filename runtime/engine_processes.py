@@ -4,7 +4,8 @@
 then watches them from a thread: a child that dies marks the engine dead, tells every registered listener
 (the tokenizer manager fails its pending requests) and stops the others. The request path (`sched_in`,
 `sched_out`) belongs to the tokenizer manager; this side keeps only the `ready` socket and a socket to send
-`Shutdown` on.
+`Shutdown` on. The ranks' readiness says how big a pool they allocated (`pool_bytes`, sized by the workers
+after their weights load), which bounds a request's tokens on the tokenizer side.
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ class EngineProcesses:
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         ready, want = 0, self.num_replicas * self.topology.tp_size  # every rank of every replica, on every node
+        sizes: list[int] = []
         while ready < want:
             if self._ready.poll(200):
                 msg = decode(self._ready.recv_multipart())
@@ -148,12 +150,16 @@ class EngineProcesses:
                     if msg.error is not None:
                         raise EngineError(f"startup failed: {msg.error}")
                     ready += 1
+                if isinstance(msg, WorkerReady) and msg.pool_bytes is not None:
+                    sizes.append(msg.pool_bytes)
             if (dead := self.dead_child()) is not None:
                 if (why := self._last_word(1.0)) is not None:  # a failing child says why before it exits
                     raise EngineError(f"startup failed: {why}")
                 raise EngineError(f"startup failed: {dead}")
             if time.monotonic() > deadline:
                 raise EngineError(f"startup timed out after {timeout:.0f}s ({ready} of {want} ranks ready)")
+        # A request must fit whichever replica it is routed to (each replica's scheduler checked its ranks agree).
+        self.pool_bytes: int = min(sizes)
 
     def _last_word(self, wait_s: float) -> str | None:
         """The reason a child sent before it exited (a startup error or a rank failure), if one comes."""

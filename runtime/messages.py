@@ -124,8 +124,12 @@ class StepResult:
 
 @dataclass
 class WorkerReady:
+    """A rank's readiness, with the size of the pool it allocated (the scheduler's pool metadata must match it),
+    or why it could not start."""
+
     rank: int
     error: str | None = None
+    pool_bytes: int | None = None  # the pool buffer's bytes (PoolGeometry.total_bytes); None with an error
 
 
 @dataclass

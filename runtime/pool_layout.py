@@ -244,17 +244,25 @@ def serving_dtype(cfg: ModelConfig, args: ServerArgs) -> torch.dtype:
     return cfg.torch_dtype if args.dtype == "auto" else getattr(torch, args.dtype)
 
 
-def pool_budget(layout: PoolLayout, args: ServerArgs) -> int:
-    """Bytes of the unified pool: `mem_bytes` less the speculative draft window's scratch, allocated once for
-    every page-table row (`max_running_requests`) when speculation is on."""
-    total = args.mem_bytes
+def pool_budget(layout: PoolLayout, args: ServerArgs, mem_bytes: int | None = None) -> int:
+    """Bytes of the unified pool: `mem_bytes` (the worker's resolved memory, `runtime.worker.pool_memory`;
+    default `--mem-bytes`) less the speculative draft window's scratch, allocated once for every page-table row
+    (`max_running_requests`) when speculation is on. A `--mem-fraction` is resolved by the worker alone, after
+    its weights load: anyone else takes the pool's size from the ranks' readiness (`WorkerReady.pool_bytes`)."""
+    if mem_bytes is None:
+        if args.mem_fraction is not None:
+            raise ValueError("--mem-fraction is resolved by the workers after their weights load: take the pool's "
+                             "size from their readiness (WorkerReady.pool_bytes)")
+        mem_bytes = args.mem_bytes
+    total = mem_bytes
     if args.speculative_algorithm is not None:
         total -= layout.spec_window_bytes(args.spec_state, args.max_running_requests,
                                           args.speculative_num_draft_tokens + 1)
     if args.speculative_algorithm == "draft" and layout.draft is not None:
         total -= args.max_running_requests * layout.draft.state_payload_bytes  # its running state in drafting
     if total <= 0:
-        raise ValueError(f"--mem-bytes {args.mem_bytes} does not even hold the speculative draft window")
+        raise ValueError(f"--mem-bytes / --mem-fraction: {mem_bytes} bytes do not even hold the speculative draft "
+                         "window")
     return total
 
 

@@ -60,6 +60,18 @@ class RankLost(Exception):
     """A rank of this replica failed or went away: the replica cannot run another step."""
 
 
+def agreed_pool_bytes(readies: list[WorkerReady], replica: int) -> int:
+    """The pool size every rank of the replica allocated (they agree on it over their group): the scheduler
+    lays out one pool's metadata for all of them, and a rank with another size would keep its states at other
+    offsets (the pool is filled from both ends). A clear error naming each size if they differ."""
+    size = readies[0].pool_bytes
+    if size is None or any(r.pool_bytes != size for r in readies):
+        each = ", ".join(f"rank {r.rank}: {r.pool_bytes} bytes" for r in sorted(readies, key=lambda r: r.rank))
+        raise ValueError(f"the ranks of replica {replica} allocated pools of different sizes ({each}); "
+                         "one scheduler cannot address them all")
+    return size
+
+
 class _Ranks:
     """One scheduler's sockets to its replica's ranks: the same plan to each (with DP attention, its group's),
     each group's first rank's result back, and a watch on every rank's connection."""
@@ -77,14 +89,14 @@ class _Ranks:
         for w in self.watches:
             self.poller.register(w, zmq.POLLIN)
 
-    def wait_ready(self, relay: zmq.Socket) -> bool:
-        """Relay every rank's readiness (or its failure) to the supervisor; False if one failed."""
+    def wait_ready(self) -> list[WorkerReady]:
+        """Every rank's readiness, in the order they came; a failed rank's ends the list."""
+        readies: list[WorkerReady] = []
         for _ in self.plans:
-            ready = decode(self.results.recv_multipart())
-            relay.send_multipart(encode(ready))
-            if ready.error is not None:
-                return False
-        return True
+            readies.append(decode(self.results.recv_multipart()))
+            if readies[-1].error is not None:
+                break
+        return readies
 
     def check(self, events: dict[zmq.Socket, int]) -> None:
         for r, w in enumerate(self.watches):
@@ -138,24 +150,31 @@ def scheduler_main(args: ServerArgs, topo: Topology, replica: int) -> None:
     outbox = make_socket(ctx, zmq.PUSH, topo.addr("sched_out"), bind=False)
     ready_out = make_socket(ctx, zmq.PUSH, topo.addr("ready"), bind=False)
     ranks = _Ranks(ctx, topo, replica)
+    sched: Scheduler | DPAttentionScheduler
     try:
         cfg = model_config(args)
         tok = tokenizer_for(args)
         layout = pool_layout(cfg, args)
         stop_ids = frozenset(tok.stop_ids) | {cfg.eos_token_id}
-        sched: Scheduler | DPAttentionScheduler
+        # The ranks size the pool (after loading their weights) and say how big it is when they are ready.
+        readies = ranks.wait_ready()
+        if readies[-1].error is not None:
+            ready_out.send_multipart(encode(readies[-1]))
+            ctx.destroy(linger=LINGER_MS)
+            return
+        pool_bytes = agreed_pool_bytes(readies, replica)
         if topo.attention_groups > 1:
             sched = DPAttentionScheduler(args, layout, stop_ids, tok.decode, cfg.vocab_size,
-                                         lambda: GrammarBackend(tok, cfg.vocab_size, stop_ids))
+                                         lambda: GrammarBackend(tok, cfg.vocab_size, stop_ids), pool_bytes=pool_bytes)
         else:
             sched = Scheduler(args, layout, stop_ids, tok.decode, cfg.vocab_size,
-                              GrammarBackend(tok, cfg.vocab_size, stop_ids))
+                              GrammarBackend(tok, cfg.vocab_size, stop_ids), pool_bytes=pool_bytes)
     except Exception as e:
         ready_out.send_multipart(encode(WorkerReady(-1, error=f"scheduler {replica}: {type(e).__name__}: {e}")))
         ctx.destroy(linger=LINGER_MS)
         return
-    if not ranks.wait_ready(ready_out):
-        return
+    for ready in readies:  # only now: the supervisor takes the engine as started once every rank is ready
+        ready_out.send_multipart(encode(ready))
     try:
         _serve(args, sched, ranks, inbox, outbox)
     except RankLost as e:  # the supervisor fails every pending request with this and stops the rest

@@ -4,20 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from radixk3.config import BUILTIN_SEED
-
-
-def free_device_bytes(device: str) -> int:
-    if device.startswith("cuda"):
-        import torch
-
-        return torch.cuda.mem_get_info(torch.device(device))[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
 
 SPECULATIVE_ALGORITHMS = ("ngram", "mtp", "draft", "dspark")
 MAX_DRAFT_TOKENS = 16
@@ -33,8 +23,15 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 class ServerArgs:
     model: str | None = None  # checkpoint dir; None = the built-in tiny model
     page_size: int = 1
-    mem_bytes: int = 64 << 20  # the unified pool per rank
-    mem_fraction: float | None = None  # if set: this share of the device's free memory instead of mem_bytes
+    mem_bytes: int = field(default=64 << 20, metadata={"help": (
+        "bytes of each worker rank's unified pool (KDA states and MLA KV, and the speculative scratch)")})
+    # Resolved by each worker after its weights load (runtime.worker.pool_memory), never here: a copy of these
+    # args made elsewhere (dataclasses.replace) must not take a reading of its own.
+    mem_fraction: float | None = field(default=None, metadata={"help": (
+        "instead of --mem-bytes: size each worker rank's pool as this share, in (0, 1), of the memory its "
+        "device has free once the model's weights are loaded (CUDA: the device's free memory; CPU: the "
+        "machine's available memory), read by the worker then; every rank of a replica takes the smallest of "
+        "their readings, and the scheduler and the tokenizer use the size the ranks report")})
     max_running_requests: int = 64
     chunked_prefill_size: int = 512  # prefill tokens per step
     disable_radix_cache: bool = False
@@ -77,10 +74,8 @@ class ServerArgs:
     graceful_shutdown_timeout: float = 10.0  # on SIGTERM: seconds to let in-flight requests finish, then abort
 
     def __post_init__(self) -> None:
-        if self.mem_fraction is not None:
-            if not 0 < self.mem_fraction < 1:
-                raise ValueError("--mem-fraction must be in (0, 1)")
-            self.mem_bytes = int(free_device_bytes(self.device) * self.mem_fraction)
+        if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
+            raise ValueError("--mem-fraction must be in (0, 1)")
         if self.page_size < 1:
             raise ValueError("--page-size must be >= 1")
         if self.chunked_prefill_size < self.page_size:
@@ -141,11 +136,12 @@ class ServerArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(ServerArgs):
             flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ())]
+            doc = f.metadata.get("help")
             if f.type in ("bool", bool):
-                parser.add_argument(*flags, dest=f.name, action="store_true", default=f.default)
+                parser.add_argument(*flags, dest=f.name, action="store_true", default=f.default, help=doc)
             else:
                 kind: Any = {"int": int, "float": float, "float | None": float}.get(str(f.type), str)
-                parser.add_argument(*flags, dest=f.name, type=kind, default=f.default)
+                parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=doc)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:

@@ -34,13 +34,13 @@ def worker_main(args: ServerArgs, topo: Topology, replica: int, rank: int) -> No
         torch.set_num_threads(topo.rank_threads(len(os.sched_getaffinity(0))))
         args = dataclasses.replace(args, device=topo.rank_device(args.device, replica, rank))
         init_parallel(rank, topo.tp_size, topo.dist_init(replica), args.ep_size, timeout_s=args.dist_timeout,
-                      dp_size=topo.attention_groups)
+                      dp_size=topo.attention_groups, device=args.device)
         worker = ModelWorker(args)
     except Exception as e:  # report why we could not start, then exit
         results.send_multipart(encode(WorkerReady(rank, error=f"{who}: {type(e).__name__}: {e}")))
         ctx.destroy(linger=LINGER_MS)
         return
-    results.send_multipart(encode(WorkerReady(rank)))
+    results.send_multipart(encode(WorkerReady(rank, pool_bytes=worker.pool_bytes)))
     poller = zmq.Poller()
     poller.register(plans, zmq.POLLIN)
     poller.register(scheduler_watch, zmq.POLLIN)

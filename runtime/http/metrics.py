@@ -26,6 +26,7 @@ _GAUGES = (
     ("pending_requests", "num_pending_reqs", "requests accepted by the server and not finished (the bounded queue)"),
     ("state_pool_bytes", "state_pool_used_bytes", "pool bytes held by KDA states (running and cached)"),
     ("kv_pool_bytes", "kv_pool_used_bytes", "pool bytes held by MLA KV (running and cached)"),
+    ("pool_bytes", "pool_bytes", "bytes of the unified pool (KDA states and MLA KV), summed over DP ranks"),
 )
 _COUNTERS = (
     ("steps", "scheduler_steps", "forward steps run"),

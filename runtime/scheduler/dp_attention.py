@@ -42,8 +42,9 @@ class DPAttentionScheduler:
 
     def __init__(self, args: ServerArgs, layout: PoolLayout, stop_ids: frozenset[int],
                  detokenize: Callable[[list[int]], str], vocab_size: int,
-                 grammar: Callable[[], GrammarBackend | None]) -> None:
-        self.groups = [Scheduler(args, layout, stop_ids, detokenize, vocab_size, grammar())
+                 grammar: Callable[[], GrammarBackend | None], *, pool_bytes: int | None = None) -> None:
+        # Every group's pool is one size: the ranks of the replica agreed on it (one TP group).
+        self.groups = [Scheduler(args, layout, stop_ids, detokenize, vocab_size, grammar(), pool_bytes=pool_bytes)
                        for _ in range(args.dp_size)]
         self.router = DPRouter(args.dp_size, args.load_balance_method)
         self._inflight: deque[list[bool]] = deque()  # per step in flight: which groups ran a real plan

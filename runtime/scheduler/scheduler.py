@@ -61,6 +61,7 @@ class SchedulerMetrics:
     checkpoints: int = 0
     state_pool_bytes: int = 0
     kv_pool_bytes: int = 0
+    pool_bytes: int = 0  # the unified pool's size (states and KV together), as the workers allocated it
     verify_steps: int = 0
     spec_windows: int = 0  # sequences verified with at least one draft
     draft_tokens: int = 0  # drafts proposed
@@ -78,12 +79,14 @@ MAX_STEP_RETRIES = 2  # failed steps a request may share with others before it f
 class Scheduler:
     def __init__(self, args: ServerArgs, layout: PoolLayout, stop_ids: frozenset[int],
                  detokenize: Callable[[list[int]], str], vocab_size: int,
-                 grammar: GrammarBackend | None = None) -> None:
+                 grammar: GrammarBackend | None = None, *, pool_bytes: int | None = None) -> None:
+        """`pool_bytes`: the pool's size, as the worker ranks allocated it (their `WorkerReady.pool_bytes`);
+        None: the `--mem-bytes` budget (`pool_budget`), for a scheduler without workers to ask."""
         self.args = args
         self.grammar = grammar
         self.grammar_wait: list[tuple[Req, concurrent.futures.Future[Any]]] = []  # compiling, in arrival order
         self.vocab_size = vocab_size
-        self.pool = UnifiedPool(layout, pool_budget(layout, args))
+        self.pool = UnifiedPool(layout, pool_budget(layout, args) if pool_bytes is None else pool_bytes)
         self.cache = None if args.disable_radix_cache else HybridRadixCache(self.pool)
         self.ps = layout.page_size
         self.admission = Admission(self.pool, self.cache)
@@ -94,7 +97,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # requests holding pool memory and a row (finished ones until released)
         # A request is running iff it owns a page-table row: `req.row is not None` is the O(1) membership test.
-        self.metrics = SchedulerMetrics()
+        self.metrics = SchedulerMetrics(pool_bytes=self.pool.geometry.total_bytes)
         self._arrivals = 0
         self._step = 0
         self._inflight: deque[StepRecord] = deque()

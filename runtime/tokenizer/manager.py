@@ -47,7 +47,7 @@ from runtime.messages import (
     decode,
     encode,
 )
-from runtime.pool_layout import pool_budget, pool_layout, serving_dtype
+from runtime.pool_layout import pool_layout, serving_dtype
 from runtime.sampling_params import (
     INT64_MAX,
     InvalidRequest,
@@ -171,7 +171,7 @@ def max_request_tokens(args: ServerArgs, procs: EngineProcesses) -> int:
     """The most tokens (prompt + new) one request may hold: its KV pages and two state blocks (its live
     state and a spare checkpoint) must fit the pool alone, as the scheduler requires."""
     layout = pool_layout(procs.config, args)
-    g = layout.geometry(pool_budget(layout, args))
+    g = layout.geometry(procs.pool_bytes)  # the size the ranks allocated, as the scheduler's pool
     if g.num_state_slots < 2:
         return 0
     room = g.state_base + (g.num_state_slots - 2) * g.state_block_bytes

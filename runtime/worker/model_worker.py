@@ -24,6 +24,7 @@ from runtime.spec.mtp import MTPProposer
 from runtime.spec.proposers import build_proposer
 from runtime.worker.page_table import WorkerPageTable
 from runtime.worker.pool_buffer import PoolBuffer
+from runtime.worker.pool_memory import pool_memory_bytes
 
 
 def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
@@ -42,7 +43,10 @@ class ModelWorker:
         self.args = args
         self.model = model if model is not None else load_worker_model(args)
         self.layout = pool_layout(self.model.config, args)
-        self.buffer = PoolBuffer(self.layout, pool_budget(self.layout, args), device=args.device)
+        # Sized after the weights loaded (a --mem-fraction of what is left), the same on every rank of the group.
+        budget = pool_budget(self.layout, args, pool_memory_bytes(args, self.model.device))
+        self.buffer = PoolBuffer(self.layout, budget, device=args.device)
+        self.pool_bytes = self.buffer.geometry.total_bytes  # what the scheduler builds its pool metadata for
         cfg = self.model.config
         self.cache = HybridCache(
             recurrent=[self.buffer.recurrent_state(i) for i in range(cfg.num_kda_layers)],

@@ -1,8 +1,9 @@
 """The multi-process Engine past one rank: greedy tokens with --tp 2 (radix on), --tp 2 --ep 2, --tp 2 --dp 2
 --enable-dp-attention and two loopback "nodes" (node 1 a `radixk3 serve --node-rank 1` subprocess), each also
-with n-gram and with MTP speculation (MTP also over --dp 2 replicas), are identical, token for token, to --tp 1
-over the exactness prompt set. The --tp 1 side is the same runtime in one process (LocalEngine, itself checked against
-the no-cache greedy loop in test_engine_exactness)."""
+with n-gram and with MTP speculation (MTP also over --dp 2 replicas), and --tp 4 --dp 2 --enable-dp-attention
+(attention groups of two ranks), are identical, token for token, to --tp 1 over the exactness prompt set. The
+--tp 1 side is the same runtime in one process (LocalEngine, itself checked against the no-cache greedy loop in
+test_engine_exactness)."""
 
 from __future__ import annotations
 
@@ -124,6 +125,26 @@ def test_mtp_greedy_equals_tp1(name: str, native_mtp: tuple[Path, Waves, Waves])
         assert m["verify_steps"] > 0 and m["draft_tokens"] > 0
     finally:
         _all_gone(engine)
+
+
+def test_dp_attention_groups_of_two_ranks_equal_tp1(builtin: tuple[Waves, Waves],
+                                                     native_mtp: tuple[Path, Waves, Waves]) -> None:
+    """--tp 4 --dp 2 --enable-dp-attention: two attention groups of two ranks each (the layout the README plans
+    at scale, attention tensor-parallel inside each group), k3-tiny plain and k3-tiny-native with MTP."""
+    ckpt, native_waves, native_refs = native_mtp
+    runs = ((dict(), *builtin), (dict(model=str(ckpt), speculative_algorithm="mtp"), native_waves, native_refs))
+    for extra, waves, refs in runs:
+        engine = Engine(mem_bytes=MEM, tp_size=4, dp_size=2, enable_dp_attention=True, **extra)
+        try:
+            assert len(engine.procs.ranks) == 4 and engine.procs.topology.attention_groups == 2
+            assert _run(engine, waves) == refs
+            m = engine.get_metrics()
+            assert len(m["dp_ranks"]) == 2 and all(d["prompt_tokens"] > 0 for d in m["dp_ranks"])
+            assert m["cached_tokens"] > 0
+            if "speculative_algorithm" in extra:
+                assert m["verify_steps"] > 0 and m["draft_tokens"] > 0
+        finally:
+            _all_gone(engine)
 
 
 def _free_ports(n: int) -> int:

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
 from runtime.server_args import ServerArgs
+from runtime.worker.pool_memory import pool_memory_bytes
 
 
 def test_cli_round_trip() -> None:
@@ -19,7 +21,13 @@ def test_cli_round_trip() -> None:
 
 
 def test_mem_fraction_and_bad_values() -> None:
-    assert 0 < ServerArgs(mem_fraction=0.01).mem_bytes
+    # A fraction is resolved by the worker after its weights load (pool_memory_bytes), to a positive size; the
+    # args keep it unresolved, so a copy of them (each worker's, for its device) takes no reading of its own.
+    args = ServerArgs(mem_fraction=0.01)
+    assert 0 < pool_memory_bytes(args, "cpu")
+    copy = dataclasses.replace(args, device="cuda:1")  # as worker_main makes its rank's (no reading: no GPU here)
+    assert (copy.mem_bytes, copy.mem_fraction) == (args.mem_bytes, args.mem_fraction)
+    assert pool_memory_bytes(ServerArgs(mem_bytes=12345), "cpu") == 12345
     for bad in (dict(page_size=0), dict(schedule_policy="random"), dict(mem_fraction=1.5),
                 dict(page_size=64, chunked_prefill_size=32), dict(max_running_requests=0)):
         with pytest.raises(ValueError):
