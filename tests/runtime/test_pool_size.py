@@ -13,7 +13,6 @@ import pytest
 import zmq
 
 from radixk3.config import BUILTIN_PRESET, preset
-from tests.greedy import greedy_reference
 from radixk3.model import build_model
 from runtime.local_engine import LocalEngine
 from runtime.messages import Shutdown, WorkerReady, decode, encode
@@ -22,6 +21,7 @@ from runtime.scheduler_main import agreed_pool_bytes, scheduler_main
 from runtime.server_args import ServerArgs
 from runtime.tokenizer.engine import Engine
 from runtime.topology import Topology
+from tests.greedy import greedy_reference
 
 POOL = 8 << 20
 WAIT_MS = 60_000  # a spawned scheduler imports the runtime first
