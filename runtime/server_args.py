@@ -33,12 +33,19 @@ class ServerArgs:
         "machine's available memory), read by the worker then; every rank of a replica takes the smallest of "
         "their readings, and the scheduler and the tokenizer use the size the ranks report")})
     max_running_requests: int = 64
-    chunked_prefill_size: int = 512  # prefill tokens per step
+    chunked_prefill_size: int = 512  # the most prefill tokens one request computes in a step (its chunk)
+    max_prefill_tokens: int | None = field(default=None, metadata={"help": (
+        "the most prefill tokens one step computes across requests, shared fairly between the running "
+        "prefills and the requests waiting to start (default: --chunked-prefill-size)")})
     disable_radix_cache: bool = False
     schedule_policy: str = "lpm"  # longest prefix match, FCFS fallback for long queues; or "fcfs"
     lpm_max_queue: int = 128  # above this many waiting requests, lpm falls back to fcfs
     decode_checkpoint_interval: int = 64  # checkpoint the KDA state every N decode tokens
-    enable_mixed_chunk: bool = False  # running decodes ride along in prefill (extend) steps
+    # Running decodes ride in every prefill (extend) step, so that a long prompt never stalls them; SGLang's
+    # --enable-mixed-chunk, on by default here (the flag still parses), turned off by --disable-mixed-chunk.
+    enable_mixed_chunk: bool = field(default=True, metadata={"off_flag": "--disable-mixed-chunk", "help": (
+        "running decodes ride in every prefill step (the default; --disable-mixed-chunk: they wait until "
+        "no prefill work is left)")})
     disable_overlap_schedule: bool = False  # plan step N+1 only after step N's result (no overlap)
     schedule_conservativeness: float = 1.0  # scales the decode tokens admission reserves (0: none, retract instead)
     max_queued_requests: int = 4096  # beyond this the engine refuses new requests (HTTP 503)
@@ -80,6 +87,8 @@ class ServerArgs:
             raise ValueError("--page-size must be >= 1")
         if self.chunked_prefill_size < self.page_size:
             raise ValueError("--chunked-prefill-size must be >= --page-size")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < self.page_size:
+            raise ValueError("--max-prefill-tokens must be >= --page-size")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError("--schedule-policy must be 'lpm' or 'fcfs'")
         if self.dtype not in ("auto", "bfloat16", "float32"):
@@ -132,6 +141,11 @@ class ServerArgs:
         positions depend on how many drafts the step before it accepted."""
         return not self.disable_overlap_schedule and self.speculative_algorithm is None
 
+    @property
+    def step_prefill_budget(self) -> int:
+        """The most prefill tokens one step computes, across requests."""
+        return self.chunked_prefill_size if self.max_prefill_tokens is None else self.max_prefill_tokens
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(ServerArgs):
@@ -139,8 +153,10 @@ class ServerArgs:
             doc = f.metadata.get("help")
             if f.type in ("bool", bool):
                 parser.add_argument(*flags, dest=f.name, action="store_true", default=f.default, help=doc)
+                if "off_flag" in f.metadata:  # a feature on by default: its SGLang-style off switch
+                    parser.add_argument(f.metadata["off_flag"], dest=f.name, action="store_false")
             else:
-                kind: Any = {"int": int, "float": float, "float | None": float}.get(str(f.type), str)
+                kind: Any = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), str)
                 parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=doc)
 
     @classmethod

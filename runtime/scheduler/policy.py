@@ -50,6 +50,13 @@ def order_waiting(waiting: deque[Req], cache: HybridRadixCache | None, match_ids
     return deque(sorted(waiting, key=lambda r: (-cache.match_prefix(match_ids(r)).prefix_len, r.arrival)))
 
 
+def running_prefill_share(budget: int, page_size: int) -> int:
+    """The part of a step's prefill budget that the running prefills take first while other requests wait to
+    start: half of it (whole pages, at least one). The waiting requests are admitted into the rest, and what
+    they leave of it returns to the running prefills: neither side starves the other."""
+    return max(page_size, budget // 2 // page_size * page_size)
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the common prefix of two token lists (binary search over slice compares, in C)."""
     lo, hi = 0, min(len(a), len(b))

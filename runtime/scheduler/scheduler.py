@@ -1,11 +1,12 @@
 """The scheduler: waiting queue, running batch, radix cache and pool metadata; no model tensors.
 
 Every request is a run of tokens, the first `num_computed` of which are planned into the cache. A step is
-either an extend step (prefill chunks of running and newly admitted requests, up to `chunked_prefill_size`
-tokens; running decodes ride along only with `enable_mixed_chunk`) or, when there is no prefill work, a
-decode step with every running decode. Checkpoints (branching point, shared prefixes, chunk ends, prompt
-end, every `decode_checkpoint_interval` decode tokens) are requested in the plan of the step that computes
-that position and enter the tree when its result is processed.
+either an extend step (prefill chunks of running and newly admitted requests, at most `chunked_prefill_size`
+tokens each and `max_prefill_tokens` in all, shared so that neither a long prompt nor a queue of short ones
+starves the other; running decodes ride along unless mixing is off, see `_compose_step`) or, when there is
+no prefill work, a decode step with every running decode. Checkpoints (branching point, shared prefixes,
+chunk ends, prompt end, every `decode_checkpoint_interval` decode tokens) are requested in the plan of the
+step that computes that position and enter the tree when its result is processed.
 
 Results may come one step late (the overlap scheduler plans step N+1 while the worker runs step N): a
 decode planned before its input token is known feeds -1, and a request is released (its memory donated
@@ -34,7 +35,7 @@ from runtime.scheduler.admission import NO_DEMAND, Admission, Demand, request_de
 from runtime.scheduler.output_processor import OutputProcessor
 from runtime.scheduler.page_table import PageTables
 from runtime.scheduler.plan_builder import Checkpoint, SeqEntry, StepRecord, build_plan
-from runtime.scheduler.policy import NewTokenRatio, order_waiting, shared_prefix_leader
+from runtime.scheduler.policy import NewTokenRatio, order_waiting, running_prefill_share, shared_prefix_leader
 from runtime.scheduler.pool import Kind, UnifiedPool
 from runtime.scheduler.radix_cache import HybridRadixCache, MatchResult
 from runtime.scheduler.req_cache import ReqCache
@@ -59,6 +60,8 @@ class SchedulerMetrics:
     evictions: int = 0
     retractions: int = 0
     checkpoints: int = 0
+    mixed_steps: int = 0  # extend steps that running decodes rode in
+    max_step_prefill_tokens: int = 0  # the most prefill tokens a step planned
     state_pool_bytes: int = 0
     kv_pool_bytes: int = 0
     pool_bytes: int = 0  # the unified pool's size (states and KV together), as the workers allocated it
@@ -102,6 +105,7 @@ class Scheduler:
         self._step = 0
         self._inflight: deque[StepRecord] = deque()
         self._retracted_now: set[int] = set()
+        self._decodes_owed = False  # the last extend step could not carry the running decodes: they go next
         self.spec = args.speculative_algorithm
         # n-gram: finished requests' tokens, where every request also looks for its drafts.
         self.ngram_corpus = NgramCorpus(args.speculative_ngram_min, args.speculative_ngram_max,
@@ -203,14 +207,8 @@ class Scheduler:
             self._admit_compiled()
         for req in [r for r in self.running if r.in_flight == 0 and not r.active]:
             self._settle(req)
-        batch = self._extend_batch()
-        mode = "extend"
-        if batch and self.args.enable_mixed_chunk and not batch[0][0].isolate:
-            batch += self._decode_batch(batch)
-        elif not batch:
-            batch, mode = self._decode_batch([], speculate=self.spec is not None), "decode"
-            if self._drafts:
-                mode = "verify"
+        batch, mode, n_prefill = self._compose_step()
+        prefill = {id(r) for r, _ in batch[:n_prefill]}
         batch = [(r, n) for r, n in batch if r.row is not None]  # drop requests retracted while planning
         if not batch:
             if not self._inflight:  # nothing runs and nothing will free memory: fail one request, never spin
@@ -223,9 +221,14 @@ class Scheduler:
                     self.outputs.finish(self.waiting.popleft(), "error", "the request does not fit in the memory pool")
             return None
         self._step += 1
+        prefill_tokens = sum(n for r, n in batch if id(r) in prefill)
+        decodes = len(batch) - sum(1 for r, _ in batch if id(r) in prefill)
+        self.metrics.max_step_prefill_tokens = max(self.metrics.max_step_prefill_tokens, prefill_tokens)
+        if prefill_tokens and decodes:
+            self.metrics.mixed_steps += 1
         rec = self._record(batch, mode)
         self._inflight.append(rec)
-        if mode != "extend":
+        if decodes:
             self.ratio.on_decode_step()
         return build_plan(rec, self.pool, self.tables, self.outputs)
 
@@ -356,25 +359,75 @@ class Scheduler:
         self._retracted_now.add(id(req))
 
     # --- batches ---------------------------------------------------------------------------------------
+    def _compose_step(self) -> tuple[list[tuple[Req, int]], str, int]:
+        """The next step's sequences, its mode, and how many of the sequences (the first ones) are prefill.
+
+        Running decodes ride in every extend step (SGLang's mixed chunk, the default) rather than extend and
+        decode steps taking turns: a decode row adds one token to a forward that reads the weights anyway, so
+        every decode advances at every step for almost nothing, where turns would add a whole decode step per
+        chunk (less prefill throughput under load) and still leave each decode waiting for a chunk. Two extend
+        steps cannot carry decodes: a verify window (speculation) runs the KDA layers in verify mode, which a
+        prefill chunk cannot share, and a request being isolated runs alone. After such a step the decodes get
+        the next one (turns), so none waits for more than one extend step. With mixing off, prefill work goes
+        first and decodes wait until none is left."""
+        speculate = self.spec is not None
+        mixing = self.args.enable_mixed_chunk
+        if mixing and self._decodes_owed:
+            self._decodes_owed = False
+            batch = self._decode_batch([], speculate=speculate)
+            if batch:
+                return batch, "verify" if self._drafts else "decode", 0
+        batch = self._extend_batch()
+        if batch:
+            n_prefill = len(batch)
+            if mixing and not speculate and not batch[0][0].isolate:
+                batch += self._decode_batch(batch)
+            elif mixing:
+                self._decodes_owed = True
+            return batch, "extend", n_prefill
+        batch = self._decode_batch([], speculate=speculate)
+        return batch, "verify" if self._drafts else "decode", 0
+
     def _extend_batch(self) -> list[tuple[Req, int]]:
-        """Prefill chunks: running requests' next chunks first, then new admissions, within the budget."""
+        """Prefill chunks within the step's budget (`step_prefill_budget` tokens, at most `chunked_prefill_size`
+        for one request): running requests' next chunks first, then new admissions, then whatever is left tops
+        the running chunks up. While requests wait to start, the running chunks first take only their share
+        of the budget (`running_prefill_share`): a long prompt never holds all of it, so a short request that
+        arrives during its prefill starts at the next step, beside its chunk."""
         batch: list[tuple[Req, int]] = []
-        budget = self.args.chunked_prefill_size
+        budget, chunk = self.args.step_prefill_budget, self.args.chunked_prefill_size
+        share = budget
+        if self.waiting and len(self.running) < self.args.max_running_requests:
+            share = running_prefill_share(budget, self.ps)
         for req in sorted(self.running, key=lambda r: r.arrival):
-            if budget <= 0:
+            if share <= 0:
                 break
             if req.active and not req.prefill_done and req.row is not None:
                 if req.isolate and batch:
                     continue  # planned alone, in a step of its own
-                n = min(req.known_len - req.num_computed, budget)
+                n = min(req.known_len - req.num_computed, chunk, budget if req.isolate else share)
                 if self._grow(req, n):
                     batch.append((req, n))
+                    share -= n
                     budget -= n
                     if req.isolate:
                         break
         batch = [(r, n) for r, n in batch if r.row is not None]
-        if budget <= 0 or (batch and batch[0][0].isolate):
+        if batch and batch[0][0].isolate:
             return batch
+        if budget > 0:
+            budget = self._admit_waiting(batch, budget)
+        # What the waiting requests left returns to the running chunks (pages only if free: never a retraction).
+        for i, (req, n) in enumerate(batch):
+            extra = min(req.known_len - req.num_computed - n, chunk - n, budget)
+            if extra > 0 and self.req_cache.grow(req, n + extra):
+                batch[i] = (req, n + extra)
+                budget -= extra
+        return batch
+
+    def _admit_waiting(self, batch: list[tuple[Req, int]], budget: int) -> int:
+        """Admit waiting requests into `batch` with their first chunks, within `budget` prefill tokens; returns
+        what is left of it."""
         self.waiting = order_waiting(self.waiting, self.cache, self._match_ids, self.args.schedule_policy,
                                      self.args.lpm_max_queue)
         sources = [r for r in self.running if r.active and (not r.prefill_done or r.pending_ckpts)]
@@ -397,7 +450,7 @@ class Scheduler:
             if not self.admission.fits(demand, reserved) or not self.req_cache.admit(req, match):
                 self.waiting.appendleft(req)
                 break
-            n = min(req.known_len - req.num_computed, budget)
+            n = min(req.known_len - req.num_computed, self.args.chunked_prefill_size, budget)
             if not self.req_cache.grow(req, n):
                 self.req_cache.cache_req(req, donate=False)
                 self.waiting.appendleft(req)
@@ -412,7 +465,7 @@ class Scheduler:
             if req.isolate:
                 break
         self.waiting.extendleft(reversed(deferred))
-        return batch
+        return budget
 
     def _decode_batch(self, taken: list[tuple[Req, int]], speculate: bool = False) -> list[tuple[Req, int]]:
         """One token for every running request whose tokens are all fed but the last sampled one; with

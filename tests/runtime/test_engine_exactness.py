@@ -1,6 +1,7 @@
 """End to end through the scheduler and worker: greedy outputs equal the plain no-cache greedy loop, token
 for token, with the radix cache on and off, page sizes 1 and 16, chunked prefill, overlap on (the default)
-and off, mixed prefill/decode steps, and a pool small enough to force eviction, compaction and retraction."""
+and off, mixed prefill/decode steps (the default) and unmixed ones, a shared prefill budget, and a pool small
+enough to force eviction, compaction and retraction."""
 
 from __future__ import annotations
 
@@ -60,10 +61,18 @@ CONFIGS = {
     "page16_chunked": dict(page_size=16, chunked_prefill_size=32),
     "chunked_mid_prompt": dict(chunked_prefill_size=23, decode_checkpoint_interval=4),
     "no_overlap_chunked": dict(chunked_prefill_size=23, decode_checkpoint_interval=4, disable_overlap_schedule=True),
-    "mixed_chunk": dict(chunked_prefill_size=23, enable_mixed_chunk=True),
+    # Running decodes ride in every extend step by default (mixed chunk): this config turns that off.
+    "unmixed": dict(chunked_prefill_size=23, enable_mixed_chunk=False),
+    # The step's prefill budget shared between running chunks and admissions.
+    "shared_budget": dict(chunked_prefill_size=16, max_prefill_tokens=40),
     # Admission reserves no decode tokens here (conservativeness 0), so decoding outgrows the pool: retraction.
+    # Unmixed, every admitted request starts decoding at once when the prefill work is done, which is what
+    # overflows the pool with these 6-token outputs; mixed steps retract with longer outputs
+    # (test_engine_fair_prefill.py).
     "tiny_pool": dict(mem_bytes=300_000, chunked_prefill_size=40, decode_checkpoint_interval=3,
-                      schedule_conservativeness=0.0),
+                      schedule_conservativeness=0.0, enable_mixed_chunk=False),
+    "tiny_pool_mixed": dict(mem_bytes=300_000, chunked_prefill_size=40, decode_checkpoint_interval=3,
+                            schedule_conservativeness=0.0),
     "tiny_pool_page16": dict(mem_bytes=300_000, page_size=16, chunked_prefill_size=48),
 }
 
@@ -72,10 +81,12 @@ CONFIGS = {
 def test_greedy_outputs_equal_reference(name: str, model, workload) -> None:  # noqa: ANN001
     waves, refs = workload
     assert sum(len(w) for w in waves) >= 50
-    eng = LocalEngine(ServerArgs(**CONFIGS[name]), model, check=True)
+    args = ServerArgs(**CONFIGS[name])
+    eng = LocalEngine(args, model, check=True)
     for wave, ref in zip(waves, refs, strict=True):
         assert eng.generate(wave, GREEDY) == ref
     m = eng.scheduler.metrics
+    assert (m.mixed_steps > 0) == args.enable_mixed_chunk  # the default path, mixed steps, really ran
     if name != "no_radix":
         assert m.cached_tokens > 0 and m.state_hits > 0
     if name.startswith("tiny_pool"):

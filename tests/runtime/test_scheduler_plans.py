@@ -75,8 +75,8 @@ def workload(seed: int = 3) -> list[list[list[int]]]:
 CONFIGS = {
     "plain": dict(),
     "no_overlap": dict(disable_overlap_schedule=True),
-    "mixed": dict(enable_mixed_chunk=True),
-    "mixed_no_overlap": dict(enable_mixed_chunk=True, disable_overlap_schedule=True),
+    "unmixed": dict(enable_mixed_chunk=False),  # mixing is the default: these two turn it off
+    "unmixed_no_overlap": dict(enable_mixed_chunk=False, disable_overlap_schedule=True),
     "no_radix": dict(disable_radix_cache=True),
     "page16_chunked": dict(page_size=16, chunked_prefill_size=32),
     "chunked": dict(chunked_prefill_size=23, decode_checkpoint_interval=4),
@@ -99,8 +99,10 @@ def test_outputs_equal_reference_under_every_schedule(name: str) -> None:
         assert m.evictions > 0 and h.sched.pool.usage().compaction_moves > 0
     modes = {p.mode for p in h.worker.plans}
     assert modes == {"extend", "decode"}
-    if "mixed" not in name:  # decodes never ride in an extend step (under overlap they would feed -1)
+    if not h.args.enable_mixed_chunk:  # decodes never ride in an extend step (under overlap they would feed -1)
         assert all(-1 not in p.input_ids.tolist() for p in h.worker.plans if p.mode == "extend")
+    else:
+        assert m.mixed_steps > 0
     if "no_overlap" in name:
         assert all(-1 not in p.input_ids.tolist() for p in h.worker.plans)
     elif name == "plain":
@@ -109,7 +111,7 @@ def test_outputs_equal_reference_under_every_schedule(name: str) -> None:
 
 def test_overlap_and_mixed_give_identical_greedy_output() -> None:
     results = []
-    for kw in (dict(), dict(disable_overlap_schedule=True), dict(enable_mixed_chunk=True)):
+    for kw in (dict(), dict(disable_overlap_schedule=True), dict(enable_mixed_chunk=False)):
         h = Harness(chunked_prefill_size=64, **kw)
         results.append([h.generate(w, {**GREEDY, "max_new_tokens": 12}) for w in workload(9)])
     assert results[0] == results[1] == results[2]
@@ -194,7 +196,7 @@ def test_stop_string_in_the_tail() -> None:
 
 
 def test_mixed_chunk_lets_decodes_ride_in_extend_steps() -> None:
-    h = Harness(enable_mixed_chunk=True, chunked_prefill_size=16)
+    h = Harness(chunked_prefill_size=16)  # mixing is the default
     g = random.Random(8)
     short = rand(g, 10)
     first = h.submit(short, {**GREEDY, "max_new_tokens": 20})
