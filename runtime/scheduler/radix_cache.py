@@ -167,7 +167,9 @@ class HybridRadixCache:
                 break
             n = self._common(child.key, toks, pos, len(toks))
             base = pos // ps
-            dup = [p for i, p in enumerate(pages[base : base + n // ps]) if p != child.pages[i]]
+            given, held = list(pages[base : base + n // ps]), child.pages[: n // ps]
+            # Usually the same pages (a request's earlier chunks already hold the tree's): compared in C.
+            dup = [p for p, q in zip(given, held, strict=True) if p != q] if given != held else []
             if dup:
                 self.pool.free_pages(dup)
                 freed += len(dup)
@@ -310,14 +312,16 @@ class HybridRadixCache:
 
     def _common(self, key: tuple[int, ...], toks: tuple[int, ...], pos: int, limit: int) -> int:
         """Page-aligned length of the common prefix of `key` and toks[pos:limit]."""
-        m = min(len(key), limit - pos)
-        if toks[pos : pos + m] == key[:m]:
-            n = m
-        else:
-            n = 0
-            while key[n] == toks[pos + n]:
-                n += 1
-        return n - n % self.page_size
+        lo, hi = 0, min(len(key), limit - pos)
+        if toks[pos : pos + hi] == key[:hi]:
+            lo = hi
+        while lo < hi:  # binary search over slice compares (in C): never a Python loop over the tokens
+            mid = (lo + hi + 1) // 2
+            if toks[pos + lo : pos + mid] == key[lo:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo - lo % self.page_size
 
     def _split(self, child: Node, n: int) -> Node:
         """Cut `child`'s edge after `n` tokens; the new upper node takes the first part, without a state."""

@@ -73,7 +73,10 @@ class ReqCache:
         assert self.cache is not None and pos % self.ps == 0 and pos <= req.num_computed
         k = pos // self.ps
         res = self.cache.insert(req.ids(0, pos), req.pages[:k], block)
-        changed = [i for i in range(k) if req.pages[i] != res.pages[i]]
+        mine = req.pages[:k]
+        # Usually none (its earlier chunks already hold the tree's pages): compared in C, not page by page.
+        changed = [i for i, (p, q) in enumerate(zip(mine, res.pages, strict=True)) if p != q] if mine != res.pages \
+            else []
         req.pages[:k] = res.pages
         if k >= req.tree_pages:
             req.tree_pages = k
