@@ -61,7 +61,6 @@ class SchedulerMetrics:
     retractions: int = 0
     checkpoints: int = 0
     mixed_steps: int = 0  # extend steps that running decodes rode in
-    max_step_prefill_tokens: int = 0  # the most prefill tokens a step planned
     state_pool_bytes: int = 0
     kv_pool_bytes: int = 0
     pool_bytes: int = 0  # the unified pool's size (states and KV together), as the workers allocated it
@@ -221,10 +220,8 @@ class Scheduler:
                     self.outputs.finish(self.waiting.popleft(), "error", "the request does not fit in the memory pool")
             return None
         self._step += 1
-        prefill_tokens = sum(n for r, n in batch if id(r) in prefill)
-        decodes = len(batch) - sum(1 for r, _ in batch if id(r) in prefill)
-        self.metrics.max_step_prefill_tokens = max(self.metrics.max_step_prefill_tokens, prefill_tokens)
-        if prefill_tokens and decodes:
+        decodes = sum(1 for r, _ in batch if id(r) not in prefill)
+        if 0 < decodes < len(batch):  # prefill chunks and decodes in one step
             self.metrics.mixed_steps += 1
         rec = self._record(batch, mode)
         self._inflight.append(rec)

@@ -142,9 +142,11 @@ def test_max_prefill_tokens_bounds_every_step(overlap: bool) -> None:
     waves[0] += [rand(g, 300), rand(g, 150)]
     for wave in waves:
         assert h.generate(wave) == [reference(p, 6, VOCAB) for p in wave]
-    m = h.sched.metrics
-    assert m.max_step_prefill_tokens == 48  # the budget was full at times, never over
+    full = 0
     for plan in h.worker.plans:
         lens = [n for _, n in rows_and_lens(plan).values()]
         assert max(lens) <= 32  # one request's chunk
-        assert sum(n for n in lens if n > 1) <= 48
+        prefill = sum(n for n in lens if n > 1)  # (decode rows and one-token chunks aside)
+        assert prefill <= 48
+        full += prefill == 48
+    assert full > 0  # the budget was full at times, never over
