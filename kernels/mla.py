@@ -60,6 +60,7 @@ def mla_attention(
 
     Sequence i's queries are the last (cu_q[i+1]-cu_q[i]) tokens of its cu_kv segment; causal in that alignment
     (`causal=False`: every query sees the whole segment, as DSpark's draft block sees itself).
+    `absorbed=False` still computes groups of single queries (`length_groups`) in the absorbed form.
     `kv_rows` [cu_kv[-1]] (optional) names the latent row of each cached token, sequence after sequence (a
     paged buffer's slots); without it the segments are latent[cu_kv[i]:cu_kv[i+1]].
     """
@@ -88,8 +89,14 @@ def mla_attention(
         k_rows = k_pos if kv_rows is None else kv_rows[k_pos]
         lat = latent.index_select(0, k_rows.reshape(-1)).view(len(group), km, -1).to(q_nope.dtype)
         c = lat[..., :r]
-        qg = q_cat[q_rows]  # [G, Qm, H, E]
-        if absorbed:
+        # One query per sequence (decode rows riding in a prefill step): the absorbed form, as in a decode
+        # step; the expanded one would materialise K and V over each whole context for a single query.
+        group_absorbed = absorbed or qm == 1
+        if group_absorbed and not absorbed:
+            qg = torch.cat([torch.einsum("gjhd,hdr->gjhr", q_nope[q_rows], w_uk), q_pe[q_rows]], dim=-1)
+        else:
+            qg = q_cat[q_rows]  # [G, Qm, H, E]
+        if group_absorbed:
             scores = torch.einsum("gjhe,gse->ghjs", qg, lat)
         else:
             k_nope = torch.einsum("gsr,hdr->gshd", c, w_uk)
@@ -101,7 +108,7 @@ def mla_attention(
         if causal:
             hidden = hidden | (s[None, None, :] > pos[:, :, None])  # [G, Qm, Km]
         probs = (scores.float() * scale).masked_fill(hidden[:, None], float("-inf")).softmax(-1).to(q_nope.dtype)
-        if absorbed:
+        if group_absorbed:
             o = torch.einsum("ghjr,hvr->gjhv", torch.einsum("ghjs,gsr->ghjr", probs, c), w_uv)
         else:
             v = torch.einsum("gsr,hvr->gshv", c, w_uv)

@@ -69,3 +69,28 @@ def test_length_groups_cover_every_sequence_and_bound_padding() -> None:
     for g in groups:
         padded = len(g) * max(q_lens[i] for i in g) * max(kv_lens[i] for i in g)
         assert len(g) == 1 or padded <= _PAD_WASTE * sum(q_lens[i] * kv_lens[i] for i in g) + _PAD_SLACK
+
+
+def test_single_queries_take_the_absorbed_form_in_an_expanded_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode rows riding in a prefill step are computed as in a decode step: no K/V is expanded over their
+    contexts (the expansion is the prefill form's einsum over a group's latent rows)."""
+    expand = "gsr,hdr->gshd"
+    seen: list[str] = []
+    einsum = torch.einsum
+
+    def spy(eq: str, *ops: torch.Tensor) -> torch.Tensor:
+        seen.append(eq)
+        return einsum(eq, *ops)
+
+    monkeypatch.setattr(torch, "einsum", spy)
+    gen = torch.Generator().manual_seed(3)
+    q_lens, kv_lens = [40, 1, 1], [300, 250, 20]  # a prefill chunk and two decode rows, in separate groups
+    t, lkv = sum(q_lens), sum(kv_lens)
+    q_nope, q_pe = torch.randn(t, H, DN, generator=gen), torch.randn(t, H, DR, generator=gen)
+    latent = torch.randn(lkv, R + DR, generator=gen)
+    w = torch.randn(H * (DN + DV), R, generator=gen) / R**0.5
+    kw = dict(cu_q=torch.tensor([0, 40, 41, 42]), cu_kv=torch.tensor([0, 300, 550, 570]), scale=0.3)
+    exp = mla_attention(q_nope, q_pe, latent, w, absorbed=False, **kw)
+    assert seen.count(expand) == 1  # the chunk's group only
+    absd = mla_attention(q_nope, q_pe, latent, w, absorbed=True, **kw)
+    torch.testing.assert_close(exp, absd, rtol=0, atol=1e-5)
