@@ -81,3 +81,17 @@ def test_engine_throughput_end_to_end_json(capsys: pytest.CaptureFixture[str]) -
     out = last_json(capsys)
     assert out["engine"]["batch"] == 4 and isinstance(out["engine"]["seconds_per_step"], float)  # no timing asserted
     assert isinstance(out["scheduler_share"], float) and "4" in out["scheduler"]
+
+
+# --- decode_gap ----------------------------------------------------------------------------------------
+def test_decode_gap_json(capsys: pytest.CaptureFixture[str]) -> None:
+    m = bench("decode_gap")
+    assert m.main(["--long-tokens", "400", "--chunked-prefill-size", "64", "--shorts", "2", "--short-window", "0.05",
+                   "--before", "4", "--mem-bytes", str(32 << 20), "--json"]) == 0
+    out = last_json(capsys)
+    for key in ("stream_median_gap_before_s", "stream_worst_gap_during_s", "long_ttft_s", "short_ttft_worst_s",
+                "prefill_tokens_per_extend_step", "machine", "settings"):
+        assert out[key] is not None, key
+    assert out["settings"]["enable_mixed_chunk"] is True
+    assert out["extend_steps_during"] >= 400 // 64 and out["mixed_steps_during"] > 0  # the stream rode along
+    assert 0 < out["prefill_tokens_per_extend_step"] <= 64

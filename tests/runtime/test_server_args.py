@@ -62,3 +62,16 @@ def test_dp_attention_flags() -> None:
                              speculative_draft_model="d"), "dspark does not run with --enable-dp-attention")):
         with pytest.raises(ValueError, match=says):
             ServerArgs(**bad)
+
+
+def test_prefill_flags() -> None:
+    """Mixed chunk is on by default: SGLang's --enable-mixed-chunk still parses, --disable-mixed-chunk turns it
+    off; --max-prefill-tokens defaults to the chunk size."""
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    assert ServerArgs().enable_mixed_chunk and ServerArgs().step_prefill_budget == ServerArgs().chunked_prefill_size
+    assert ServerArgs.from_cli_args(p.parse_args(["--enable-mixed-chunk"])).enable_mixed_chunk
+    args = ServerArgs.from_cli_args(p.parse_args(["--disable-mixed-chunk", "--max-prefill-tokens", "2048"]))
+    assert not args.enable_mixed_chunk and args.max_prefill_tokens == args.step_prefill_budget == 2048
+    with pytest.raises(ValueError, match="max-prefill-tokens"):
+        ServerArgs(page_size=16, max_prefill_tokens=8)
