@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from runtime.messages import StepPlan, TokenOut
+from runtime.messages import StepPlan, StepResult, TokenOut
 from tests.runtime.test_scheduler_plans import GREEDY, VOCAB, Harness, rand, workload
 from tests.runtime.token_worker import reference
 
@@ -150,3 +150,38 @@ def test_max_prefill_tokens_bounds_every_step(overlap: bool) -> None:
         assert prefill <= 48
         full += prefill == 48
     assert full > 0  # the budget was full at times, never over
+
+
+def test_an_isolated_prefill_takes_turns_with_the_decodes() -> None:
+    """After a failed step, its requests are retried alone (`isolate`): an isolated request's chunks run in steps
+    of their own, so the running decodes get the steps in between instead of waiting for its whole prefill."""
+    h = Harness(chunked_prefill_size=32)
+    g = random.Random(5)
+    short = rand(g, 10)
+    (rid,), _, outs = start_decodes(h, [short])
+    execute = h.worker.execute
+    failed: list[int] = []
+
+    def fail_once(plan: StepPlan) -> StepResult:
+        res = execute(plan)
+        if not failed and len(plan.rows) > 1:  # the long prompt's first chunk, beside the decode: both retried
+            failed.append(plan.step)
+            res.error = "boom"
+        return res
+
+    h.worker.execute = fail_once  # type: ignore[method-assign]
+    long_prompt = rand(g, 400)
+    long_rid = h.submit(long_prompt)
+    outs += [o for chunks in h.run().values() for o in chunks]
+    assert tokens(outs, rid) == reference(short, 80, VOCAB)
+    assert tokens(outs, long_rid) == reference(long_prompt, 6, VOCAB)
+    plans = [p for p in h.worker.plans if p.step > failed[0]]
+
+    def isolated_chunk(p: StepPlan) -> bool:
+        start, n = int(p.prefix_lens[0]), int(p.cu_seqlens[1])
+        return len(p.rows) == 1 and n > 1 and p.input_ids.tolist() == long_prompt[start : start + n]
+
+    chunks = [i for i, p in enumerate(plans) if isolated_chunk(p)]
+    last_decode = max(i for i, p in enumerate(plans) if p.mode == "decode")
+    assert len(chunks) >= 400 // 32 and chunks[-1] < last_decode  # isolated all along, the short still decoding
+    assert all(b - a > 1 for a, b in zip(chunks, chunks[1:], strict=False)), "two isolated chunks in a row"
