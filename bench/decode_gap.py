@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             args = engine.args
             fig = asyncio.run(run(engine, a, preset(name).vocab_size))
     settings = {"model": name, "long_tokens": a.long_tokens, "shorts": a.shorts,
-                "chunked_prefill_size": args.chunked_prefill_size, "max_prefill_tokens": args.max_prefill_tokens,
+                "chunked_prefill_size": args.chunked_prefill_size,
+                "max_prefill_tokens": getattr(args, "max_prefill_tokens", None),  # (absent on older trees)
                 "enable_mixed_chunk": getattr(args, "enable_mixed_chunk", None)}
     summary = {"machine": mach, "settings": settings} | fig
 
