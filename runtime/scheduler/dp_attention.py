@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from runtime.dp_router import DPRouter
+from runtime.dp_router import DEFAULT_MAX_NEW_TOKENS, CacheAwareConfig, DPRouter
 from runtime.grammar import GrammarBackend
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
 from runtime.pool_layout import PoolLayout
@@ -45,13 +45,14 @@ class DPAttentionScheduler:
                  grammar: Callable[[], GrammarBackend | None]) -> None:
         self.groups = [Scheduler(args, layout, stop_ids, detokenize, vocab_size, grammar())
                        for _ in range(args.dp_size)]
-        self.router = DPRouter(args.dp_size, args.load_balance_method)
+        self.router = DPRouter(args.dp_size, args.load_balance_method, CacheAwareConfig.from_args(args))
         self._inflight: deque[list[bool]] = deque()  # per step in flight: which groups ran a real plan
         self._idle_steps = 0
 
     # --- requests in -----------------------------------------------------------------------------------
     def add(self, msg: GenerateReq) -> None:
-        self.groups[self.router.route(msg.rid, msg.input_ids)].add(msg)
+        max_new = msg.sampling.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+        self.groups[self.router.route(msg.rid, msg.input_ids, max_new)].add(msg)
 
     def abort(self, rid: str) -> None:
         g = self.router.replica_of(rid)
@@ -121,7 +122,7 @@ class DPAttentionScheduler:
     def flush_cache(self) -> bool:
         flushed = all([s.flush_cache() for s in self.groups])  # a list: every idle group flushes
         if flushed:  # nothing outstanding: the router's picture of the trees is empty too
-            self.router = DPRouter(len(self.groups), self.router.method)
+            self.router = DPRouter(len(self.groups), self.router.method, self.router.config)
         return flushed
 
     def check_integrity(self) -> None:
