@@ -54,7 +54,7 @@ class ServerArgs:
     speculative_draft_model: str | None = None  # checkpoint of the draft model (draft) or drafter (dspark)
     speculative_ngram_max: int = 4  # n-gram prompt lookup: longest suffix matched
     speculative_ngram_min: int = 1  # ... and the shortest
-    speculative_ngram_capacity: int = 1 << 16  # finished requests' tokens the n-gram proposer also looks in (0: off)
+    speculative_ngram_capacity: int = 1 << 16  # requests' tokens (running, finished) n-gram drafts come from (0: off)
     spec_state: str = "replay"  # how the KDA state of the draft window is recovered: replay | snapshot
     debug_spec_state: bool = False  # after every verify, check the live KDA state against plain decode (tests)
     # Parallelism past one device (torch.distributed: gloo on CPU, NCCL on CUDA), spelled as SGLang spells it.
