@@ -116,10 +116,6 @@ class ServerArgs:
             raise ValueError(f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size}")
         if self.enable_dp_attention and self.tp_size % self.dp_size:
             raise ValueError(f"--dp-size {self.dp_size} must divide --tp-size {self.tp_size} with DP attention")
-        if self.enable_dp_attention and self.speculative_algorithm in ("draft", "dspark"):
-            # Their draft forwards vary in number with each DP rank's batch and are not lockstepped (MTP's are).
-            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} does not run with "
-                             "--enable-dp-attention yet; use ngram or mtp, or DP attention off")
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
             raise ValueError(f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}")
         if not 0 <= self.node_rank < self.nnodes:
