@@ -16,7 +16,12 @@ the same plans to their worker), with every torch.distributed collective the mod
 timer: time inside collectives / time inside `ModelWorker.execute`, on rank 0, summed over the burst. A
 collective's time includes waiting for the slower rank, as a worker-side measurement does.
 
+Every engine runs the whole burst in one batch unless `--max-running-requests` is below `--num-questions`; with
+a smaller batch, the cache-aware router spreads the burst once a replica's batch is full and waiting there takes
+longer than computing the prefix again on the other (the prompt tokens per replica show the split).
+
     python bench/distributed.py [--json] [--preset k3-tiny] [--num-questions 64] [--max-new-tokens 32]
+                                [--max-running-requests N]
 """
 
 from __future__ import annotations
@@ -199,6 +204,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-shots", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--mem-mib", type=int, default=256, help="pool per rank, MiB")
+    ap.add_argument("--max-running-requests", type=int, default=None,
+                    help="each replica's (DP rank's) running batch; default: max(64, --num-questions)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, of " + ", ".join(CONFIGS))
     ap.add_argument("--no-comm-share", action="store_true", help="skip the tp 2 communication measurement")
     a = ap.parse_args(argv)
@@ -209,6 +216,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error("tp1 is the baseline the ratios are measured against: keep it in --configs")
     if a.num_questions < 1 or a.max_new_tokens < 1 or a.num_shots < 0:
         ap.error("--num-questions and --max-new-tokens must be >= 1, --num-shots >= 0")
+    if a.max_running_requests is None:
+        a.max_running_requests = max(64, a.num_questions)
+    elif a.max_running_requests < 1:
+        ap.error("--max-running-requests must be >= 1")
     return a
 
 
@@ -236,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"note: each worker process runs {mach['torch_threads']} torch threads; tp 2 and dp 2 run "
               f"{2 * mach['torch_threads']} on {mach['cores']} cores (oversubscribed)")
     w = workload(DATA / "test.jsonl", DATA / "train.jsonl", a.num_shots, a.num_questions)
-    engine_kw = {"mem_bytes": a.mem_mib << 20, "max_running_requests": max(64, a.num_questions)}
+    engine_kw = {"mem_bytes": a.mem_mib << 20, "max_running_requests": a.max_running_requests}
     runs: dict[str, Run] = {}
     with tempfile.TemporaryDirectory(prefix="radixk3-distributed-") as tmp:
         ckpt = write_random_checkpoint(preset(a.preset), Path(tmp) / a.preset, seed=0)
@@ -244,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompts = [tok.encode(w.prefix + q, add_bos=True) for q in w.questions]
         print(f"workload: gsm8k burst, {len(prompts)} prompts at once ({a.num_shots}-shot prefix, "
               f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens), {a.max_new_tokens} new tokens each, "
-              f"greedy; random {a.preset} (seed 0)")
+              f"greedy, at most {a.max_running_requests} running per replica; random {a.preset} (seed 0)")
         for name in a.configs:
             t0 = time.perf_counter()
             r = runs[name] = serve_burst(ckpt, CONFIGS[name], prompts, a.max_new_tokens, engine_kw)
@@ -280,7 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      for k, r in runs.items()},
             "comm": None if share is None else share._asdict() | {"outputs": None},
             "workload": {"num_questions": len(prompts), "num_shots": a.num_shots, "max_new_tokens": a.max_new_tokens,
-                         "prompt_tokens": base.prompt_tokens, "preset": a.preset},
+                         "max_running_requests": a.max_running_requests, "prompt_tokens": base.prompt_tokens,
+                         "preset": a.preset},
             "machine": mach,
             "seconds": took,
         }))

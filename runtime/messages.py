@@ -99,9 +99,11 @@ class StepPlan:
     input_logprob_rows: list[tuple[int, int]] = field(default_factory=list)  # (logits row, token id)
     grammar_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     grammar_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    # DP attention with MTP: the draft-chain layer calls every rank makes before the target's forward this step
-    # (the widest verify window over every group, less 2), so that all groups run the same MTP layers in turn.
-    dp_draft_steps: int = 0
+    # DP attention: what every group's step holds, as far as a model proposer's calls (which carry the shared
+    # MoE / FFN's collectives) depend on it, so that each group joins the calls the others make: the widest
+    # verify window over every group (0: none verifies), and whether some group runs an extend or decode step.
+    dp_window_width: int = 0
+    dp_extends: bool = False
 
 
 @dataclass

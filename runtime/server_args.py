@@ -51,7 +51,7 @@ class ServerArgs:
     speculative_draft_model: str | None = None  # checkpoint of the draft model (draft) or drafter (dspark)
     speculative_ngram_max: int = 4  # n-gram prompt lookup: longest suffix matched
     speculative_ngram_min: int = 1  # ... and the shortest
-    speculative_ngram_capacity: int = 1 << 16  # finished requests' tokens the n-gram proposer also looks in (0: off)
+    speculative_ngram_capacity: int = 1 << 16  # requests' tokens (running, finished) n-gram drafts come from (0: off)
     spec_state: str = "replay"  # how the KDA state of the draft window is recovered: replay | snapshot
     debug_spec_state: bool = False  # after every verify, check the live KDA state against plain decode (tests)
     # Parallelism past one device (torch.distributed: gloo on CPU, NCCL on CUDA), spelled as SGLang spells it.
@@ -111,10 +111,6 @@ class ServerArgs:
             raise ValueError(f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size}")
         if self.enable_dp_attention and self.tp_size % self.dp_size:
             raise ValueError(f"--dp-size {self.dp_size} must divide --tp-size {self.tp_size} with DP attention")
-        if self.enable_dp_attention and self.speculative_algorithm in ("draft", "dspark"):
-            # Their draft forwards vary in number with each DP rank's batch and are not lockstepped (MTP's are).
-            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} does not run with "
-                             "--enable-dp-attention yet; use ngram or mtp, or DP attention off")
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
             raise ValueError(f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}")
         if not 0 <= self.node_rank < self.nnodes:

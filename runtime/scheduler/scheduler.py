@@ -103,7 +103,7 @@ class Scheduler:
         self._inflight: deque[StepRecord] = deque()
         self._retracted_now: set[int] = set()
         self.spec = args.speculative_algorithm
-        # n-gram: finished requests' tokens, where every request also looks for its drafts.
+        # n-gram: every request's committed tokens (running ones too), where every request also looks for drafts.
         self.ngram_corpus = NgramCorpus(args.speculative_ngram_min, args.speculative_ngram_max,
                                         args.speculative_ngram_capacity) \
             if self.spec == "ngram" and args.speculative_ngram_capacity > 0 else None
@@ -262,6 +262,7 @@ class Scheduler:
                 n_tok, first = (result.num_accepted[i] + 1, tok_i) if rec.mode == "verify" else (1, i)
                 tok_i += n_tok
                 self._apply_samples(req, result, first, n_tok, row_errors.get(i))
+                self._share_tokens(req)
                 if rec.mode == "verify":
                     self._commit_window(req, s, n_tok)
         for c in rec.ckpts:
@@ -405,6 +406,7 @@ class Scheduler:
             self._count_admission(req, match)
             self.tables.assign(req)
             self.running.append(req)
+            self._share_tokens(req)
             batch.append((req, n))
             sources.append(req)
             budget -= n
@@ -501,9 +503,18 @@ class Scheduler:
         elif req.retract_pending:
             self._retract(req)
 
+    def _share_tokens(self, req: Req) -> None:
+        """Index what `req` committed since the last call in the n-gram corpus, for every request to draft from:
+        its prompt when admitted, its outputs as a step's samples are accepted (`output_ids` only ever holds
+        tokens the request keeps; drafts and in-flight samples are not among them). Costs O(new tokens x n-gram
+        sizes) per call, so a step costs O(its committed tokens), never O(corpus)."""
+        if self.ngram_corpus is None:
+            return
+        seen = 0 if req.corpus_doc is None else req.corpus_doc.seen
+        if seen < req.known_len:
+            req.corpus_doc = self.ngram_corpus.extend(req.corpus_doc, req.ids(seen, req.known_len))
+
     def _release(self, req: Req, donate: bool) -> None:
-        if self.ngram_corpus is not None and req.finished and not req.poisoned:
-            self.ngram_corpus.add(req.all_ids)
         self.req_cache.cache_req(req, donate and not req.state_ahead)
         req.state_ahead = False
         self.tables.release(req)

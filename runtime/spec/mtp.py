@@ -34,6 +34,7 @@ from runtime.worker.pool_buffer import PoolBuffer
 class MTPProposer:
     needs_hidden = True
     aux_layer_ids: tuple[int, ...] = ()
+    observes_verify = True  # after_verify runs every layer, as observe does
 
     def __init__(self, model: KimiForCausalLM, buffer: PoolBuffer, num_rows: int) -> None:
         cfg = model.config
@@ -111,7 +112,11 @@ class MTPProposer:
 
     # DP attention: every rank runs the same MTP layers in the same order in a step (their MoE is shared), so a
     # rank with fewer positions joins the others' calls on zero rows. Per step: the draft chain's calls before the
-    # target's forward (layer j % n for j = 1 .. the step's `dp_draft_steps`), then each layer once after it.
+    # target's forward (layer j % n for j = 1 .. `draft_calls` of the widest window), then each layer once after it.
+    def draft_calls(self, width: int) -> int:
+        """The chain's layer calls for windows up to `width` positions wide: drafts 2 .. width - 1 each run one."""
+        return max(width - 2, 0)
+
     def idle_drafts(self, first: int, last: int) -> None:
         """Join draft-chain calls `first` .. `last` (1-based) that this rank does not make itself."""
         if self.model.dp_attention:

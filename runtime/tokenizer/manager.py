@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from runtime.dp_router import DPRouter
+from runtime.dp_router import CacheAwareConfig, DPRouter
 from runtime.engine_processes import EngineProcesses
 from runtime.errors import EngineError, EngineOverloaded
 from runtime.grammar import GrammarKey, check_grammar
@@ -197,7 +197,7 @@ class TokenizerManager:
         self._foreign: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, StreamChunk | BaseException]]] = {}
         self._grammars_ok: collections.OrderedDict[GrammarKey, None] = collections.OrderedDict()
         self.num_replicas: int = procs.num_replicas
-        self.router = DPRouter(self.num_replicas, args.load_balance_method)
+        self.router = DPRouter(self.num_replicas, args.load_balance_method, CacheAwareConfig.from_args(args))
 
     # --- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -398,7 +398,7 @@ class TokenizerManager:
             msgs.append(GenerateReq(r, ids, sp, return_logprob, logprob_start_len, top_logprobs_num, stream=True))
         frames = [encode(m) for m in msgs]  # encoded before anything is registered: a failure leaves nothing
         for r, f in zip(rids, frames, strict=True):
-            replica = self.router.route(r, ids)
+            replica = self.router.route(r, ids, params.max_new_tokens)
             self._reqs[r] = _Entry(samples[r], sink, replica)
             self._push[replica].send_multipart(f, flags=zmq.NOBLOCK)
         deadline_at = None

@@ -20,8 +20,7 @@ from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
 from runtime.messages import StepPlan, StepResult
 from runtime.pool_layout import CopyCommand, pool_budget, pool_layout, serving_dtype
 from runtime.server_args import ServerArgs
-from runtime.spec.mtp import MTPProposer
-from runtime.spec.proposers import build_proposer
+from runtime.spec.proposers import build_proposer, lockstep_proposer
 from runtime.worker.page_table import WorkerPageTable
 from runtime.worker.pool_buffer import PoolBuffer
 from runtime.worker.pool_memory import pool_memory_bytes
@@ -61,9 +60,8 @@ class ModelWorker:
                 self.layout.kv_dtype, self.model.device, record_inputs=args.debug_spec_state)
         # A model proposer (draft model) fills the verify windows' drafts; its cache lives in the same pool.
         self.proposer = build_proposer(args, self.model, self.buffer)
-        # DP attention with MTP: the proposer joins the other groups' MTP layer calls (see MTPProposer.idle_drafts).
-        self.lockstep_mtp = self.proposer if self.model.dp_attention and isinstance(self.proposer, MTPProposer) \
-            else None
+        # DP attention with MTP or a draft model: the proposer joins the other groups' calls (LockstepProposer).
+        self.lockstep = lockstep_proposer(self.proposer, self.model.dp_attention)
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.array(a, dtype=np.int64)).to(self.model.device)
@@ -112,17 +110,16 @@ class ModelWorker:
         self.apply_plan_changes(plan)
         if plan.mode == ForwardMode.IDLE.value:
             if self.model.dp_attention:  # DP attention, nothing for this group: join the others' FFN collectives
-                if self.lockstep_mtp is not None:
-                    self.lockstep_mtp.idle_drafts(1, plan.dp_draft_steps)
+                if self.lockstep is not None:
+                    self.lockstep.idle_drafts(1, self.lockstep.draft_calls(plan.dp_window_width))
                 self.model.idle_step()
-                if self.lockstep_mtp is not None:
-                    self.lockstep_mtp.idle_observe()
+                self._join_observations(plan)
             return StepResult(step=plan.step, tokens=[], logprobs=[], top_ids=[], top_logprobs=[], input_logprobs=[])
         if plan.mode == ForwardMode.VERIFY.value:
             return self._verify(plan)
         batch = self.forward_batch(plan)
-        if self.lockstep_mtp is not None:
-            self.lockstep_mtp.idle_drafts(1, plan.dp_draft_steps)
+        if self.lockstep is not None:
+            self.lockstep.idle_drafts(1, self.lockstep.draft_calls(plan.dp_window_width))
         pre: list[torch.Tensor] | None = [] if self.proposer is not None and self.proposer.needs_hidden else None
         logits = self._forward(batch, pre)
         n = len(plan.sample_params)
@@ -148,6 +145,13 @@ class ModelWorker:
             top_ids=res.top_ids.tolist(), top_logprobs=res.top_logprobs.tolist(), input_logprobs=input_lp,
             row_errors=row_errors,
         )
+
+    def _join_observations(self, plan: StepPlan) -> None:
+        """DP attention, a group that observed nothing this step (idle, or a verify the proposer does not observe):
+        join the observation calls of the groups that did."""
+        lock = self.lockstep
+        if lock is not None and (plan.dp_extends or (lock.observes_verify and plan.dp_window_width > 0)):
+            lock.idle_observe()
 
     def _forward(self, batch: ForwardBatch, prenorm: list[torch.Tensor] | None) -> torch.Tensor:
         """The target's step; the pre-norm hiddens (or a DSpark proposer's aux states: the target's states after
@@ -178,8 +182,9 @@ class ModelWorker:
         draft_probs = None
         if self.proposer is not None:  # before the target reads the window: its drafts replace the placeholders
             draft_probs = self.proposer.propose(batch, rows, rows_of)
-        if self.lockstep_mtp is not None:  # the MTP chain made calls 1 .. width - 2 itself
-            self.lockstep_mtp.idle_drafts(max(width - 1, 1), plan.dp_draft_steps)
+        if self.lockstep is not None:  # propose made this group's own calls: join the widest window's others
+            lock = self.lockstep
+            lock.idle_drafts(lock.draft_calls(width) + 1, lock.draft_calls(plan.dp_window_width))
         lay = window_layout(batch.cu_seqlens, int(batch.input_ids.numel()))  # once: the backend reuses it
         batch.spec = WindowRows(self.window, rows, lay)
         cache = self.cache
@@ -229,6 +234,8 @@ class ModelWorker:
         if pre:  # the MTP proposer catches up over the committed positions with the target's hiddens there
             assert self.proposer is not None
             self.proposer.after_verify(batch, pre[0], num_accepted.to(rows.device) + 1, last, rows)
+        if self.lockstep is not None and not self.lockstep.observes_verify:
+            self._join_observations(plan)
         return StepResult(step=plan.step, tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lps,
                           input_logprobs=[], row_errors=row_errors, num_accepted=num_accepted.tolist())
 
