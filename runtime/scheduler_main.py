@@ -44,6 +44,7 @@ from runtime.messages import (
 )
 from runtime.model_files import model_config, tokenizer_for
 from runtime.pool_layout import pool_layout
+from runtime.process_info import scheduler_process_name, set_process_name
 from runtime.scheduler.dp_attention import DPAttentionScheduler
 from runtime.scheduler.scheduler import Scheduler
 from runtime.scheduler.step_loop import StepLoop
@@ -145,6 +146,7 @@ def scheduler_main(args: ServerArgs, topo: Topology, replica: int) -> None:
     # Terminated (the parent died or gave up waiting): remove the sockets' dir, which nobody else will.
     signal.signal(signal.SIGTERM, lambda *_: (shutil.rmtree(ipc_dir, ignore_errors=True), os._exit(1)))
     die_with_parent()
+    set_process_name(scheduler_process_name(replica))
     ctx = zmq.Context()
     inbox = make_socket(ctx, zmq.PULL, topo.bind_addr(f"sched_in_{replica}"), bind=True)
     outbox = make_socket(ctx, zmq.PUSH, topo.addr("sched_out"), bind=False)
