@@ -177,6 +177,11 @@ class EngineProcesses:
                     culprits.append(note + _signal_name(code))
         return "; ".join(culprits + others)
 
+    def describe_scheduler(self, replica: int) -> str:
+        """Replica `replica`'s scheduler as an error names it: its pid, and whether it is stopped."""
+        p = self.procs[len(self.ranks) + replica]
+        return f"the scheduler of replica {replica} (pid {p.pid}{', stopped' if is_stopped(p.pid) else ''})"
+
     def dead_child(self) -> str | None:
         for p in self.procs:
             if not p.is_alive():

@@ -42,7 +42,7 @@ def worker_main(args: ServerArgs, topo: Topology, replica: int, rank: int) -> No
         results.send_multipart(encode(WorkerReady(rank, error=f"{who}: {type(e).__name__}: {e}")))
         ctx.destroy(linger=LINGER_MS)
         return
-    results.send_multipart(encode(WorkerReady(rank, pool_bytes=worker.pool_bytes)))
+    results.send_multipart(encode(WorkerReady(rank, pool_bytes=worker.pool_bytes, pid=os.getpid())))
     poller = zmq.Poller()
     poller.register(plans, zmq.POLLIN)
     poller.register(scheduler_watch, zmq.POLLIN)
