@@ -132,6 +132,7 @@ class WorkerReady:
     rank: int
     error: str | None = None
     pool_bytes: int | None = None  # the pool buffer's bytes (PoolGeometry.total_bytes); None with an error
+    pid: int | None = None  # the rank's process, so that the scheduler's watchdog can say it is stopped
 
 
 @dataclass
@@ -145,6 +146,16 @@ class RankFailed:
 @dataclass
 class Shutdown:
     pass
+
+
+@dataclass
+class Heartbeat:
+    """A scheduler is alive (sent while it has work, and at once when `stuck` changes): the tokenizer side's
+    watchdog notices a scheduler that falls silent with requests pending. `stuck`: what the scheduler's own
+    watchdog found stuck (a step its ranks have not finished within --watchdog-timeout); None: healthy."""
+
+    replica: int
+    stuck: str | None = None
 
 
 @dataclass
@@ -171,8 +182,8 @@ class FlushCacheOut:
 
 MESSAGES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (GenerateReq, AbortReq, TokenOut, StepPlan, StepResult, WorkerReady, RankFailed, Shutdown, MetricsReq,
-                MetricsOut, FlushCacheReq, FlushCacheOut)
+    for cls in (GenerateReq, AbortReq, TokenOut, StepPlan, StepResult, WorkerReady, RankFailed, Shutdown, Heartbeat,
+                MetricsReq, MetricsOut, FlushCacheReq, FlushCacheOut)
 }
 
 

@@ -64,6 +64,10 @@ class ServerArgs:
     node_rank: int = 0  # this machine's index; node 0 runs the tokenizer and scheduler
     dist_init_addr: str | None = None  # host:port of node 0's rendezvous; None: a free local port
     dist_timeout: float = 60.0  # seconds a collective may wait before the group fails (a dead or hung rank)
+    watchdog_timeout: float = field(default=300.0, metadata={"help": (
+        "seconds a forward step, or a scheduler with requests pending, may go without progress before the "
+        "watchdog fails the requests concerned with an error naming the stuck process (the worker rank or "
+        "the scheduler) and /health answers 503 until it recovers; 0 turns the watchdog off")})
     log_level: str = "warning"
     # HTTP server (`radixk3 serve`); the offline Engine ignores these.
     host: str = "127.0.0.1"
@@ -119,6 +123,9 @@ class ServerArgs:
             raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address)")
         if self.dist_timeout <= 0:
             raise ValueError("--dist-timeout must be > 0")
+        if not self.watchdog_timeout >= 0:  # also refuses NaN
+            raise ValueError(f"--watchdog-timeout must be >= 0 seconds (0 turns the watchdog off), "
+                             f"got {self.watchdog_timeout}")
         if self.graceful_shutdown_timeout < 0:
             raise ValueError("--graceful-shutdown-timeout must be >= 0")
 
@@ -127,6 +134,12 @@ class ServerArgs:
         """Whether the step loop overlaps planning with the worker. Not with speculation: a verify step's
         positions depend on how many drafts the step before it accepted."""
         return not self.disable_overlap_schedule and self.speculative_algorithm is None
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """How often a busy scheduler says it is alive, and the watchdogs look: a fifth of the watchdog's
+        timeout, at most a second (a hang is noticed within the timeout plus about this)."""
+        return min(1.0, self.watchdog_timeout / 5)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -127,6 +127,8 @@ async def health(request: Request) -> Response:
     st = state_of(request)
     if st.tm.dead is not None or st.procs.closed:
         raise APIError(503, f"the engine is down: {st.tm.dead or 'shut down'}", "server_error")
+    if (stuck := st.tm.stuck) is not None:  # until the stuck process recovers
+        raise APIError(503, f"the engine is stuck: {stuck}", "server_error")
     return OrjsonResponse({"status": "ok"})
 
 

@@ -24,6 +24,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runtime.engine_processes import EngineProcesses
+from runtime.errors import EngineError
 from runtime.http.api_errors import APIError, install_error_handlers
 from runtime.http.native_api import router as native_router
 from runtime.http.openai_api import router as openai_router
@@ -32,6 +33,9 @@ from runtime.server_args import ServerArgs
 from runtime.tokenizer.manager import TokenizerManager
 
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (load balancers' probes)
+# How long a scrape waits for the schedulers' counters before it serves the last ones (Prometheus gives a scrape
+# 10 s by default).
+METRICS_TIMEOUT_S = 5.0
 
 
 class AccessMiddleware:
@@ -101,11 +105,22 @@ def create_app(args: ServerArgs) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         st = state_of(request)
-        body = st.metrics.render(await st.tm.get_metrics(timeout=10.0))
+        body = st.metrics.render(await _scheduler_metrics(st))
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.add_middleware(AccessMiddleware, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
     return app
+
+
+async def _scheduler_metrics(st: ServerState) -> dict[str, Any] | None:
+    """The schedulers' counters for a scrape, or None (the last ones are served, with their staleness) when a
+    scheduler is known to be silent, does not answer within METRICS_TIMEOUT_S, or the engine is down."""
+    if any(st.tm.watch.silent):
+        return None
+    try:
+        return await st.tm.get_metrics(timeout=METRICS_TIMEOUT_S)
+    except (TimeoutError, EngineError):
+        return None
 
 
 def run_server(args: ServerArgs) -> int:

@@ -62,6 +62,10 @@ class DPAttentionScheduler:
         if g is not None:
             self.groups[g].abort(rid)
 
+    def fail_all(self, error: str) -> list[TokenOut]:
+        """Every group's requests fail (the watchdog: a step is stuck); see `Scheduler.fail_all`."""
+        return self._finished([o for s in self.groups for o in s.fail_all(error)])
+
     # --- the step loop's view --------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:

@@ -157,6 +157,26 @@ class Scheduler:
             if req.rid == rid and not req.finished:
                 req.aborted = True  # released once no step in flight includes it
 
+    def fail_all(self, error: str) -> list[TokenOut]:
+        """Fail every request with `error` (the watchdog: a step is stuck). Queued requests and running ones
+        in no step in flight let go of their memory now. A request in a step in flight keeps its memory until
+        that step's result comes (the stuck ranks may still write it, and later plans may still read it); it
+        is poisoned, so that result's tokens are discarded and its state is never cached."""
+        for req, _ in self.grammar_wait:
+            self.outputs.finish(req, "error", error)
+        self.grammar_wait = []
+        while self.waiting:
+            self.outputs.finish(self.waiting.popleft(), "error", error)
+        for req in list(self.running):
+            if req.finished is None:
+                self.outputs.finish(req, "error", error)
+            if req.in_flight:
+                req.poisoned = True
+            else:
+                self._settle(req)
+        self._refresh_metrics()
+        return self.take_outputs()
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.outputs.outbox or self._inflight or self.grammar_wait)

@@ -13,6 +13,10 @@ radix cache, and one PUSH socket to each; their replies share one PULL. A `DPRou
 replica (`--load-balance-method`); an abort goes to the request's replica; metrics are gathered from every
 replica and added up; a flush goes to all. One replica behaves exactly as an engine without DP.
 
+With `--watchdog-timeout` a watch task fails the requests pending on a scheduler that has fallen silent and
+aborts them there; what is stuck (that, or a step the scheduler reports stuck) refuses new requests until it
+recovers (`stuck`, which /health reports; `runtime.tokenizer.scheduler_watch`).
+
 `submit`, `abort`, `get_metrics`, `flush_cache` and `close` are called on the manager's loop; `abort` may be
 called from any thread.
 """
@@ -41,6 +45,7 @@ from runtime.messages import (
     FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
+    Heartbeat,
     MetricsOut,
     MetricsReq,
     TokenOut,
@@ -58,6 +63,7 @@ from runtime.sampling_params import (
 )
 from runtime.server_args import ServerArgs
 from runtime.tokenizer.request_stream import Sample, SampleStream, StreamChunk
+from runtime.tokenizer.scheduler_watch import SchedulerWatch
 
 SHUT_DOWN = "the engine is shut down"
 CHECKED_GRAMMARS = 1024  # grammars remembered as valid, so a repeated one is not parsed again
@@ -191,6 +197,7 @@ class TokenizerManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: int | None = None
         self._task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
         self._closed = False
         self.dead: EngineError | None = None
         # Chunks for consumers on other event loops, handed over once per burst of replies (one wake-up).
@@ -216,6 +223,9 @@ class TokenizerManager:
             push.connect(self.procs.endpoint(f"sched_in_{i}"))
             self._push.append(push)
         self._task = asyncio.create_task(self._receive(), name="radixk3-tokenizer-manager")
+        self.watch = SchedulerWatch(self.num_replicas, self.args.watchdog_timeout, self._loop.time())
+        if self.watch.enabled:
+            self._watch_task = asyncio.create_task(self._watch_schedulers(), name="radixk3-scheduler-watch")
         self.procs.on_death(self._on_death)
 
     async def close(self) -> None:
@@ -224,12 +234,13 @@ class TokenizerManager:
         if self._closed:
             return
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._task, self._watch_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         self._fail_all(EngineError(SHUT_DOWN))
         self._pull.close(linger=0)
         for push in self._push:
@@ -312,6 +323,43 @@ class TokenizerManager:
             self._resolve(msg.req_id, msg.metrics)
         elif isinstance(msg, FlushCacheOut):
             self._resolve(msg.req_id, msg.flushed)
+        elif isinstance(msg, Heartbeat):
+            self.watch.heard(msg.replica, msg.stuck, self._loop.time())  # type: ignore[union-attr]
+
+    # --- the schedulers' watchdog ----------------------------------------------------------------------
+    @property
+    def stuck(self) -> str | None:
+        """What the watchdogs find stuck (a scheduler silent with requests pending, or a step its ranks do not
+        finish), until it recovers; None: nothing."""
+        return self.watch.stuck if hasattr(self, "watch") else None
+
+    def _check_not_stuck(self) -> None:
+        if (why := self.stuck) is not None:
+            raise EngineError(f"the engine is stuck: {why}")
+
+    async def _watch_schedulers(self) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.args.heartbeat_interval
+        skipped = False
+        while True:
+            slept_from = loop.time()
+            await asyncio.sleep(interval)
+            if loop.time() - slept_from > 2 * interval and not skipped:
+                skipped = True  # this loop itself was held up: let the receiver read the heartbeats waiting first
+                continue
+            skipped = False
+            pending = collections.Counter(e.replica for e in self._reqs.values())
+            for i in self.watch.check(pending, loop.time(), self.procs.describe_scheduler):
+                self._fail_replica(i, EngineError(self.watch.silent[i]))
+
+    def _fail_replica(self, replica: int, err: EngineError) -> None:
+        """Fail the requests pending on one replica, and abort them there: if its scheduler comes back, it
+        drops them and frees their memory."""
+        for rid in [r for r, e in self._reqs.items() if e.replica == replica]:
+            entry = self._reqs.pop(rid)
+            self.router.finished(rid)
+            self._deliver(entry.sink, err)
+            self._send(AbortReq(rid), replica)
 
     def _resolve(self, req_id: str, value: Any) -> None:
         fut = self._waiters.pop(req_id, None)
@@ -360,6 +408,7 @@ class TokenizerManager:
                 timeout: float | None, deadline: float | None) -> RequestHandle:
         self._check_thread()
         self._check_alive()
+        self._check_not_stuck()
         ids = self._prompt_ids(prompt)
         params = SamplingParams.from_dict(sampling_params, self.vocab_size)
         if params.grammar is not None and (key := GrammarKey(*params.grammar)) not in self._grammars_ok:

@@ -56,6 +56,14 @@ class Server:
             assert time.monotonic() < deadline, f"not idle after {timeout}s: {m}"
             time.sleep(0.1)
 
+    def child_pid(self, name: str) -> int:
+        """The pid of the engine process the server runs under `name`, as `ps` shows it (the names of
+        runtime.process_info: `radixk3-sched0`, `radixk3-w0-0`, ...)."""
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-x", name], capture_output=True, text=True,
+                             check=False).stdout.split()
+        assert len(out) == 1, f"{len(out)} child processes named {name!r}"
+        return int(out[0])
+
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
