@@ -1,4 +1,4 @@
-"""K3 chat rendering with tools and thinking, and the one-shot parse of an assistant reply.
+"""K3 chat rendering with tools and thinking (`runtime.tokenizer.k3_reply` assembles the replies).
 
 Messages keep Kimi's role framing (`radixk3.tokenizer.chat_turn`); what K3 adds is XTML inside:
 
@@ -18,13 +18,12 @@ Forced tool calls (`tool_choice` "required" or named) are constrained by xgramma
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from radixk3.tokenizer import END_OF_MSG, XTML_CLOSE, XTML_OPEN, XTML_SEP, chat_turn, turn_start
-from runtime.tokenizer.k3_stream_parser import K3StreamParser
 
 THINK_PREFIX = f"{XTML_OPEN}think{XTML_SEP}"
 RESPONSE_PREFIX = f"{XTML_OPEN}response{XTML_SEP}"
@@ -35,20 +34,6 @@ FORCED_PREFIX = f"{RESPONSE_PREFIX}{XTML_CLOSE}response{XTML_SEP}"
 
 class RenderError(ValueError):
     """A conversation the template cannot render (a client error: HTTP 400)."""
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # a JSON object, as OpenAI sends it
-
-
-@dataclass
-class ParsedReply:
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -175,26 +160,6 @@ def render_k3_chat(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mappin
     prefix = THINK_PREFIX if thinking else FORCED_PREFIX if forced else RESPONSE_PREFIX
     out.append(turn_start("assistant") + prefix)
     return K3Prompt("".join(out), prefix, thinking, forced)
-
-
-def parse_reply(text: str, prefix: str = RESPONSE_PREFIX, *, tools: bool = True, forced: bool = False
-                ) -> ParsedReply:
-    """The reply `text` (markers kept) that continues `prefix`, as OpenAI's message fields; `forced`: it was
-    written under `forcing_grammar`."""
-    parser = K3StreamParser(prefix, tools=tools, strip_strings=forced)
-    d1, d2 = parser.feed(text), parser.finish()
-    reasoning, content = d1.reasoning + d2.reasoning, d1.content + d2.content
-    calls: dict[int, list[str]] = {}
-    names: dict[int, tuple[str, str]] = {}
-    for d in (*d1.tool_calls, *d2.tool_calls):
-        if d.name is not None:
-            names[d.index] = (d.id or "", d.name)
-        calls.setdefault(d.index, []).append(d.arguments)
-    return ParsedReply(
-        content=content or None,
-        reasoning_content=reasoning if reasoning or prefix == THINK_PREFIX else None,
-        tool_calls=[ToolCall(names[i][0], names[i][1], "".join(calls[i])) for i in sorted(calls)],
-    )
 
 
 def forcing_grammar(tools: Sequence[Mapping[str, Any]], tool_choice: str | Mapping[str, Any],

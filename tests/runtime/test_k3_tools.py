@@ -13,16 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixk3.tokenizer import Tokenizer, load_tokenizer
+from runtime.tokenizer.k3_reply import ParsedReply, ReplyAssembler, ToolCall, parse_reply
 from runtime.tokenizer.k3_stream_parser import K3StreamParser
 from runtime.tokenizer.k3_tools import (
     FORCED_PREFIX,
     RESPONSE_PREFIX,
     THINK_PREFIX,
-    ParsedReply,
     RenderError,
-    ToolCall,
     forcing_grammar,
-    parse_reply,
     render_k3_chat,
     render_reply,
 )
@@ -48,7 +46,7 @@ def strip_prefix(reply: str, prefix: str) -> str:
 
 
 def stream_parse(prefix: str, pieces: list[str], tools: bool = True) -> ParsedReply:
-    """Reassemble the streamed deltas as a client does: by tool call index, names first."""
+    """Reassemble the parser's streamed deltas as a client does: by tool call index, names first."""
     p = K3StreamParser(prefix, tools=tools)
     deltas = [p.feed(x) for x in pieces] + [p.finish()]
     reasoning = "".join(d.reasoning for d in deltas)
@@ -65,6 +63,28 @@ def stream_parse(prefix: str, pieces: list[str], tools: bool = True) -> ParsedRe
                 args[t.index] = args.get(t.index, "") + t.arguments
     return ParsedReply(content or None, reasoning if reasoning or prefix == THINK_PREFIX else None,
                        [ToolCall(*ids[i], args.get(i, "")) for i in sorted(ids)])
+
+
+def stream_assemble(prefix: str, pieces: list[str]) -> ParsedReply:
+    """Reassemble the reply assembler's chunks (what the server streams) as a client does."""
+    a = ReplyAssembler(prefix)
+    chunks = [a.push(x) for x in pieces] + [a.push("", final=True)]
+    ids: dict[int, tuple[str, str]] = {}
+    args: dict[int, str] = {}
+    for d in chunks:
+        assert len({t.index for t in d.tool_calls}) == len(d.tool_calls), "one entry per call in a chunk"
+        for t in d.tool_calls:
+            if t.name is not None:
+                assert t.index not in ids, "the name comes first, once"
+                ids[t.index] = (t.id or "", t.name)
+            else:
+                assert t.index in ids, "argument fragments after the name"
+            args[t.index] = args.get(t.index, "") + t.arguments
+    got = ParsedReply("".join(d.content for d in chunks) or None,
+                      "".join(d.reasoning for d in chunks) or (None if prefix != THINK_PREFIX else ""),
+                      [ToolCall(*ids[i], args.get(i, "")) for i in sorted(ids)])
+    assert got == a.reply(), "the chunks add up to the assembler's reply"
+    return got
 
 
 def splits(s: str, cuts: list[int]) -> list[str]:
@@ -114,6 +134,7 @@ def test_stream_deltas_equal_the_full_parse(content: str, reasoning: str | None,
         full = parse_reply(s, prefix)
         assert stream_parse(prefix, splits(s, cuts)) == full
         assert stream_parse(prefix, list(s)) == full  # character by character
+        assert stream_assemble(prefix, splits(s, cuts)) == full
 
 
 def test_token_by_token_equals_full_parse() -> None:
