@@ -31,6 +31,7 @@ class K3Chat:
     prompt: K3Prompt
     parse_tools: bool
     grammar: str | None  # EBNF forcing a tool call
+    parallel_calls: bool  # OpenAI's parallel_tool_calls: off, a reply keeps its first call only
 
 
 def plan_k3_chat(req: ChatCompletionRequest) -> K3Chat:
@@ -51,7 +52,7 @@ def plan_k3_chat(req: ChatCompletionRequest) -> K3Chat:
     except (ValueError, RuntimeError) as e:  # xgrammar refusing a tool's parameter schema
         message = _CPP_LOCATION.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
         raise APIError(400, f"tools: {message}", "invalid_request_error", param="tools") from None
-    return K3Chat(prompt, bool(tools), grammar)
+    return K3Chat(prompt, bool(tools), grammar, req.parallel_tool_calls)
 
 
 def k3_sampling(chat: K3Chat, sampling: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +70,8 @@ class K3Reply:
     """One choice: `push` each chunk of the engine's text (the stop token's own text is dropped at the end)."""
 
     def __init__(self, chat: K3Chat, tokenizer: Tokenizer) -> None:
-        self._reply = ReplyAssembler(chat.prompt.prefix, tools=chat.parse_tools, forced=chat.grammar is not None)
+        self._reply = ReplyAssembler(chat.prompt.prefix, tools=chat.parse_tools, forced=chat.grammar is not None,
+                                     parallel=chat.parallel_calls)
         self._tok = tokenizer
 
     def push(self, text: str, finished: str | None, last_ids: list[int]) -> DeltaMessage:

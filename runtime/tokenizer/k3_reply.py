@@ -45,10 +45,12 @@ class ReplyDelta:
 
 class ReplyAssembler:
     """One reply that continues `prefix`: `push` its text in pieces of any size (`final` with the last),
-    read `reply()` at any point. `forced`: written under `k3_tools.forcing_grammar`."""
+    read `reply()` at any point. `forced`: written under `k3_tools.forcing_grammar`; `parallel` off: at most
+    one call (OpenAI's `parallel_tool_calls: false`; the parser drops the text after the first call)."""
 
-    def __init__(self, prefix: str = RESPONSE_PREFIX, *, tools: bool = True, forced: bool = False) -> None:
-        self._parser = K3StreamParser(prefix, tools=tools, strip_strings=forced)
+    def __init__(self, prefix: str = RESPONSE_PREFIX, *, tools: bool = True, forced: bool = False,
+                 parallel: bool = True) -> None:
+        self._parser = K3StreamParser(prefix, tools=tools, strip_strings=forced, parallel_calls=parallel)
         self._thinking = prefix == THINK_PREFIX
         self._content: list[str] = []
         self._reasoning: list[str] = []
@@ -86,10 +88,10 @@ class ReplyAssembler:
         return "tool_calls" if finished == "stop" and self._calls else finished
 
 
-def parse_reply(text: str, prefix: str = RESPONSE_PREFIX, *, tools: bool = True, forced: bool = False
-                ) -> ParsedReply:
+def parse_reply(text: str, prefix: str = RESPONSE_PREFIX, *, tools: bool = True, forced: bool = False,
+                parallel: bool = True) -> ParsedReply:
     """The whole reply `text` (markers kept) that continues `prefix`, as OpenAI's message fields."""
-    assembler = ReplyAssembler(prefix, tools=tools, forced=forced)
+    assembler = ReplyAssembler(prefix, tools=tools, forced=forced, parallel=parallel)
     assembler.push(text, final=True)
     return assembler.reply()
 
