@@ -43,6 +43,21 @@ _ROLE_MARKERS = {"system": IM_SYSTEM, "user": IM_USER, "assistant": IM_ASSISTANT
 _SPACE_MARK = "\u2581"
 
 
+def turn_start(role: str, name: str | None = None) -> str:
+    """The opening of a chat turn in Kimi's framing, `<|im_user|>user<|im_middle|>`: the role's marker, the
+    turn's name (the role word unless `name` replaces it, as in Kimi's template), the middle marker. The one
+    definition of the framing: the chat template, K3's renderer and the frontend's roles all write it."""
+    marker = _ROLE_MARKERS.get(role)
+    if marker is None:
+        raise ValueError(f"unsupported chat role {role!r}; expected one of {sorted(_ROLE_MARKERS)}")
+    return f"{marker}{name or role}{IM_MIDDLE}"
+
+
+def chat_turn(role: str, body: str, name: str | None = None) -> str:
+    """A whole turn: `turn_start`, the body, `<|im_end|>`."""
+    return turn_start(role, name) + body + IM_END
+
+
 class Tokenizer:
     """A sentencepiece model with exact round trips; ids are plain ints below `vocab_size`.
 
@@ -141,14 +156,12 @@ class Tokenizer:
         system/user/assistant; an optional "name" replaces the role word, as in Kimi's template."""
         out: list[str] = []
         for m in messages:
-            role, content = m.get("role"), m.get("content")
-            if role not in _ROLE_MARKERS:
-                raise ValueError(f"unsupported chat role {role!r}; expected one of {sorted(_ROLE_MARKERS)}")
+            start, content = turn_start(m.get("role", ""), m.get("name")), m.get("content")
             if not isinstance(content, str):
                 raise ValueError(f"chat message content must be a string, got {type(content).__name__}")
-            out.append(f"{_ROLE_MARKERS[role]}{m.get('name') or role}{IM_MIDDLE}{content}{IM_END}")
+            out.append(start + content + IM_END)
         if add_generation_prompt:
-            out.append(f"{IM_ASSISTANT}assistant{IM_MIDDLE}")
+            out.append(turn_start("assistant"))
         return "".join(out)
 
     def _check_id(self, token_id: int) -> None:

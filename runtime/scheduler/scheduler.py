@@ -363,18 +363,24 @@ class Scheduler:
                 req.retry = True
         req.poisoned = True
 
-    def _requeue(self, req: Req) -> None:
-        """Drop everything a failed step may have touched (nothing is donated) and queue the request again,
-        to be recomputed alone; its outputs so far came from steps that succeeded and are kept."""
+    def _requeue(self, req: Req, failed: bool) -> None:
+        """Free a running request's memory and queue it again to be recomputed; its outputs so far are kept.
+        Retracted under memory pressure (`failed` false), it caches what it computed: nothing is lost. After a
+        failed step it shared (`failed`), nothing that step may have touched is donated; it runs alone next,
+        one retry spent, no longer poisoned (it will be recomputed from what succeeded)."""
         assert req.in_flight == 0
-        self._release(req, donate=False)
+        self._release(req, donate=not failed)
         req.num_computed = req.branch_len = 0
         req.prefill_done = req.retract_pending = req.poisoned = req.retry = False
         req.ckpt_points.clear()
-        req.isolate = True
-        req.retries += 1
         self.waiting.appendleft(req)
         self._retracted_now.add(id(req))
+        if failed:
+            req.isolate = True
+            req.retries += 1
+        else:
+            self.metrics.retractions += 1
+            self.ratio.on_retract()
 
     # --- batches ---------------------------------------------------------------------------------------
     def _extend_batch(self) -> list[tuple[Req, int]]:
@@ -501,21 +507,13 @@ class Scheduler:
         return True
 
     def _retract(self, req: Req) -> None:
-        """Free a running request's memory (caching what it computed) and queue it again; nothing is lost."""
-        assert req.in_flight == 0
-        self._release(req, donate=True)
-        req.num_computed = req.branch_len = 0
-        req.prefill_done = req.retract_pending = False
-        req.ckpt_points.clear()
-        self.waiting.appendleft(req)
-        self._retracted_now.add(id(req))
-        self.metrics.retractions += 1
-        self.ratio.on_retract()
+        """Under memory pressure: free a running request's memory, caching what it computed, and queue it again."""
+        self._requeue(req, failed=False)
 
     def _settle(self, req: Req) -> None:
         """A request that is in no step in flight and will not be scheduled again: release or retract it."""
         if req.retry and not (req.finished or req.aborted):
-            self._requeue(req)
+            self._requeue(req, failed=True)
         elif req.finished or req.aborted or req.poisoned:
             self._release(req, donate=not req.poisoned)
             if not req.finished:

@@ -1,13 +1,14 @@
-"""K3 chat rendering with tools and thinking, and the one-shot parse of an assistant reply.
+"""K3 chat rendering with tools and thinking (`runtime.tokenizer.k3_reply` assembles the replies).
 
-Messages keep Kimi's role framing (`<|im_user|>user<|im_middle|>...<|im_end|>`); what K3 adds is XTML inside:
+Messages keep Kimi's role framing (`radixk3.tokenizer.chat_turn`); what K3 adds is XTML inside:
 
 - the tool declaration: a `tool_declare` system message holding the OpenAI function tools as JSON (Kimi's);
 - assistant turns: `[<|open|>think<|sep|>R<|close|>think<|sep|>]<|open|>response<|sep|>C<|close|>response<|sep|>`
   then the calls (`runtime.tokenizer.k3_stream_parser` has the grammar) and `<|close|>message<|sep|><|end_of_msg|>`;
   argument values are raw strings or JSON, attributes escape `&` and `"`, indices are 1-based;
-- tool results: one `tool` message per result, `<|open|>result tool="NAME" index="I"<|sep|>...<|close|>result<|sep|>`,
-  reordered to the order of the assistant's calls and annotated with the call's name and 1-based index;
+- tool results: one `tool` message per result, a system turn named `tool` holding
+  `<|open|>result tool="NAME" index="I"<|sep|>...<|close|>result<|sep|>`, reordered to the order of the
+  assistant's calls and annotated with the call's name and 1-based index;
 - the generation prefix ends at `<|open|>think<|sep|>` when thinking, else `<|open|>response<|sep|>`.
 
 Forced tool calls (`tool_choice` "required" or named) are constrained by xgrammar's `kimi_k3` structural tag
@@ -17,25 +18,13 @@ Forced tool calls (`tool_choice` "required" or named) are constrained by xgramma
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from radixk3.tokenizer import (
-    _ROLE_MARKERS,
-    END_OF_MSG,
-    IM_ASSISTANT,
-    IM_END,
-    IM_MIDDLE,
-    IM_SYSTEM,
-    XTML_CLOSE,
-    XTML_OPEN,
-    XTML_SEP,
-)
-from runtime.tokenizer.k3_stream_parser import K3StreamParser
+from radixk3.tokenizer import END_OF_MSG, XTML_CLOSE, XTML_OPEN, XTML_SEP, chat_turn, turn_start
 
-_ROLES = {**_ROLE_MARKERS, "tool": IM_SYSTEM}  # the tokenizer's chat roles; tool results are system turns
 THINK_PREFIX = f"{XTML_OPEN}think{XTML_SEP}"
 RESPONSE_PREFIX = f"{XTML_OPEN}response{XTML_SEP}"
 MESSAGE_END = f"{XTML_CLOSE}message{XTML_SEP}{END_OF_MSG}"
@@ -45,20 +34,6 @@ FORCED_PREFIX = f"{RESPONSE_PREFIX}{XTML_CLOSE}response{XTML_SEP}"
 
 class RenderError(ValueError):
     """A conversation the template cannot render (a client error: HTTP 400)."""
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # a JSON object, as OpenAI sends it
-
-
-@dataclass
-class ParsedReply:
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -118,10 +93,6 @@ def render_reply(content: str | None, calls: Sequence[tuple[str, Mapping[str, An
     return out + MESSAGE_END
 
 
-def _turn(role: str, name: str, body: str, end: str = IM_END) -> str:
-    return f"{_ROLES[role]}{name}{IM_MIDDLE}{body}{end}"
-
-
 def _arguments(call: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
     fn = call.get("function") or {}
     raw = fn.get("arguments", "{}")
@@ -145,8 +116,8 @@ def _tool_results(calls: list[tuple[str, str, dict[str, Any]]], results: list[Ma
         if k in placed:
             raise RenderError(f"two tool messages answer the call {r.get('tool_call_id')!r}")
         placed[k] = r
-    return "".join(_turn("tool", "tool", _block("result", _text(placed[k]), tool=calls[k][1], index=str(k + 1)))
-                   for k in sorted(placed))
+    return "".join(chat_turn("system", _block("result", _text(placed[k]), tool=calls[k][1], index=str(k + 1)),
+                             name="tool") for k in sorted(placed))
 
 
 def _text(m: Mapping[str, Any]) -> str:
@@ -164,7 +135,7 @@ def render_k3_chat(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mappin
     reply continues. `tools` are OpenAI function tools, already filtered by `tool_choice` ("none": no tools)."""
     out: list[str] = []
     if tools:
-        out.append(_turn("system", "tool_declare", orjson.dumps(list(tools)).decode()))
+        out.append(chat_turn("system", orjson.dumps(list(tools)).decode(), name="tool_declare"))
     calls: list[tuple[str, str, dict[str, Any]]] = []
     results: list[Mapping[str, Any]] = []
     for m in [*messages, None]:
@@ -181,34 +152,14 @@ def render_k3_chat(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mappin
         elif role == "assistant":
             calls = [_arguments(c) for c in m.get("tool_calls") or []]
             body = render_reply(_text(m), [(n, a) for _, n, a in calls], m.get("reasoning_content"))
-            out.append(_turn("assistant", m.get("name") or "assistant", body, end=""))
+            out.append(turn_start("assistant", m.get("name")) + body)  # the reply's markup ends it
         elif role in ("system", "user"):
-            out.append(_turn(role, m.get("name") or role, _text(m)))
+            out.append(chat_turn(role, _text(m), m.get("name")))
         else:
             raise RenderError(f"unsupported chat role {role!r}")
     prefix = THINK_PREFIX if thinking else FORCED_PREFIX if forced else RESPONSE_PREFIX
-    out.append(f"{IM_ASSISTANT}assistant{IM_MIDDLE}{prefix}")
+    out.append(turn_start("assistant") + prefix)
     return K3Prompt("".join(out), prefix, thinking, forced)
-
-
-def parse_reply(text: str, prefix: str = RESPONSE_PREFIX, *, tools: bool = True, forced: bool = False
-                ) -> ParsedReply:
-    """The reply `text` (markers kept) that continues `prefix`, as OpenAI's message fields; `forced`: it was
-    written under `forcing_grammar`."""
-    parser = K3StreamParser(prefix, tools=tools, strip_strings=forced)
-    d1, d2 = parser.feed(text), parser.finish()
-    reasoning, content = d1.reasoning + d2.reasoning, d1.content + d2.content
-    calls: dict[int, list[str]] = {}
-    names: dict[int, tuple[str, str]] = {}
-    for d in (*d1.tool_calls, *d2.tool_calls):
-        if d.name is not None:
-            names[d.index] = (d.id or "", d.name)
-        calls.setdefault(d.index, []).append(d.arguments)
-    return ParsedReply(
-        content=content or None,
-        reasoning_content=reasoning if reasoning or prefix == THINK_PREFIX else None,
-        tool_calls=[ToolCall(names[i][0], names[i][1], "".join(calls[i])) for i in sorted(calls)],
-    )
 
 
 def forcing_grammar(tools: Sequence[Mapping[str, Any]], tool_choice: str | Mapping[str, Any],

@@ -4,6 +4,8 @@ promised keys. The greedy tokens of every configuration equal tp 1's; no timing 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from bench import distributed
@@ -19,6 +21,8 @@ def test_distributed_bench_tiny_json(capsys: pytest.CaptureFixture[str]) -> None
         assert out[key] is not None, key
     assert set(out["tok_s"]) == set(distributed.CONFIGS) and all(v > 0 for v in out["tok_s"].values())
     assert 0 < out["comm_share"] < 1 and out["comm"]["steps"] > 0
+    # The tp 2 ranks share the cores, as the engine's ranks do: no oversubscription in the communication share.
+    assert out["comm"]["rank_threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
     assert all(out["outputs_equal_tp1"].values()), out["outputs_equal_tp1"]
     # The two prompts share the one-shot prefix: cache-aware keeps them together, round robin splits them.
     assert out["runs"]["dp2_cache_aware"]["replica_prompt_tokens"][1] == 0

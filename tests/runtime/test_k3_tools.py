@@ -13,16 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixk3.tokenizer import Tokenizer, load_tokenizer
+from runtime.tokenizer.k3_reply import ParsedReply, ReplyAssembler, ToolCall, parse_reply
 from runtime.tokenizer.k3_stream_parser import K3StreamParser
 from runtime.tokenizer.k3_tools import (
     FORCED_PREFIX,
     RESPONSE_PREFIX,
     THINK_PREFIX,
-    ParsedReply,
     RenderError,
-    ToolCall,
     forcing_grammar,
-    parse_reply,
     render_k3_chat,
     render_reply,
 )
@@ -47,9 +45,9 @@ def strip_prefix(reply: str, prefix: str) -> str:
     return reply[len(prefix):]
 
 
-def stream_parse(prefix: str, pieces: list[str], tools: bool = True) -> ParsedReply:
-    """Reassemble the streamed deltas as a client does: by tool call index, names first."""
-    p = K3StreamParser(prefix, tools=tools)
+def stream_parse(prefix: str, pieces: list[str], tools: bool = True, parallel: bool = True) -> ParsedReply:
+    """Reassemble the parser's streamed deltas as a client does: by tool call index, names first."""
+    p = K3StreamParser(prefix, tools=tools, parallel_calls=parallel)
     deltas = [p.feed(x) for x in pieces] + [p.finish()]
     reasoning = "".join(d.reasoning for d in deltas)
     content = "".join(d.content for d in deltas)
@@ -65,6 +63,28 @@ def stream_parse(prefix: str, pieces: list[str], tools: bool = True) -> ParsedRe
                 args[t.index] = args.get(t.index, "") + t.arguments
     return ParsedReply(content or None, reasoning if reasoning or prefix == THINK_PREFIX else None,
                        [ToolCall(*ids[i], args.get(i, "")) for i in sorted(ids)])
+
+
+def stream_assemble(prefix: str, pieces: list[str], parallel: bool = True) -> ParsedReply:
+    """Reassemble the reply assembler's chunks (what the server streams) as a client does."""
+    a = ReplyAssembler(prefix, parallel=parallel)
+    chunks = [a.push(x) for x in pieces] + [a.push("", final=True)]
+    ids: dict[int, tuple[str, str]] = {}
+    args: dict[int, str] = {}
+    for d in chunks:
+        assert len({t.index for t in d.tool_calls}) == len(d.tool_calls), "one entry per call in a chunk"
+        for t in d.tool_calls:
+            if t.name is not None:
+                assert t.index not in ids, "the name comes first, once"
+                ids[t.index] = (t.id or "", t.name)
+            else:
+                assert t.index in ids, "argument fragments after the name"
+            args[t.index] = args.get(t.index, "") + t.arguments
+    got = ParsedReply("".join(d.content for d in chunks) or None,
+                      "".join(d.reasoning for d in chunks) or (None if prefix != THINK_PREFIX else ""),
+                      [ToolCall(*ids[i], args.get(i, "")) for i in sorted(ids)])
+    assert got == a.reply(), "the chunks add up to the assembler's reply"
+    return got
 
 
 def splits(s: str, cuts: list[int]) -> list[str]:
@@ -114,6 +134,38 @@ def test_stream_deltas_equal_the_full_parse(content: str, reasoning: str | None,
         full = parse_reply(s, prefix)
         assert stream_parse(prefix, splits(s, cuts)) == full
         assert stream_parse(prefix, list(s)) == full  # character by character
+        assert stream_assemble(prefix, splits(s, cuts)) == full
+
+
+@given(content=text, reasoning=st.none() | text, calls=calls, cuts=st.lists(st.integers(0, 10**6), max_size=12),
+       tail=st.sampled_from(["", "junk", "<|open|>x", "<|close|>message<|sep|>more", "<|",
+                             '<|open|>call tool="g"<|sep|>oops']))
+@HYP
+def test_parallel_calls_off_keeps_the_first_call(content: str, reasoning: str | None, calls: list[Any],
+                                                 cuts: list[int], tail: str) -> None:
+    """OpenAI's parallel_tool_calls false: the first call stays, the text after it (further calls, broken
+    markup, the message end) is dropped; streamed under any split it never sends more."""
+    prefix = THINK_PREFIX if reasoning is not None else RESPONSE_PREFIX
+    body = strip_prefix(render_reply(content, calls, reasoning), prefix)
+    for s in (body, body[: len(body) // 2] + tail, body[: len(body) * 2 // 3], body + tail):
+        full, one = parse_reply(s, prefix), parse_reply(s, prefix, parallel=False)
+        if full.tool_calls:
+            assert one == ParsedReply(content or None, full.reasoning_content, full.tool_calls[:1])
+        else:  # no call completed: nothing to cut
+            assert one == full
+        assert stream_parse(prefix, splits(s, cuts), parallel=False) == one
+        assert stream_parse(prefix, list(s), parallel=False) == one
+        assert stream_assemble(prefix, splits(s, cuts), parallel=False) == one
+
+
+def test_parallel_calls_off_drops_the_second_call_unsent() -> None:
+    body = strip_prefix(render_reply("Let me check.", [("f", {"a": 1}), ("g", {"b": "x"})]), RESPONSE_PREFIX)
+    p = K3StreamParser(RESPONSE_PREFIX, parallel_calls=False)
+    deltas = [p.feed(ch) for ch in body] + [p.finish()]
+    assert {t.index for d in deltas for t in d.tool_calls} == {0}
+    assert "".join(d.content for d in deltas) == "Let me check."
+    got = parse_reply(body, parallel=False)
+    assert [(c.id, c.name, c.arguments) for c in got.tool_calls] == [("functions.f:0", "f", '{"a":1}')]
 
 
 def test_token_by_token_equals_full_parse() -> None:
