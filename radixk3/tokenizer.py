@@ -8,13 +8,18 @@ share one definition and a multi-byte character split over byte-fallback ids is 
 Generation ends on `stop_ids`: the model's eos (`</s>`), the chat end-of-turn marker `<|im_end|>` and K3's
 end of message `<|end_of_msg|>`. The K3 output markup (XTML: `<|open|>`, `<|close|>`, `<|sep|>`; see
 `runtime.tokenizer.k3_tools`) is special too, so that the built-in model can produce it and a prompt can carry it.
+
+Two ways to encode, as tiktoken has them (`Encoder`): `encode` reads marker strings as their special ids (a raw
+prompt whose caller wrote the template), `encode_ordinary` never gives a special id (text from users and tools).
 """
 
 from __future__ import annotations
 
 import codecs
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import sentencepiece as spm
 
@@ -58,6 +63,22 @@ def chat_turn(role: str, body: str, name: str | None = None) -> str:
     return turn_start(role, name) + body + IM_END
 
 
+class Encoder(Protocol):
+    """What every tokenizer offers to encode, after tiktoken's `encode` / `encode_ordinary`. For every string
+    `s`, `decode(encode_ordinary(s)) == s` and `encode_ordinary(s)` holds no special id."""
+
+    @property
+    def bos_id(self) -> int: ...
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """A raw prompt, templated by its caller: marker strings in it become their special ids."""
+        ...
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Text as text: a marker string in it is encoded as ordinary pieces, never as a special id."""
+        ...
+
+
 class Tokenizer:
     """A sentencepiece model with exact round trips; ids are plain ints below `vocab_size`.
 
@@ -92,6 +113,9 @@ class Tokenizer:
         special.update(sp.piece_to_id(m) for m in (*CHAT_MARKERS, *xtml))
         self._bytes = tuple(table)
         self.special_ids: frozenset[int] = frozenset(special)
+        # The special pieces sentencepiece matches in text (user-defined symbols; it never matches control ones).
+        markers = sorted((*CHAT_MARKERS, *xtml), key=len, reverse=True)
+        self._special_markers = re.compile("|".join(map(re.escape, markers)))
         self.im_end_id: int = sp.piece_to_id(IM_END)
         self.separator_id: int = sp.piece_to_id(SEPARATOR)
         self.end_of_msg_id: int | None = sp.piece_to_id(END_OF_MSG) if self.has_xtml else None
@@ -127,7 +151,7 @@ class Tokenizer:
         return self._sp.piece_to_id(piece)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Token ids of `text`; special markers written in the text encode to their single ids."""
+        """Token ids of a raw prompt: special markers written in the text encode to their single ids."""
         ids = [self.bos_id] if add_bos else []
         parts = text.split(_SPACE_MARK)
         for k, part in enumerate(parts):
@@ -135,6 +159,20 @@ class Tokenizer:
                 ids.extend(self._space_bytes)
             if part:
                 ids.extend(self._sp.encode(part))
+        return ids
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Token ids of `text` as text, never a special id: the text is cut just after the first character of
+        each special marker written in it, so no piece encoded holds a whole marker (sentencepiece matches its
+        markers wherever they occur). Text without marker strings encodes as `encode` does."""
+        ids: list[int] = []
+        start = 0
+        # Each cut search starts at the last cut, so a piece holds no marker that starts inside it (markers are
+        # longer than one character, so one starting at the next cut ends past it).
+        while (m := self._special_markers.search(text, start)) is not None:
+            ids.extend(self.encode(text[start : m.start() + 1]))
+            start = m.start() + 1
+        ids.extend(self.encode(text[start:]))
         return ids
 
     def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
