@@ -11,7 +11,7 @@ from radixk3.tokenizer import IM_END, turn_start
 @dataclass(frozen=True)
 class ChatTemplate:
     def prefix(self, role: str) -> str:
-        return turn_start(role)
+        return turn_start(role).text
 
     def suffix(self, role: str) -> str:
         turn_start(role)  # refuses an unknown role, as `prefix` does

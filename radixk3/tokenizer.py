@@ -10,7 +10,8 @@ end of message `<|end_of_msg|>`. The K3 output markup (XTML: `<|open|>`, `<|clos
 `runtime.tokenizer.k3_tools`) is special too, so that the built-in model can produce it and a prompt can carry it.
 
 Two ways to encode, as tiktoken has them (`Encoder`): `encode` reads marker strings as their special ids (a raw
-prompt whose caller wrote the template), `encode_ordinary` never gives a special id (text from users and tools).
+prompt whose caller wrote the template), `encode_ordinary` never gives a special id (text from users and tools;
+chat renderers build a `radixk3.chat_prompt.ChatPrompt` whose markers alone become special ids).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Protocol
 
 import sentencepiece as spm
+
+from radixk3.chat_prompt import ChatPrompt
 
 MODEL_FILENAME = "tokenizer.model"
 BUILTIN_MODEL = Path(__file__).parent / "assets" / MODEL_FILENAME
@@ -48,19 +51,19 @@ _ROLE_MARKERS = {"system": IM_SYSTEM, "user": IM_USER, "assistant": IM_ASSISTANT
 _SPACE_MARK = "\u2581"
 
 
-def turn_start(role: str, name: str | None = None) -> str:
+def turn_start(role: str, name: str | None = None) -> ChatPrompt:
     """The opening of a chat turn in Kimi's framing, `<|im_user|>user<|im_middle|>`: the role's marker, the
-    turn's name (the role word unless `name` replaces it, as in Kimi's template), the middle marker. The one
-    definition of the framing: the chat template, K3's renderer and the frontend's roles all write it."""
+    turn's name (the role word unless `name` replaces it, as in Kimi's template; text), the middle marker. The
+    one definition of the framing: the chat template, K3's renderer and the frontend's roles all write it."""
     marker = _ROLE_MARKERS.get(role)
     if marker is None:
         raise ValueError(f"unsupported chat role {role!r}; expected one of {sorted(_ROLE_MARKERS)}")
-    return f"{marker}{name or role}{IM_MIDDLE}"
+    return ChatPrompt.marker(marker) + (name or role) + ChatPrompt.marker(IM_MIDDLE)
 
 
-def chat_turn(role: str, body: str, name: str | None = None) -> str:
-    """A whole turn: `turn_start`, the body, `<|im_end|>`."""
-    return turn_start(role, name) + body + IM_END
+def chat_turn(role: str, body: ChatPrompt | str, name: str | None = None) -> ChatPrompt:
+    """A whole turn: `turn_start`, the body (a string is text), `<|im_end|>`."""
+    return turn_start(role, name) + body + ChatPrompt.marker(IM_END)
 
 
 class Encoder(Protocol):
@@ -189,18 +192,23 @@ class Tokenizer:
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def chat_prompt(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> ChatPrompt:
         """Kimi-style prompt: `<|im_user|>user<|im_middle|>...<|im_end|>` per message, roles
-        system/user/assistant; an optional "name" replaces the role word, as in Kimi's template."""
-        out: list[str] = []
+        system/user/assistant; an optional "name" replaces the role word, as in Kimi's template. Contents and
+        names are text: `ChatPrompt.ids` never reads a marker in them."""
+        out: list[ChatPrompt] = []
         for m in messages:
-            start, content = turn_start(m.get("role", ""), m.get("name")), m.get("content")
+            content = m.get("content")
             if not isinstance(content, str):
                 raise ValueError(f"chat message content must be a string, got {type(content).__name__}")
-            out.append(start + content + IM_END)
+            out.append(chat_turn(m.get("role", ""), content, m.get("name")))
         if add_generation_prompt:
             out.append(turn_start("assistant"))
-        return "".join(out)
+        return ChatPrompt.join(out)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """`chat_prompt` as one string, markers written out (as a raw prompt: `encode` reads them)."""
+        return self.chat_prompt(messages, add_generation_prompt).text
 
     def _check_id(self, token_id: int) -> None:
         if not 0 <= token_id < len(self._bytes):
