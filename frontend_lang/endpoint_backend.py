@@ -8,6 +8,10 @@ the server's message.
 scores, in one batched request from the prefix's last token on, the prefix itself and every prefix + choice.
 A choice whose first token there is the prefix's own last token adds its tokens after it; otherwise its
 first token merged with the prefix's end and counts as the choice's (SGLang's token healing).
+
+Prompts go as text (`ChatPrompt.text`, the role markup written out), and `/generate` reads text as a raw prompt
+whose caller owns the template (SGLang's semantics): a marker string in the program's own text becomes a
+control token there too. Programs that put untrusted text in a prompt run on `Runtime`, which encodes it as text.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import orjson
 
 from frontend_lang.backend import Backend, BackendError, check_result
 from frontend_lang.choices import ChoiceScore
+from radixk3.chat_prompt import ChatPrompt
 
 
 class RuntimeEndpoint(Backend):
@@ -53,13 +58,14 @@ class RuntimeEndpoint(Backend):
         return orjson.loads(r.content)
 
     # --- the backend -------------------------------------------------------------------------------------
-    def generate(self, text: str, sampling: dict[str, Any], options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        data = self._post({"text": text, "sampling_params": sampling, **options})
+    def generate(self, prompt: ChatPrompt, sampling: dict[str, Any], options: dict[str, Any]
+                 ) -> tuple[str, dict[str, Any]]:
+        data = self._post({"text": prompt.text, "sampling_params": sampling, **options})
         return data["text"], data["meta_info"]
 
-    def generate_stream(self, text: str, sampling: dict[str, Any], options: dict[str, Any]
+    def generate_stream(self, prompt: ChatPrompt, sampling: dict[str, Any], options: dict[str, Any]
                         ) -> Iterator[tuple[str, dict[str, Any]]]:
-        payload = {"text": text, "sampling_params": sampling, **options, "stream": True}
+        payload = {"text": prompt.text, "sampling_params": sampling, **options, "stream": True}
         sent = ""
         try:
             with self.client.stream("POST", "/generate", content=orjson.dumps(payload),
@@ -85,13 +91,13 @@ class RuntimeEndpoint(Backend):
         except httpx.HTTPError as e:
             raise BackendError(f"cannot reach {self.base_url}: {e}") from e
 
-    def cache_prefix(self, text: str) -> dict[str, Any]:
-        return self._post({"text": text, "sampling_params": {"max_new_tokens": 0}})["meta_info"]
+    def cache_prefix(self, prompt: ChatPrompt) -> dict[str, Any]:
+        return self._post({"text": prompt.text, "sampling_params": {"max_new_tokens": 0}})["meta_info"]
 
-    def score_choices(self, prefix: str, choices: list[str]) -> list[ChoiceScore]:
+    def score_choices(self, prefix: ChatPrompt, choices: list[str]) -> list[ChoiceScore]:
         prompt_tokens = self.cache_prefix(prefix)["prompt_tokens"]
         start = max(prompt_tokens - 1, 0)
-        texts = [prefix] + [prefix + c for c in choices]
+        texts = [prefix.text] + [prefix.text + c for c in choices]
         outs = self._post({"text": texts, "sampling_params": [{"max_new_tokens": 0, "temperature": 0}] * len(texts),
                            "return_logprob": True, "logprob_start_len": start, "return_text_in_logprobs": True})
         if not isinstance(outs, list) or len(outs) != len(texts):
