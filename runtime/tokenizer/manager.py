@@ -62,7 +62,7 @@ from runtime.sampling_params import (
     check_token_ids,
 )
 from runtime.server_args import ServerArgs
-from runtime.tokenizer.request_stream import Sample, SampleStream, StreamChunk
+from runtime.tokenizer.request_stream import Sample, SampleStream, StreamChunk, StreamCursor
 from runtime.tokenizer.scheduler_watch import SchedulerWatch
 
 SHUT_DOWN = "the engine is shut down"
@@ -160,9 +160,10 @@ class RequestHandle:
         """One dict per sample, in the shape `Engine.generate` (and `/generate`) returns."""
         return [self.result_of(s) for s in await self.samples()]
 
-    def result_of(self, sample: Sample) -> dict[str, Any]:
+    def result_of(self, sample: Sample, cursor: StreamCursor | None = None) -> dict[str, Any]:
+        """The sample's result; with a stream's `cursor`, only what follows it (`Sample.result`)."""
         return sample.result(self.prompt_ids, self._tm.tokenizer, return_logprob=self.return_logprob,
-                             text_in_logprobs=self.text_in_logprobs)
+                             text_in_logprobs=self.text_in_logprobs, cursor=cursor)
 
     def __del__(self) -> None:
         # Dropped without being consumed to the end: nobody will read the output, so free the memory.
