@@ -44,8 +44,13 @@ class AccessMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.expected = None if api_key is None else api_key.encode()
         self.limit = max_body_bytes
+
+    def _authorized(self, header: bytes) -> bool:
+        # `Bearer <key>`; the scheme is case-insensitive and one or more spaces follow it (RFC 7235).
+        scheme, _, key = header.partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(key.lstrip(b" "), self.expected or b"")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -53,8 +58,8 @@ class AccessMiddleware:
             return
         headers = Headers(scope=scope)
         if self.expected is not None and scope["path"] not in OPEN_PATHS:
-            given = headers.get("authorization", "").encode()
-            if not secrets.compare_digest(given, self.expected):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")  # the bytes as sent
+            if not self._authorized(given):
                 what = "a wrong API key" if given else "no API key"
                 err = APIError(401, f"the request has {what}; send the header 'Authorization: Bearer <key>'",
                                "authentication_error", code="invalid_api_key")

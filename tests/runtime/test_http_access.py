@@ -58,6 +58,15 @@ def test_api_key(server: Server) -> None:
     assert out.usage.completion_tokens == 3
 
 
+def test_bearer_scheme_is_case_insensitive(server: Server) -> None:
+    """RFC 7235: the auth scheme is case-insensitive, and one or more spaces follow it."""
+    bare = httpx.Client(base_url=server.url, timeout=30)
+    for header in (f"bearer {KEY}", f"BEARER {KEY}", f"Bearer  {KEY}", f"bEaReR {KEY}"):
+        assert bare.get("/v1/models", headers={"Authorization": header}).status_code == 200, header
+    for header in (f"Basic {KEY}", f"Bearer{KEY}", "Bearer", f"Bearer {KEY}x", f"Bearer {KEY[:-1]}", f"{KEY} Bearer"):
+        assert bare.get("/v1/models", headers={"Authorization": header}).status_code == 401, header
+
+
 def test_body_limit(server: Server) -> None:
     with server.client() as c:
         big = {"text": "x" * LIMIT, "sampling_params": {"max_new_tokens": 1}}
