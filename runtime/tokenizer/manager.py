@@ -201,6 +201,7 @@ class TokenizerManager:
         self._watch_task: asyncio.Task[None] | None = None
         self._closed = False
         self.dead: EngineError | None = None
+        self._refusal: EngineError | None = None  # set by fail_pending: new requests are refused with it
         # Chunks for consumers on other event loops, handed over once per burst of replies (one wake-up).
         self._foreign: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, StreamChunk | BaseException]]] = {}
         self._grammars_ok: collections.OrderedDict[GrammarKey, None] = collections.OrderedDict()
@@ -362,6 +363,16 @@ class TokenizerManager:
             self._deliver(entry.sink, err)
             self._send(AbortReq(rid), replica)
 
+    def fail_pending(self, err: EngineError) -> None:
+        """Fail every pending request and waiter with `err`, abort the requests on their schedulers (which frees
+        their memory), and refuse new ones with it: the server's shutdown grace period is over."""
+        if self._closed:
+            return
+        self._refusal = err
+        for replica in range(self.num_replicas):
+            self._fail_replica(replica, err)
+        self._fail_all(err)  # what is left: the waiters for metrics or a flush
+
     def _resolve(self, req_id: str, value: Any) -> None:
         fut = self._waiters.pop(req_id, None)
         if fut is not None and not fut.done():  # a reply nobody waits for any more is dropped
@@ -409,6 +420,8 @@ class TokenizerManager:
                 timeout: float | None, deadline: float | None) -> RequestHandle:
         self._check_thread()
         self._check_alive()
+        if self._refusal is not None:
+            raise self._refusal
         self._check_not_stuck()
         ids = self._prompt_ids(prompt)
         params = SamplingParams.from_dict(sampling_params, self.vocab_size)
