@@ -1,8 +1,8 @@
 """`RuntimeEndpoint(url)`: the backend over a server's native API, `POST /generate` in SGLang's shapes
 (`text`, `sampling_params`, `return_logprob`, `logprob_start_len`, `top_logprobs_num`,
 `return_text_in_logprobs`, `stream`; a response holds `text` and `meta_info`; a stream is server-sent events
-`data: {...}` with the text so far, ended by `data: [DONE]`). Any error response raises BackendError with
-the server's message.
+`data: {...}` with the text so far and the new tokens' logprobs, ended by `data: [DONE]`). Any error response
+raises BackendError with the server's message.
 
 `select` works on text here (the client has no tokenizer): it caches the prefix (`max_new_tokens: 0`), then
 scores, in one batched request from the prefix's last token on, the prefix itself and every prefix + choice.
@@ -25,6 +25,9 @@ import orjson
 from frontend_lang.backend import Backend, BackendError, check_result
 from frontend_lang.choices import ChoiceScore
 from radixk3.chat_prompt import ChatPrompt
+
+# The meta_info lists a stream's event holds only the new entries of (the server's incremental streaming).
+STREAMED_LOGPROBS = ("input_token_logprobs", "output_token_logprobs", "output_top_logprobs")
 
 
 class RuntimeEndpoint(Backend):
@@ -67,6 +70,7 @@ class RuntimeEndpoint(Backend):
                         ) -> Iterator[tuple[str, dict[str, Any]]]:
         payload = {"text": prompt.text, "sampling_params": sampling, **options, "stream": True}
         sent = ""
+        logprobs: dict[str, list[Any]] = {}  # each event's new entries, gathered into the meta_info so far
         try:
             with self.client.stream("POST", "/generate", content=orjson.dumps(payload),
                                     headers={"Content-Type": "application/json"}) as r:
@@ -83,6 +87,10 @@ class RuntimeEndpoint(Backend):
                         raise BackendError(_error_text(event))
                     meta = event.get("meta_info") or {}
                     check_result(meta)
+                    for key in STREAMED_LOGPROBS:
+                        if key in meta:
+                            logprobs.setdefault(key, []).extend(meta[key])
+                    meta = meta | logprobs
                     full = event.get("text", "")
                     # Events carry the text so far; the new part is what follows what was already yielded.
                     delta = full[len(sent):] if full.startswith(sent) else full

@@ -9,3 +9,8 @@ class EngineError(RuntimeError):
 
 class EngineOverloaded(EngineError):
     """Refused for now: too many requests are pending (HTTP 503); nothing already accepted is dropped."""
+
+
+class ShuttingDown(EngineError):
+    """The server is shutting down and its grace period for in-flight requests is over (HTTP 503): the request
+    is aborted."""

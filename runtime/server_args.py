@@ -75,7 +75,13 @@ class ServerArgs:
     api_key: str | None = None  # if set: `Authorization: Bearer KEY` on every endpoint but /health
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
     served_model_name: str | None = None  # the model id /v1 reports; default: the model path or "k3-tiny"
-    graceful_shutdown_timeout: float = 10.0  # on SIGTERM: seconds to let in-flight requests finish, then abort
+    graceful_shutdown_timeout: float = field(default=10.0, metadata={"help": (
+        "on SIGTERM: seconds to let in-flight requests finish; then each is aborted and ends with a 503 error "
+        "(a stream: an error event and [DONE]), and the server exits 0")})
+    timeout_keep_alive: float = field(default=5.0, metadata={"help": (
+        "seconds a connection may take, from its opening or its previous response, to send the next request's "
+        "head (request line and headers) in full; then the server closes it (as uvicorn's --timeout-keep-alive, "
+        "which alone spares a connection that never completes a head)")})
 
     def __post_init__(self) -> None:
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
@@ -126,8 +132,11 @@ class ServerArgs:
         if not self.watchdog_timeout >= 0:  # also refuses NaN
             raise ValueError(f"--watchdog-timeout must be >= 0 seconds (0 turns the watchdog off), "
                              f"got {self.watchdog_timeout}")
-        if self.graceful_shutdown_timeout < 0:
+        if not self.graceful_shutdown_timeout >= 0:  # also refuses NaN
             raise ValueError("--graceful-shutdown-timeout must be >= 0")
+        if not 0 < self.timeout_keep_alive < float("inf"):
+            raise ValueError(f"--timeout-keep-alive must be a positive number of seconds, "
+                             f"got {self.timeout_keep_alive}")
 
     @property
     def overlap_schedule(self) -> bool:

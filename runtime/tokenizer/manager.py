@@ -62,7 +62,7 @@ from runtime.sampling_params import (
     check_token_ids,
 )
 from runtime.server_args import ServerArgs
-from runtime.tokenizer.request_stream import Sample, SampleStream, StreamChunk
+from runtime.tokenizer.request_stream import Sample, SampleStream, StreamChunk, StreamCursor
 from runtime.tokenizer.scheduler_watch import SchedulerWatch
 
 SHUT_DOWN = "the engine is shut down"
@@ -160,9 +160,10 @@ class RequestHandle:
         """One dict per sample, in the shape `Engine.generate` (and `/generate`) returns."""
         return [self.result_of(s) for s in await self.samples()]
 
-    def result_of(self, sample: Sample) -> dict[str, Any]:
+    def result_of(self, sample: Sample, cursor: StreamCursor | None = None) -> dict[str, Any]:
+        """The sample's result; with a stream's `cursor`, only what follows it (`Sample.result`)."""
         return sample.result(self.prompt_ids, self._tm.tokenizer, return_logprob=self.return_logprob,
-                             text_in_logprobs=self.text_in_logprobs)
+                             text_in_logprobs=self.text_in_logprobs, cursor=cursor)
 
     def __del__(self) -> None:
         # Dropped without being consumed to the end: nobody will read the output, so free the memory.
@@ -200,6 +201,7 @@ class TokenizerManager:
         self._watch_task: asyncio.Task[None] | None = None
         self._closed = False
         self.dead: EngineError | None = None
+        self._refusal: EngineError | None = None  # set by fail_pending: new requests are refused with it
         # Chunks for consumers on other event loops, handed over once per burst of replies (one wake-up).
         self._foreign: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, StreamChunk | BaseException]]] = {}
         self._grammars_ok: collections.OrderedDict[GrammarKey, None] = collections.OrderedDict()
@@ -361,6 +363,16 @@ class TokenizerManager:
             self._deliver(entry.sink, err)
             self._send(AbortReq(rid), replica)
 
+    def fail_pending(self, err: EngineError) -> None:
+        """Fail every pending request and waiter with `err`, abort the requests on their schedulers (which frees
+        their memory), and refuse new ones with it: the server's shutdown grace period is over."""
+        if self._closed:
+            return
+        self._refusal = err
+        for replica in range(self.num_replicas):
+            self._fail_replica(replica, err)
+        self._fail_all(err)  # what is left: the waiters for metrics or a flush
+
     def _resolve(self, req_id: str, value: Any) -> None:
         fut = self._waiters.pop(req_id, None)
         if fut is not None and not fut.done():  # a reply nobody waits for any more is dropped
@@ -408,6 +420,8 @@ class TokenizerManager:
                 timeout: float | None, deadline: float | None) -> RequestHandle:
         self._check_thread()
         self._check_alive()
+        if self._refusal is not None:
+            raise self._refusal
         self._check_not_stuck()
         ids = self._prompt_ids(prompt)
         params = SamplingParams.from_dict(sampling_params, self.vocab_size)

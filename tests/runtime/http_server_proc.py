@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -75,13 +76,16 @@ class Server:
             raise
 
 
-def start_server(*flags: str, api_key: str | None = None, startup_timeout: float = 180.0) -> Server:
+def start_server(*flags: str, api_key: str | None = None, startup_timeout: float = 180.0,
+                 stderr: Path | None = None) -> Server:
+    """The server on a free port, once /health answers; its stderr goes to the file `stderr` if given."""
     port = free_port()
     argv = [sys.executable, "-m", "radixk3.launch_server", "--port", str(port), *flags]
     if api_key is not None:
         argv += ["--api-key", api_key]
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env)
+    with open(stderr, "wb") if stderr is not None else contextlib.nullcontext() as err:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=err)
     server = Server(f"http://127.0.0.1:{port}", proc, api_key)
     deadline = time.monotonic() + startup_timeout
     while True:
@@ -99,8 +103,8 @@ def start_server(*flags: str, api_key: str | None = None, startup_timeout: float
 
 
 @contextmanager
-def running_server(*flags: str, api_key: str | None = None) -> Iterator[Server]:
-    server = start_server(*flags, api_key=api_key)
+def running_server(*flags: str, api_key: str | None = None, stderr: Path | None = None) -> Iterator[Server]:
+    server = start_server(*flags, api_key=api_key, stderr=stderr)
     try:
         yield server
     finally:
