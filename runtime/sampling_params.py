@@ -16,18 +16,10 @@ from typing import Any
 import orjson
 
 from kernels.sampling_row import SamplingRow
+from runtime.errors import InvalidRequest
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
-
-
-class InvalidRequest(ValueError):
-    """A request the engine refuses; the message says what is wrong and `param` names the field (HTTP 400)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
 
 
 def check_int(name: str, value: Any, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int:

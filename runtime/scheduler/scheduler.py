@@ -26,10 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.errors import InvalidRequest
 from runtime.grammar import GrammarBackend, GrammarKey
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
 from runtime.pool_layout import PoolLayout, pool_budget
-from runtime.sampling_params import InvalidRequest, SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.scheduler.admission import NO_DEMAND, Admission, Demand, request_demand
 from runtime.scheduler.output_processor import OutputProcessor
 from runtime.scheduler.page_table import PageTables

@@ -34,7 +34,7 @@ import zmq.asyncio
 
 from runtime.dp_router import DPRouter
 from runtime.engine_processes import EngineProcesses
-from runtime.errors import EngineError, EngineOverloaded
+from runtime.errors import EngineError, EngineOverloaded, InvalidRequest
 from runtime.grammar import GrammarKey, check_grammar
 from runtime.messages import (
     AbortReq,
@@ -50,7 +50,6 @@ from runtime.messages import (
 from runtime.pool_layout import pool_budget, pool_layout, serving_dtype
 from runtime.sampling_params import (
     INT64_MAX,
-    InvalidRequest,
     SamplingParams,
     check_bool,
     check_int,

@@ -20,7 +20,7 @@ import pytest
 from radixk3.config import preset
 from radixk3.generate import greedy_reference
 from radixk3.model import build_model
-from runtime.sampling_params import InvalidRequest
+from runtime.errors import InvalidRequest
 from runtime.tokenizer.engine import Engine, EngineError
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}

@@ -15,9 +15,9 @@ import torch
 
 from kernels.sampling import SamplingRow, TokenMask, masked_logits, sample
 from radixk3.tokenizer import load_tokenizer
+from runtime.errors import InvalidRequest
 from runtime.grammar import GrammarBackend, GrammarKey, fill_masks
 from runtime.local_engine import LocalEngine
-from runtime.sampling_params import InvalidRequest
 from runtime.server_args import ServerArgs
 from runtime.tokenizer.engine import Engine
 from tests.runtime.grammar_cases import EBNF, EBNF_AS_REGEX, MAX_NEW_TOKENS, REGEXES, SCHEMAS

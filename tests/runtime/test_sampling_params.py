@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from runtime.sampling_params import InvalidRequest, SamplingParams
+from runtime.errors import InvalidRequest
+from runtime.sampling_params import SamplingParams
 
 VOCAB = 4096
 
