@@ -2,7 +2,8 @@
 
 A message is a list of ZeroMQ frames: frame 0 is the orjson header (the dataclass fields that are not
 arrays, plus the message type), then one raw frame per array field, in field order: int64, or the dtype
-the class names for it in `ARRAY_DTYPES`.
+the class names for it in `ARRAY_DTYPES`. A dataclass in the header (`NESTED`) is rebuilt as it was sent: it
+was checked before it was sent, so it is not checked again.
 """
 
 from __future__ import annotations
@@ -14,12 +15,18 @@ from typing import Any, ClassVar
 import numpy as np
 import orjson
 
+from runtime.sampling_params import SamplingParams
+
 
 @dataclass
 class GenerateReq:
+    """One sample of a request, checked at the door (the tokenizer manager, LocalEngine): nothing downstream
+    validates it again."""
+
+    NESTED: ClassVar[dict[str, type]] = {"sampling": SamplingParams}
     rid: str
     input_ids: list[int]
-    sampling: dict[str, Any]
+    sampling: SamplingParams  # n = 1; sample i of n draws with seed + i
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: no input logprobs; else from this prompt position on
     top_logprobs_num: int = 0
@@ -188,4 +195,6 @@ def decode(frames: list[bytes]) -> Any:
     dtypes = getattr(cls, "ARRAY_DTYPES", {})
     for name, raw in zip(arrays, frames[1:], strict=True):
         header[name] = np.frombuffer(raw, dtype=dtypes.get(name, np.int64))
+    for name, kind in getattr(cls, "NESTED", {}).items():
+        header[name] = kind(**header[name])
     return cls(**header)

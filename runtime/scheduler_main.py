@@ -145,11 +145,10 @@ def scheduler_main(args: ServerArgs, topo: Topology, replica: int) -> None:
         stop_ids = frozenset(tok.stop_ids) | {cfg.eos_token_id}
         sched: Scheduler | DPAttentionScheduler
         if topo.attention_groups > 1:
-            sched = DPAttentionScheduler(args, layout, stop_ids, tok.decode, cfg.vocab_size,
+            sched = DPAttentionScheduler(args, layout, stop_ids, tok.decode,
                                          lambda: GrammarBackend(tok, cfg.vocab_size, stop_ids))
         else:
-            sched = Scheduler(args, layout, stop_ids, tok.decode, cfg.vocab_size,
-                              GrammarBackend(tok, cfg.vocab_size, stop_ids))
+            sched = Scheduler(args, layout, stop_ids, tok.decode, GrammarBackend(tok, cfg.vocab_size, stop_ids))
     except Exception as e:
         ready_out.send_multipart(encode(WorkerReady(-1, error=f"scheduler {replica}: {type(e).__name__}: {e}")))
         ctx.destroy(linger=LINGER_MS)

@@ -41,9 +41,8 @@ class DPAttentionScheduler:
     (one per DP rank) and whose result is the list of their results."""
 
     def __init__(self, args: ServerArgs, layout: PoolLayout, stop_ids: frozenset[int],
-                 detokenize: Callable[[list[int]], str], vocab_size: int,
-                 grammar: Callable[[], GrammarBackend | None]) -> None:
-        self.groups = [Scheduler(args, layout, stop_ids, detokenize, vocab_size, grammar())
+                 detokenize: Callable[[list[int]], str], grammar: Callable[[], GrammarBackend | None]) -> None:
+        self.groups = [Scheduler(args, layout, stop_ids, detokenize, grammar())
                        for _ in range(args.dp_size)]
         self.router = DPRouter(args.dp_size, args.load_balance_method)
         self._inflight: deque[list[bool]] = deque()  # per step in flight: which groups ran a real plan

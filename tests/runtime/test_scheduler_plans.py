@@ -11,6 +11,7 @@ import pytest
 from radixk3.config import preset
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
 from runtime.pool_layout import pool_layout
+from runtime.sampling_params import SamplingParams
 from runtime.scheduler.scheduler import Scheduler
 from runtime.scheduler.step_loop import StepLoop
 from runtime.server_args import ServerArgs
@@ -28,7 +29,7 @@ class Harness:
     def __init__(self, **kw: object) -> None:
         self.args = ServerArgs(**kw)  # type: ignore[arg-type]
         layout = pool_layout(preset("k3-tiny"), self.args)
-        self.sched = Scheduler(self.args, layout, frozenset({VOCAB - 1}), detokenize, VOCAB)
+        self.sched = Scheduler(self.args, layout, frozenset({VOCAB - 1}), detokenize)
         self.worker = TokenWorker(layout, self.args.mem_bytes, VOCAB, self.args.max_running_requests)
         self._sent: deque[StepPlan] = deque()
         self.loop = StepLoop(self.sched, self._sent.append, self._run, overlap=not self.args.disable_overlap_schedule)
@@ -40,7 +41,8 @@ class Harness:
     def submit(self, prompt: list[int], sampling: dict | None = None, **kw: object) -> str:
         rid = f"r{self._n}"
         self._n += 1
-        self.sched.add(GenerateReq(rid, list(prompt), dict(sampling or GREEDY), **kw))  # type: ignore[arg-type]
+        params = SamplingParams.from_dict(sampling or GREEDY, VOCAB)
+        self.sched.add(GenerateReq(rid, list(prompt), params, **kw))  # type: ignore[arg-type]
         return rid
 
     def run(self) -> dict[str, list[TokenOut]]:
@@ -264,3 +266,4 @@ def test_the_scheduler_process_imports_no_model_code() -> None:
             " print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stdout + res.stderr
+
