@@ -60,7 +60,7 @@ def git_head() -> str | None:
 def noop_worker(frames: list[bytes]) -> list[bytes]:
     """The worker's side of the wire without a model: decode the plan, sample token 1 per sampled row."""
     plan: StepPlan = decode(frames)
-    n = len(plan.sample_params)
+    n = plan.num_sampled
     extra = len(plan.logits_index) - n
     return encode(StepResult(plan.step, [1] * n, [0.0] * n, [[] for _ in range(n)], [[] for _ in range(n)],
                              [0.0] * extra))
@@ -104,8 +104,8 @@ def scheduler_cost(batch: int, steps: int, prompt_len: int = 32, seed: int = 0) 
             t3 = time.perf_counter()
             side += (t1 - t0) + (t3 - t2)
             plan_bytes = sum(len(f) for f in frames)
-            if len(plan.sample_params) != batch:
-                raise RuntimeError(f"a decode step sampled {len(plan.sample_params)} rows, not {batch}")
+            if plan.num_sampled != batch:
+                raise RuntimeError(f"a decode step sampled {plan.num_sampled} rows, not {batch}")
         best = min(best, side / steps)
     return {"seconds_per_step": best, "steps_per_s": 1 / best, "plan_bytes": plan_bytes}
 

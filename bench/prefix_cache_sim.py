@@ -215,7 +215,7 @@ class ScriptedWorker:
     def execute(self, plan: StepPlan) -> StepResult:
         if self.wire:
             plan = decode(encode(plan))
-        n = len(plan.sample_params)
+        n = plan.num_sampled
         if n > 1:
             raise RuntimeError("the replay runs one request at a time, yet a step sampled several rows")
         tokens = [self.script.pop(0) for _ in range(n)]

@@ -4,8 +4,8 @@ Everything a request carries is checked here before it is sent anywhere: types (
 float is not an int however integral), integers that fit the int64 wire format, finite floats, ranges, and
 token ids inside the model's vocabulary. A refusal is an `InvalidRequest` whose `param` names the field.
 The parsed `SamplingParams` is what travels (in `GenerateReq`) and what the scheduler keeps: nothing past the
-door parses or validates it again. This module imports no model code and no torch (the row type comes from the
-leaf `kernels.sampling_row`): the scheduler process uses it too.
+door parses or validates it again. This module imports no model code and no torch: the scheduler process
+uses it too.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 
 import orjson
 
-from kernels.sampling_row import SamplingRow
 from runtime.errors import InvalidRequest
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -176,13 +175,6 @@ class SamplingParams:
             if value is not None:
                 return name, value
         return None
-
-    def row(self, step: int) -> SamplingRow:
-        return SamplingRow(
-            temperature=float(self.temperature), top_p=float(self.top_p), top_k=self.top_k, min_p=float(self.min_p),
-            frequency_penalty=float(self.frequency_penalty), presence_penalty=float(self.presence_penalty),
-            repetition_penalty=float(self.repetition_penalty), seed=self.seed, step=step,
-        )
 
     def for_sample(self, i: int) -> SamplingParams:
         """The parameters of sample i of the request's n: one sample, drawing with seed + i if seeded."""

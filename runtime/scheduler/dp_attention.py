@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kernels.sampling_columns import SamplingColumns
 from runtime.dp_router import DPRouter
 from runtime.grammar import GrammarBackend
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
@@ -33,7 +34,7 @@ def idle_plan(step: int) -> StepPlan:
     """A step with no sequences: the group's ranks only join the other groups' collectives."""
     empty = np.zeros(0, dtype=np.int64)
     return StepPlan(step, "idle", [], [], empty, empty, empty, empty, empty, np.zeros(1, dtype=np.int64), empty,
-                    empty, empty, empty, empty, empty, [], [])
+                    empty, empty, empty, empty, empty, SamplingColumns.of(0), [])
 
 
 class DPAttentionScheduler:
