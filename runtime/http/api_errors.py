@@ -144,8 +144,7 @@ async def parse_body(request: Request, model: type[M]) -> M:
 
 def install_error_handlers(app: FastAPI) -> None:
     """APIError, FastAPI's own validation and routing errors (404, 405) and anything unexpected, in one shape."""
-    from runtime.errors import EngineError, EngineOverloaded
-    from runtime.sampling_params import InvalidRequest
+    from runtime.errors import EngineError, EngineOverloaded, InvalidRequest
 
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> Response:

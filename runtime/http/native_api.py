@@ -84,7 +84,7 @@ async def generate(request: Request) -> Response:
     req = await parse_body(request, GenerateRequest)
     prompts = req.prompts()
     ids = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in prompts]
-    sps = [dict(sp or {}) for sp in req.per_prompt("sampling_params", len(ids))]
+    sps = [st.tm.parse_sampling(sp) for sp in req.per_prompt("sampling_params", len(ids))]
     await st.tm.check_grammars(sps)  # parsed in a thread: a large grammar never stalls other requests
     handles = submit_all(st.tm, st.live, ids, sps,
                          req.per_prompt("rid", len(ids)), return_logprob=req.return_logprob,

@@ -103,11 +103,13 @@ def _completion_logprobs(tok: Tokenizer, ids: list[int], lps: list[float], tops:
 # --- shared plumbing -----------------------------------------------------------------------------------
 
 
-def _submit(st: ServerState, prompts: list[list[int]], sampling: dict[str, Any], rid: str | None,
-            logprobs: bool, top: int) -> tuple[list[RequestHandle], list[RequestTimer]]:
+async def _submit(st: ServerState, prompts: list[list[int]], sampling: dict[str, Any], rid: str | None,
+                  logprobs: bool, top: int) -> tuple[list[RequestHandle], list[RequestTimer]]:
+    params = st.tm.parse_sampling(sampling)
+    await st.tm.check_grammars([params])  # parsed in a thread: a large grammar never stalls other requests
     rids = [rid] if rid is not None and len(prompts) == 1 else [
         None if rid is None else f"{rid}-p{i}" for i in range(len(prompts))]
-    handles = submit_all(st.tm, st.live, prompts, [dict(sampling) for _ in prompts], rids,
+    handles = submit_all(st.tm, st.live, prompts, [params] * len(prompts), rids,
                          return_logprob=logprobs, top_logprobs_num=top)
     return handles, [st.metrics.timer() for _ in handles]
 
@@ -156,9 +158,7 @@ async def completions(request: Request) -> Response:
     _check_model(st, req.model)
     prompts = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in req.prompts()]
     want_lp = req.logprobs is not None
-    sampling = req.sampling(req.max_tokens)
-    await st.tm.check_grammars([sampling])
-    handles, timers = _submit(st, prompts, sampling, req.rid, want_lp, req.logprobs or 0)
+    handles, timers = await _submit(st, prompts, req.sampling(req.max_tokens), req.rid, want_lp, req.logprobs or 0)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         return sse_response(_completion_stream(st, req, handles, timers, cid, created))
@@ -209,9 +209,7 @@ async def chat_completions(request: Request) -> Response:
     k3 = plan_k3_chat(req) if req.is_k3 else None  # tools or thinking: K3's markup (runtime.tokenizer.k3_tools)
     prompt = _chat_prompt(st.tokenizer, req, k3).ids(st.tokenizer)  # messages are text: markers only where rendered
     top = req.top_logprobs or 0
-    sampling = _chat_sampling(req, k3)
-    await st.tm.check_grammars([sampling])
-    handles, timers = _submit(st, [prompt], sampling, req.rid, req.logprobs, top)
+    handles, timers = await _submit(st, [prompt], _chat_sampling(req, k3), req.rid, req.logprobs, top)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         return sse_response(_chat_stream(st, req, handles, timers, cid, created, k3))

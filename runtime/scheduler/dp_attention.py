@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kernels.sampling_columns import SamplingColumns
 from runtime.dp_router import DEFAULT_MAX_NEW_TOKENS, CacheAwareConfig, DPRouter
 from runtime.grammar import GrammarBackend
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
@@ -35,7 +36,7 @@ def idle_plan(step: int) -> StepPlan:
     """A step with no sequences: the group's ranks only join the other groups' collectives."""
     empty = np.zeros(0, dtype=np.int64)
     return StepPlan(step, "idle", [], [], empty, empty, empty, empty, empty, np.zeros(1, dtype=np.int64), empty,
-                    empty, empty, empty, empty, empty, [], [])
+                    empty, empty, empty, empty, empty, SamplingColumns.of(0), [])
 
 
 class DPAttentionScheduler:
@@ -43,10 +44,10 @@ class DPAttentionScheduler:
     (one per DP rank) and whose result is the list of their results."""
 
     def __init__(self, args: ServerArgs, layout: PoolLayout, stop_ids: frozenset[int],
-                 detokenize: Callable[[list[int]], str], vocab_size: int,
-                 grammar: Callable[[], GrammarBackend | None], *, pool_bytes: int | None = None) -> None:
+                 detokenize: Callable[[list[int]], str], grammar: Callable[[], GrammarBackend | None], *,
+                 pool_bytes: int | None = None) -> None:
         # Every group's pool is one size: the ranks of the replica agreed on it (one TP group).
-        self.groups = [Scheduler(args, layout, stop_ids, detokenize, vocab_size, grammar(), pool_bytes=pool_bytes)
+        self.groups = [Scheduler(args, layout, stop_ids, detokenize, grammar(), pool_bytes=pool_bytes)
                        for _ in range(args.dp_size)]
         self.router = DPRouter(args.dp_size, args.load_balance_method, CacheAwareConfig.from_args(args))
         self._inflight: deque[list[bool]] = deque()  # per step in flight: which groups ran a real plan

@@ -26,10 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.errors import InvalidRequest
 from runtime.grammar import GrammarBackend, GrammarKey
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
 from runtime.pool_layout import PoolLayout, pool_budget
-from runtime.sampling_params import InvalidRequest, SamplingParams
 from runtime.scheduler.admission import NO_DEMAND, Admission, Demand, request_demand
 from runtime.scheduler.output_processor import OutputProcessor
 from runtime.scheduler.page_table import PageTables
@@ -78,14 +78,13 @@ MAX_STEP_RETRIES = 2  # failed steps a request may share with others before it f
 
 class Scheduler:
     def __init__(self, args: ServerArgs, layout: PoolLayout, stop_ids: frozenset[int],
-                 detokenize: Callable[[list[int]], str], vocab_size: int,
-                 grammar: GrammarBackend | None = None, *, pool_bytes: int | None = None) -> None:
+                 detokenize: Callable[[list[int]], str], grammar: GrammarBackend | None = None, *,
+                 pool_bytes: int | None = None) -> None:
         """`pool_bytes`: the pool's size, as the worker ranks allocated it (their `WorkerReady.pool_bytes`);
         None: the `--mem-bytes` budget (`pool_budget`), for a scheduler without workers to ask."""
         self.args = args
         self.grammar = grammar
         self.grammar_wait: list[tuple[Req, concurrent.futures.Future[Any]]] = []  # compiling, in arrival order
-        self.vocab_size = vocab_size
         self.pool = UnifiedPool(layout, pool_budget(layout, args) if pool_bytes is None else pool_bytes)
         self.cache = None if args.disable_radix_cache else HybridRadixCache(self.pool)
         self.ps = layout.page_size
@@ -113,18 +112,10 @@ class Scheduler:
 
     # --- requests in -----------------------------------------------------------------------------------
     def add(self, msg: GenerateReq) -> None:
+        """Queue a request checked at the door (its parameters, token ids and options are not checked again);
+        refuse it only for what the scheduler alone knows: the pool, the queue, the grammar backend."""
+        params = msg.sampling
         try:
-            params = SamplingParams.from_dict(msg.sampling, self.vocab_size)
-            if not msg.input_ids:
-                raise InvalidRequest("the prompt is empty")
-            bad = [t for t in msg.input_ids if isinstance(t, bool) or not isinstance(t, int)
-                   or not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequest(f"input_ids hold {bad[:3]}: token ids must be ints in [0, {self.vocab_size})")
-            if not isinstance(msg.top_logprobs_num, int) or not 0 <= msg.top_logprobs_num <= self.vocab_size:
-                raise InvalidRequest(f"top_logprobs_num must be an int in [0, {self.vocab_size}]")
-            if not isinstance(msg.logprob_start_len, int):
-                raise InvalidRequest("logprob_start_len must be an int")
             need = len(msg.input_ids) + params.max_new_tokens
             # The request alone, with its state block, must fit the pool (with one spare checkpoint block).
             if not self.pool.fits_packed(-(-need // self.ps), 2):
@@ -133,7 +124,7 @@ class Scheduler:
                 raise InvalidRequest("the queue is full, try again later")
             if params.grammar is not None and self.grammar is None:
                 raise InvalidRequest("structured output is not available in this engine", param=params.grammar[0])
-        except (InvalidRequest, TypeError) as e:
+        except Exception as e:  # refused, or something unexpected: this request fails, never the scheduler
             self.outputs.outbox.append(TokenOut(msg.rid, [], finished="error", error=str(e)))
             return
         self._arrivals += 1

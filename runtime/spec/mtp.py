@@ -24,7 +24,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from kernels.sampling_row import SamplingRow
+from kernels.sampling_tensors import SamplingTensors
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
 from runtime.spec.drafts import any_sampled, choose, window_layout
@@ -134,7 +134,7 @@ class MTPProposer:
             assert hidden is not None
             self._run(batch, hidden, next_last, rows)
 
-    def propose(self, batch: ForwardBatch, rows: Tensor, params: list[list[SamplingRow]]) -> Tensor | None:
+    def propose(self, batch: ForwardBatch, rows: Tensor, params: SamplingTensors) -> Tensor | None:
         ids = batch.input_ids
         _, _, lens = window_layout(batch.cu_seqlens)
         starts = batch.cu_seqlens[:-1]
@@ -148,7 +148,7 @@ class MTPProposer:
         for j in range(1, width):
             drafting = (lens > j).nonzero().squeeze(1)
             logits = self.model.mtp_logits((j - 1) % self.num_layers, chain[drafting, j - 1]).float()
-            d, q = choose(logits, None if probs is None else [params[i][j - 1] for i in drafting.tolist()])
+            d, q = choose(logits, None if probs is None else params.take(starts[drafting] + j - 1))
             ids[starts[drafting] + j] = d
             if probs is not None:
                 probs[drafting, j - 1] = q

@@ -39,7 +39,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from kernels.sampling_row import SamplingRow
+from kernels.sampling_tensors import SamplingTensors
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
 from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
@@ -62,10 +62,11 @@ class Proposer(Protocol):
         """After a target extend or decode step over `batch` and its sampling: `hidden` the new tokens'
         pre-norm hiddens (when `needs_hidden`), `next_last[i]` sequence i's sampled token (-1: none sampled)."""
 
-    def propose(self, batch: ForwardBatch, rows: Tensor, params: list[list[SamplingRow]]) -> Tensor | None:
+    def propose(self, batch: ForwardBatch, rows: Tensor, params: SamplingTensors) -> Tensor | None:
         """Fill `batch.input_ids` at every window position > 0 with drafts, in place; return the draft
         distributions [N, K, V] for rejection sampling (K = widest window - 1), or None for point masses.
-        `params[i][j]`: the sampling row of window i's position j (draft j + 1 is drawn for it)."""
+        `params`: the sampling parameters of every window position, packed as `batch.input_ids` (row
+        cu_seqlens[i] + j: window i's position j, for which draft j + 1 is drawn)."""
 
     def commit(self, state_slots: Tensor, rows: Tensor, num_tokens: Tensor, check: bool) -> None:
         """After acceptance: advance the proposer's states by each window's first num_tokens[i] tokens."""
@@ -119,7 +120,7 @@ class DraftModelProposer:
             # Only the last token's logits: the draft's are never read here (input logprobs are the target's).
             self.model.forward_batch(dataclasses.replace(batch, logits_index=None, attn_backend=None), self.cache)
 
-    def propose(self, batch: ForwardBatch, rows: Tensor, params: list[list[SamplingRow]]) -> Tensor | None:
+    def propose(self, batch: ForwardBatch, rows: Tensor, params: SamplingTensors) -> Tensor | None:
         ids = batch.input_ids
         _, _, lens = window_layout(batch.cu_seqlens)
         starts = batch.cu_seqlens[:-1]
@@ -142,7 +143,7 @@ class DraftModelProposer:
             if not bool(more.any()):
                 continue
             drafting = on[more]
-            d, q = choose(logits[more].float(), None if probs is None else [params[i][j] for i in drafting.tolist()])
+            d, q = choose(logits[more].float(), None if probs is None else params.take(starts[drafting] + j))
             ids[starts[drafting] + j + 1] = d
             if probs is not None:
                 probs[drafting, j] = q

@@ -29,7 +29,7 @@ import itertools
 import math
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ import zmq.asyncio
 
 from runtime.dp_router import CacheAwareConfig, DPRouter
 from runtime.engine_processes import EngineProcesses
-from runtime.errors import EngineError, EngineOverloaded
+from runtime.errors import EngineError, EngineOverloaded, InvalidRequest
 from runtime.grammar import GrammarKey, check_grammar
 from runtime.messages import (
     AbortReq,
@@ -55,11 +55,10 @@ from runtime.messages import (
 from runtime.pool_layout import pool_layout, serving_dtype
 from runtime.sampling_params import (
     INT64_MAX,
-    InvalidRequest,
     SamplingParams,
     check_bool,
-    check_int,
-    check_token_ids,
+    check_output_options,
+    check_prompt_ids,
 )
 from runtime.server_args import ServerArgs
 from runtime.tokenizer.request_stream import Sample, SampleStream, StreamChunk, StreamCursor
@@ -382,16 +381,18 @@ class TokenizerManager:
         self._push[replica].send_multipart(encode(msg), flags=zmq.NOBLOCK)
 
     # --- requests --------------------------------------------------------------------------------------
-    async def check_grammars(self, sampling_params: list[Any]) -> None:
-        """Parse the grammars (regex / json_schema / ebnf) of these sampling params in a thread, never on
-        this loop; raises InvalidRequest for a bad one. Valid ones are remembered: `submit` then skips them.
-        Params that are invalid otherwise are left for `submit` to refuse."""
-        for sp in sampling_params:
-            try:
-                grammar = SamplingParams.from_dict(sp, self.vocab_size).grammar
-            except (InvalidRequest, TypeError):
-                continue
-            if grammar is not None and (key := GrammarKey(*grammar)) not in self._grammars_ok:
+    def parse_sampling(self, sampling_params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+        """A request's sampling parameters parsed and validated against the model: the door, once per request
+        (a `SamplingParams` is one this method returned)."""
+        if isinstance(sampling_params, SamplingParams):
+            return sampling_params
+        return SamplingParams.from_dict(sampling_params, self.vocab_size)
+
+    async def check_grammars(self, params: Iterable[SamplingParams]) -> None:
+        """Parse the grammars (regex / json_schema / ebnf) of these parsed sampling params in a thread, never on
+        this loop; raises InvalidRequest for a bad one. Valid ones are remembered: `submit` then skips them."""
+        for p in params:
+            if p.grammar is not None and (key := GrammarKey(*p.grammar)) not in self._grammars_ok:
                 await asyncio.to_thread(check_grammar, key)
                 self._grammar_ok(key)
 
@@ -401,37 +402,30 @@ class TokenizerManager:
         while len(self._grammars_ok) > CHECKED_GRAMMARS:
             self._grammars_ok.popitem(last=False)
 
-    def submit(self, prompt: str | list[int], sampling_params: dict[str, Any] | None = None, *,
-               rid: str | None = None, return_logprob: bool = False, logprob_start_len: int = -1,
-               top_logprobs_num: int = 0, return_text_in_logprobs: bool = False, timeout: float | None = None,
-               deadline: float | None = None) -> RequestHandle:
+    def submit(self, prompt: str | list[int], sampling_params: SamplingParams | dict[str, Any] | None = None, *,
+               consumer: asyncio.AbstractEventLoop | None = None, rid: str | None = None,
+               return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+               return_text_in_logprobs: bool = False, timeout: float | None = None, deadline: float | None = None,
+               ) -> RequestHandle:
         """Validate, register and send the request (n samples = n requests, ids `rid` or `f"{rid}-{i}"`);
-        returns at once. `timeout`: seconds the consumer waits for each chunk; `deadline`: seconds from now
-        the whole request may take. Either expiring aborts the request and raises TimeoutError in the
-        consumer. Raises InvalidRequest (bad input), EngineOverloaded (queue full), EngineError (shut down)."""
-        return self._submit(prompt, sampling_params, asyncio.get_running_loop(), rid=rid,
-                            return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                            top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
-                            timeout=timeout, deadline=deadline)
-
-    def _submit(self, prompt: str | list[int], sampling_params: dict[str, Any] | None,
-                consumer: asyncio.AbstractEventLoop, *, rid: str | None, return_logprob: bool,
-                logprob_start_len: int, top_logprobs_num: int, return_text_in_logprobs: bool,
-                timeout: float | None, deadline: float | None) -> RequestHandle:
+        returns at once. `sampling_params`: a dict (parsed here) or what `parse_sampling` returned. `consumer`:
+        the event loop that reads the handle (default: this one). `timeout`: seconds the consumer waits for each
+        chunk; `deadline`: seconds from now the whole request may take. Either expiring aborts the request and
+        raises TimeoutError in the consumer. Raises InvalidRequest (bad input), EngineOverloaded (queue full),
+        EngineError (shut down)."""
         self._check_thread()
         self._check_alive()
         if self._refusal is not None:
             raise self._refusal
         self._check_not_stuck()
+        consumer = consumer if consumer is not None else asyncio.get_running_loop()
         ids = self._prompt_ids(prompt)
-        params = SamplingParams.from_dict(sampling_params, self.vocab_size)
+        params = self.parse_sampling(sampling_params)
         if params.grammar is not None and (key := GrammarKey(*params.grammar)) not in self._grammars_ok:
             # Not checked by `check_grammars` (a direct caller): parse it here; no tokenizer, so it is cheap.
             check_grammar(key)
             self._grammar_ok(key)
-        check_bool("return_logprob", return_logprob)
-        check_int("logprob_start_len", logprob_start_len, -1)
-        check_int("top_logprobs_num", top_logprobs_num, 0, self.vocab_size)
+        check_output_options(return_logprob, logprob_start_len, top_logprobs_num, self.vocab_size)
         check_bool("return_text_in_logprobs", return_text_in_logprobs)
         _check_seconds("timeout", timeout)
         _check_seconds("deadline", deadline)
@@ -453,12 +447,11 @@ class TokenizerManager:
                                    f"{self.args.max_queued_requests}); try again later")
         sink = _Sink(consumer)
         samples: dict[str, SampleStream] = {}
-        base = params.to_dict() | {"n": 1}
         msgs = []
         for i, r in enumerate(rids):
-            sp = base | ({"seed": params.seed + i} if params.seed is not None else {})
             samples[r] = SampleStream(r, i, self.tokenizer, params.stop, params.skip_special_tokens)
-            msgs.append(GenerateReq(r, ids, sp, return_logprob, logprob_start_len, top_logprobs_num, stream=True))
+            msgs.append(GenerateReq(r, ids, params.for_sample(i), return_logprob, logprob_start_len,
+                                    top_logprobs_num, stream=True))
         frames = [encode(m) for m in msgs]  # encoded before anything is registered: a failure leaves nothing
         for r, f in zip(rids, frames, strict=True):
             replica = self.router.route(r, ids, params.max_new_tokens)
@@ -485,9 +478,7 @@ class TokenizerManager:
                 raise InvalidRequest("the prompt is empty", param="prompt")
             return self.tokenizer.encode(prompt, add_bos=True)
         if isinstance(prompt, list | tuple):
-            if not prompt:
-                raise InvalidRequest("the prompt is empty", param="input_ids")
-            return check_token_ids("input_ids", list(prompt), self.vocab_size, allow_empty=False)
+            return check_prompt_ids(list(prompt), self.vocab_size)
         raise InvalidRequest(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}",
                              param="prompt")
 
