@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kernels.sampling_columns import SamplingColumns
-from runtime.dp_router import DEFAULT_MAX_NEW_TOKENS, CacheAwareConfig, DPRouter
+from runtime.dp_router import CacheAwareConfig, DPRouter
 from runtime.grammar import GrammarBackend
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
 from runtime.pool_layout import PoolLayout
@@ -55,8 +55,7 @@ class DPAttentionScheduler:
 
     # --- requests in -----------------------------------------------------------------------------------
     def add(self, msg: GenerateReq) -> None:
-        max_new = msg.sampling.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-        self.groups[self.router.route(msg.rid, msg.input_ids, max_new)].add(msg)
+        self.groups[self.router.route(msg.rid, msg.input_ids, msg.sampling.max_new_tokens)].add(msg)
 
     def abort(self, rid: str) -> None:
         g = self.router.replica_of(rid)

@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from frontend_lang.endpoint_backend import RuntimeEndpoint
+from radixk3.chat_prompt import ChatPrompt
 from radixk3.tokenizer import load_tokenizer
 from runtime.tokenizer.engine import Engine
 from tests.runtime.http_server_proc import Server, running_server
@@ -140,8 +141,9 @@ def test_frontend_endpoint_streams_the_whole_logprobs(server: Server) -> None:
     """`frontend_lang`'s RuntimeEndpoint gathers the events' new logprobs into its meta_info so far."""
     endpoint = RuntimeEndpoint(server.url)
     sampling, options = {"max_new_tokens": 6, "temperature": 0}, {k: v for k, v in LOGPROBS.items()}
-    text, meta = endpoint.generate(PROMPTS[2], sampling, options)
-    pieces = list(endpoint.generate_stream(PROMPTS[2], sampling, options))
+    prompt = ChatPrompt.plain(PROMPTS[2])
+    text, meta = endpoint.generate(prompt, sampling, options)
+    pieces = list(endpoint.generate_stream(prompt, sampling, options))
     endpoint.shutdown()
     streamed = pieces[-1][1]
     assert "".join(d for d, _ in pieces) == text and streamed["completion_tokens"] == 6
