@@ -8,15 +8,23 @@ ignored, so every configuration does the same work). Each configuration gets a f
 random checkpoint, warmed up and its cache flushed before the timed burst. Reported per configuration:
 output tokens/s, latency, the cache hit rate (cached / prompt tokens from the requests' meta_info) and how
 the prompts split over the replicas; ratios against tp 1 measured in the same run; whether every
-configuration's greedy tokens equal tp 1's.
+configuration's greedy tokens equal tp 1's. The engine's worker ranks share the cores evenly
+(`Topology.rank_threads`): tp 2 and dp 2 run two ranks of half the cores each.
 
 Communication share: the same burst through the real scheduler and `ModelWorker` at tp 2, one process per
 rank (each rank runs its own copy of the deterministic scheduler in process, as `LocalEngine`, so both send
 the same plans to their worker), with every torch.distributed collective the model calls wrapped in a
 timer: time inside collectives / time inside `ModelWorker.execute`, on rank 0, summed over the burst. A
-collective's time includes waiting for the slower rank, as a worker-side measurement does.
+collective's time includes waiting for the slower rank, as a worker-side measurement does. Each rank runs its
+share of the cores in torch threads (`Topology.rank_threads`, as the engine's ranks do), so that the share
+measures communication rather than two ranks oversubscribing the cores.
+
+Every engine runs the whole burst in one batch unless `--max-running-requests` is below `--num-questions`; with
+a smaller batch, the cache-aware router spreads the burst once a replica's batch is full and waiting there takes
+longer than computing the prefix again on the other (the prompt tokens per replica show the split).
 
     python bench/distributed.py [--json] [--preset k3-tiny] [--num-questions 64] [--max-new-tokens 32]
+                                [--max-running-requests N]
 """
 
 from __future__ import annotations
@@ -113,6 +121,18 @@ def _timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:
     return wrapper
 
 
+class RankResult(NamedTuple):
+    """What a rank sends back (as a plain tuple: run as a script, this class lives in `__main__`)."""
+
+    rank: int
+    comm_s: float
+    step_s: float
+    steps: int
+    outputs: list[list[int]]
+    threads: int  # torch threads the rank ran
+    error: str | None
+
+
 def _rank_main(rank: int, world: int, init: str, ckpt: str, engine_kw: dict[str, Any], prompts: list[list[int]],
                max_new: int, out: Any) -> None:  # noqa: ANN401
     import torch.distributed as dist
@@ -120,23 +140,27 @@ def _rank_main(rank: int, world: int, init: str, ckpt: str, engine_kw: dict[str,
     from radixk3.parallel import destroy_parallel, exit_rank, init_parallel
     from runtime.local_engine import LocalEngine
     from runtime.server_args import ServerArgs
+    from runtime.topology import Topology
 
     try:
+        args = ServerArgs(model=ckpt, tp_size=world, **engine_kw)
+        torch.set_num_threads(Topology.for_args(args, None).rank_threads(len(os.sched_getaffinity(0))))
         init_parallel(rank, world, init, timeout_s=120.0)
         comm = [0.0]
         for name in COLLECTIVES:  # the layers call these through the torch.distributed module at run time
             if hasattr(dist, name):
                 setattr(dist, name, _timed(getattr(dist, name), comm))
-        eng = LocalEngine(ServerArgs(model=ckpt, tp_size=world, **engine_kw))
+        eng = LocalEngine(args)
         step = [0.0]
         eng.worker.execute = _timed(eng.worker.execute, step)  # type: ignore[method-assign]
         eng.generate([[17] * 8], greedy(2))  # first-call costs
         comm[0] = step[0] = 0.0
         steps_before = eng.scheduler.metrics.steps
         outs = eng.generate(prompts, greedy(max_new))
-        out.put((rank, comm[0], step[0], eng.scheduler.metrics.steps - steps_before, outs, None))
+        out.put(tuple(RankResult(rank, comm[0], step[0], eng.scheduler.metrics.steps - steps_before, outs,
+                                 torch.get_num_threads(), None)))
     except Exception as e:  # the parent reports it; never leave it waiting
-        out.put((rank, 0.0, 0.0, 0, [], f"{type(e).__name__}: {e}"))
+        out.put(tuple(RankResult(rank, 0.0, 0.0, 0, [], 0, f"{type(e).__name__}: {e}")))
     finally:
         destroy_parallel()
     out.close()
@@ -150,6 +174,7 @@ class CommShare(NamedTuple):
     step_s: float
     steps: int
     outputs: list[list[int]]
+    rank_threads: int  # torch threads each rank ran
 
 
 def comm_share(ckpt: Path, engine_kw: dict[str, Any], prompts: list[list[int]], max_new: int, world: int = 2,
@@ -163,13 +188,13 @@ def comm_share(ckpt: Path, engine_kw: dict[str, Any], prompts: list[list[int]], 
                          daemon=True, name=f"bench-rank-{r}") for r in range(world)]
     for p in procs:
         p.start()
-    got: dict[int, tuple[Any, ...]] = {}
+    got: dict[int, RankResult] = {}
     deadline = time.monotonic() + timeout_s
     try:
         while len(got) < world:
             try:
-                item = out.get(timeout=1.0)
-                got[item[0]] = item
+                item = RankResult(*out.get(timeout=1.0))
+                got[item.rank] = item
             except queue.Empty:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the tp {world} ranks did not finish in {timeout_s:.0f}s") from None
@@ -181,13 +206,14 @@ def comm_share(ckpt: Path, engine_kw: dict[str, Any], prompts: list[list[int]], 
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
-    errors = [f"rank {r}: {g[5]}" for r, g in sorted(got.items()) if g[5]]
+    errors = [f"rank {r}: {g.error}" for r, g in sorted(got.items()) if g.error]
     if errors:
         raise RuntimeError("; ".join(errors))
-    if any(g[4] != got[0][4] for g in got.values()):
+    if any(g.outputs != got[0].outputs for g in got.values()):
         raise RuntimeError("the ranks generated different tokens")
-    _, c, s, steps, outs, _ = got[0]
-    return CommShare(c / s if s else 0.0, c, s, steps, outs)
+    r0 = got[0]
+    return CommShare(r0.comm_s / r0.step_s if r0.step_s else 0.0, r0.comm_s, r0.step_s, r0.steps, r0.outputs,
+                     r0.threads)
 
 
 # --- main --------------------------------------------------------------------------------------------------
@@ -199,6 +225,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-shots", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--mem-mib", type=int, default=256, help="pool per rank, MiB")
+    ap.add_argument("--max-running-requests", type=int, default=None,
+                    help="each replica's (DP rank's) running batch; default: max(64, --num-questions)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, of " + ", ".join(CONFIGS))
     ap.add_argument("--no-comm-share", action="store_true", help="skip the tp 2 communication measurement")
     a = ap.parse_args(argv)
@@ -209,6 +237,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error("tp1 is the baseline the ratios are measured against: keep it in --configs")
     if a.num_questions < 1 or a.max_new_tokens < 1 or a.num_shots < 0:
         ap.error("--num-questions and --max-new-tokens must be >= 1, --num-shots >= 0")
+    if a.max_running_requests is None:
+        a.max_running_requests = max(64, a.num_questions)
+    elif a.max_running_requests < 1:
+        ap.error("--max-running-requests must be >= 1")
     return a
 
 
@@ -230,13 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     mach = machine()
     print(f"machine: {mach['cpu']}, {mach['cores']} cores, {mach['torch_threads']} torch threads, torch "
           f"{mach['torch']}, python {mach['python']}, torch.distributed over gloo; tree at {mach['commit']}")
-    if mach["torch_threads"] * 2 > (mach["cores"] or 1):
-        # Every worker process takes torch's default thread count: two workers oversubscribe the cores, so on
-        # CPU the tp 2 / dp 2 figures measure contention as much as the configuration.
-        print(f"note: each worker process runs {mach['torch_threads']} torch threads; tp 2 and dp 2 run "
-              f"{2 * mach['torch_threads']} on {mach['cores']} cores (oversubscribed)")
     w = workload(DATA / "test.jsonl", DATA / "train.jsonl", a.num_shots, a.num_questions)
-    engine_kw = {"mem_bytes": a.mem_mib << 20, "max_running_requests": max(64, a.num_questions)}
+    engine_kw = {"mem_bytes": a.mem_mib << 20, "max_running_requests": a.max_running_requests}
     runs: dict[str, Run] = {}
     with tempfile.TemporaryDirectory(prefix="radixk3-distributed-") as tmp:
         ckpt = write_random_checkpoint(preset(a.preset), Path(tmp) / a.preset, seed=0)
@@ -244,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompts = [tok.encode(w.prefix + q, add_bos=True) for q in w.questions]
         print(f"workload: gsm8k burst, {len(prompts)} prompts at once ({a.num_shots}-shot prefix, "
               f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens), {a.max_new_tokens} new tokens each, "
-              f"greedy; random {a.preset} (seed 0)")
+              f"greedy, at most {a.max_running_requests} running per replica; random {a.preset} (seed 0)")
         for name in a.configs:
             t0 = time.perf_counter()
             r = runs[name] = serve_burst(ckpt, CONFIGS[name], prompts, a.max_new_tokens, engine_kw)
@@ -255,7 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not a.no_comm_share:
             share = comm_share(ckpt, engine_kw, prompts, a.max_new_tokens)
             print(f"tp 2 communication share of a step: {share.share:.1%} ({share.comm_s:.2f} s in collectives of "
-                  f"{share.step_s:.2f} s in {share.steps} worker steps, rank 0)", flush=True)
+                  f"{share.step_s:.2f} s in {share.steps} worker steps, rank 0; {share.rank_threads} torch threads "
+                  "per rank)", flush=True)
     base = runs["tp1"]
     ratios = {f"{k}_vs_tp1": r.tok_s / base.tok_s for k, r in runs.items() if k != "tp1"}
     for k, v in ratios.items():
@@ -280,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      for k, r in runs.items()},
             "comm": None if share is None else share._asdict() | {"outputs": None},
             "workload": {"num_questions": len(prompts), "num_shots": a.num_shots, "max_new_tokens": a.max_new_tokens,
-                         "prompt_tokens": base.prompt_tokens, "preset": a.preset},
+                         "max_running_requests": a.max_running_requests, "prompt_tokens": base.prompt_tokens,
+                         "preset": a.preset},
             "machine": mach,
             "seconds": took,
         }))

@@ -41,6 +41,7 @@ from bench.machine_info import cpu_name  # noqa: E402
 from radixk3.config import preset  # noqa: E402
 from runtime.messages import GenerateReq, StepPlan, StepResult, decode, encode  # noqa: E402
 from runtime.pool_layout import PoolLayout  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
 from runtime.scheduler.scheduler import Scheduler  # noqa: E402
 from runtime.server_args import ServerArgs  # noqa: E402
 
@@ -59,7 +60,7 @@ def git_head() -> str | None:
 def noop_worker(frames: list[bytes]) -> list[bytes]:
     """The worker's side of the wire without a model: decode the plan, sample token 1 per sampled row."""
     plan: StepPlan = decode(frames)
-    n = len(plan.sample_params)
+    n = plan.num_sampled
     extra = len(plan.logits_index) - n
     return encode(StepResult(plan.step, [1] * n, [0.0] * n, [[] for _ in range(n)], [[] for _ in range(n)],
                              [0.0] * extra))
@@ -70,13 +71,14 @@ def scheduler_cost(batch: int, steps: int, prompt_len: int = 32, seed: int = 0) 
     cfg = preset(PRESET)
     args = ServerArgs(mem_bytes=4 << 30, max_running_requests=batch, chunked_prefill_size=1 << 16)
     layout = PoolLayout.from_config(cfg, page_size=args.page_size)
-    sched = Scheduler(args, layout, frozenset(), lambda ids: "", cfg.vocab_size)
+    sched = Scheduler(args, layout, frozenset(), lambda ids: "")
     g = random.Random(seed)
     rounds = 3
     for i in range(batch):
         ids = [g.randrange(16, cfg.vocab_size) for _ in range(prompt_len)]
-        sched.add(GenerateReq(f"r{i}", ids, {"max_new_tokens": rounds * steps + 16, "temperature": 0,
-                                              "ignore_eos": True}))
+        params = SamplingParams.from_dict({"max_new_tokens": rounds * steps + 16, "temperature": 0, "ignore_eos": True},
+                                          cfg.vocab_size)
+        sched.add(GenerateReq(f"r{i}", ids, params))
     started: set[str] = set()
     while len(started) < batch:  # admit and prefill everyone: each has sampled its first token
         plan = sched.schedule()
@@ -102,8 +104,8 @@ def scheduler_cost(batch: int, steps: int, prompt_len: int = 32, seed: int = 0) 
             t3 = time.perf_counter()
             side += (t1 - t0) + (t3 - t2)
             plan_bytes = sum(len(f) for f in frames)
-            if len(plan.sample_params) != batch:
-                raise RuntimeError(f"a decode step sampled {len(plan.sample_params)} rows, not {batch}")
+            if plan.num_sampled != batch:
+                raise RuntimeError(f"a decode step sampled {plan.num_sampled} rows, not {batch}")
         best = min(best, side / steps)
     return {"seconds_per_step": best, "steps_per_s": 1 / best, "plan_bytes": plan_bytes}
 

@@ -40,6 +40,7 @@ if str(REPO) not in sys.path:
 from bench.machine_info import cpu_name  # noqa: E402
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, decode, encode  # noqa: E402
 from runtime.pool_layout import PoolLayout  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
 from runtime.scheduler.scheduler import Scheduler  # noqa: E402
 from runtime.server_args import ServerArgs  # noqa: E402
 
@@ -214,7 +215,7 @@ class ScriptedWorker:
     def execute(self, plan: StepPlan) -> StepResult:
         if self.wire:
             plan = decode(encode(plan))
-        n = len(plan.sample_params)
+        n = plan.num_sampled
         if n > 1:
             raise RuntimeError("the replay runs one request at a time, yet a step sampled several rows")
         tokens = [self.script.pop(0) for _ in range(n)]
@@ -227,7 +228,8 @@ class SchedulerReplay:
     """The engine's scheduler, driven step by step; one request at a time."""
 
     def __init__(self, layout: PoolLayout, args: ServerArgs, vocab_size: int, wire: bool = False) -> None:
-        self.sched = Scheduler(args, layout, frozenset(), lambda ids: "", vocab_size)
+        self.sched = Scheduler(args, layout, frozenset(), lambda ids: "")
+        self.vocab_size = vocab_size
         self.worker = ScriptedWorker(wire)
         self.steps = 0
         self._rid = 0
@@ -238,8 +240,8 @@ class SchedulerReplay:
         self._rid += 1
         rid = f"q{self._rid}"
         self.worker.script = list(req.answer)
-        s.add(GenerateReq(rid, list(req.prompt), {"max_new_tokens": len(req.answer), "temperature": 0,
-                                                   "ignore_eos": True}))
+        params = {"max_new_tokens": len(req.answer), "temperature": 0, "ignore_eos": True}
+        s.add(GenerateReq(rid, list(req.prompt), SamplingParams.from_dict(params, self.vocab_size)))
         done: TokenOut | None = None
         outs = s.take_outputs()
         while True:

@@ -6,7 +6,8 @@ accepted length and output tok/s per proposer, with and without speculation, at 
 (b) Speed: the real engine (`runtime.tokenizer.engine.Engine`: tokenizer, scheduler and worker processes) on gsm8k test
     questions with the trained pair (`bench/train_spec_pair.py`, built into the cache directory if missing),
     greedy, one plain run and one run per proposer per batch size, all in this run.
-    Batch 1 sends one question at a time; batch B sends B at once.
+    Batch 1 sends one question at a time; batch B sends B at once. Each engine is warmed up on the first
+    question, then flushed: the timed run starts with an empty radix cache and n-gram corpus.
 
     python bench/spec.py [--json] [--proposers ngram,mtp,draft,dspark] [--k 3] [--ngram-k 8] [--questions 16]
 
@@ -20,7 +21,8 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +62,22 @@ def prompts(num: int, shots: int) -> list[str]:
     return [prefix + one_example(e, False) for e in read_jsonl(DATA / "test.jsonl")[:num]]
 
 
-def run_engine(target: Path, texts: list[str], batch: int, max_new: int, **spec: Any) -> dict[str, Any]:  # noqa: ANN401
+@contextmanager
+def warmed_engine(target: Path, warm_up: str | list[int], batch: int, **spec: Any) -> Iterator[Any]:  # noqa: ANN401
+    """An engine past its first-call costs (a short greedy run of `warm_up`), then flushed: the warm-up's
+    tokens are neither a radix hit nor n-gram drafts (the corpus holds finished requests) of the timed run."""
     from runtime.tokenizer.engine import Engine
 
-    sampling = {"max_new_tokens": max_new, "temperature": 0, "stop": STOPS}
     with Engine(str(target), max_running_requests=max(batch, 1), mem_bytes=256 << 20, **spec) as eng:
-        eng.generate(texts[0], dict(sampling, max_new_tokens=4))  # warm-up: first-call costs out of the timing
+        eng.generate(warm_up, {"max_new_tokens": 4, "temperature": 0})
+        if not eng.flush_cache():
+            raise RuntimeError("the cache could not be flushed after the warm-up")
+        yield eng
+
+
+def run_engine(target: Path, texts: list[str], batch: int, max_new: int, **spec: Any) -> dict[str, Any]:  # noqa: ANN401
+    sampling = {"max_new_tokens": max_new, "temperature": 0, "stop": STOPS}
+    with warmed_engine(target, texts[0], batch, **spec) as eng:
         base = eng.get_metrics()
         t0 = time.perf_counter()
         outs: list[dict[str, Any]] = []

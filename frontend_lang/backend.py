@@ -1,4 +1,7 @@
-"""What a program's state needs from a backend, and the error it raises with the server's message."""
+"""What a program's state needs from a backend, and the error it raises with the server's message.
+
+Prompts come as `ChatPrompt`s: the role markup's markers kept apart from the program's text, so that a backend
+that tokenises gives only the markers special ids; one that sends text sends `prompt.text`."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from typing import Any
 
 from frontend_lang.chat_template import KIMI, ChatTemplate
 from frontend_lang.choices import ChoiceScore, ChoicesDecision, ChoicesSamplingMethod
+from radixk3.chat_prompt import ChatPrompt
 
 
 class BackendError(RuntimeError):
@@ -36,24 +40,25 @@ class Backend:
 
     chat_template: ChatTemplate = KIMI
 
-    def generate(self, text: str, sampling: dict[str, Any], options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        """The completion of `text` and its meta_info."""
+    def generate(self, prompt: ChatPrompt, sampling: dict[str, Any], options: dict[str, Any]
+                 ) -> tuple[str, dict[str, Any]]:
+        """The completion of `prompt` and its meta_info."""
         raise NotImplementedError
 
-    def generate_stream(self, text: str, sampling: dict[str, Any], options: dict[str, Any]
+    def generate_stream(self, prompt: ChatPrompt, sampling: dict[str, Any], options: dict[str, Any]
                         ) -> Iterator[tuple[str, dict[str, Any]]]:
-        """(new text, meta_info so far) as the completion of `text` is produced."""
+        """(new text, meta_info so far) as the completion of `prompt` is produced."""
         raise NotImplementedError
 
-    def cache_prefix(self, text: str) -> dict[str, Any]:
-        """Compute `text` into the prefix cache without generating (a `max_new_tokens: 0` request)."""
+    def cache_prefix(self, prompt: ChatPrompt) -> dict[str, Any]:
+        """Compute `prompt` into the prefix cache without generating (a `max_new_tokens: 0` request)."""
         raise NotImplementedError
 
-    def score_choices(self, prefix: str, choices: list[str]) -> list[ChoiceScore]:
+    def score_choices(self, prefix: ChatPrompt, choices: list[str]) -> list[ChoiceScore]:
         """Per choice, its tokens' logprobs after `prefix`: the prefix cached first, then one batched request."""
         raise NotImplementedError
 
-    def select(self, prefix: str, choices: list[str], method: ChoicesSamplingMethod) -> ChoicesDecision:
+    def select(self, prefix: ChatPrompt, choices: list[str], method: ChoicesSamplingMethod) -> ChoicesDecision:
         return method(choices, self.score_choices(prefix, choices))
 
     def shutdown(self) -> None:

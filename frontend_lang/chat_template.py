@@ -1,30 +1,23 @@
-"""The role markup programs write through `system` / `user` / `assistant`: Kimi's chat template, as
-`radixk3.tokenizer.Tokenizer.apply_chat_template` renders it (a test holds the two equal)."""
+"""The role markup programs write through `system` / `user` / `assistant`: Kimi's chat turns, framed by
+`radixk3.tokenizer.turn_start` as the tokenizer's chat template frames them (a test holds the two equal).
+The markup is a `ChatPrompt`, so a backend that tokenises can give its markers, and only them, special ids."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from radixk3.tokenizer import _ROLE_MARKERS, IM_END, IM_MIDDLE
+from radixk3.chat_prompt import ChatPrompt
+from radixk3.tokenizer import IM_END, turn_start
 
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    role_markers: dict[str, str] = field(default_factory=lambda: dict(_ROLE_MARKERS))
-    middle: str = IM_MIDDLE
-    end: str = IM_END
+    def prefix(self, role: str) -> ChatPrompt:
+        return turn_start(role)
 
-    def _check(self, role: str) -> None:
-        if role not in self.role_markers:
-            raise ValueError(f"unknown role {role!r}; expected one of {sorted(self.role_markers)}")
-
-    def prefix(self, role: str) -> str:
-        self._check(role)
-        return f"{self.role_markers[role]}{role}{self.middle}"
-
-    def suffix(self, role: str) -> str:
-        self._check(role)
-        return self.end
+    def suffix(self, role: str) -> ChatPrompt:
+        turn_start(role)  # refuses an unknown role, as `prefix` does
+        return ChatPrompt.marker(IM_END)
 
 
 KIMI = ChatTemplate()

@@ -1,13 +1,17 @@
 """`RuntimeEndpoint(url)`: the backend over a server's native API, `POST /generate` in SGLang's shapes
 (`text`, `sampling_params`, `return_logprob`, `logprob_start_len`, `top_logprobs_num`,
 `return_text_in_logprobs`, `stream`; a response holds `text` and `meta_info`; a stream is server-sent events
-`data: {...}` with the text so far, ended by `data: [DONE]`). Any error response raises BackendError with
-the server's message.
+`data: {...}` with the text so far and the new tokens' logprobs, ended by `data: [DONE]`). Any error response
+raises BackendError with the server's message.
 
 `select` works on text here (the client has no tokenizer): it caches the prefix (`max_new_tokens: 0`), then
 scores, in one batched request from the prefix's last token on, the prefix itself and every prefix + choice.
 A choice whose first token there is the prefix's own last token adds its tokens after it; otherwise its
 first token merged with the prefix's end and counts as the choice's (SGLang's token healing).
+
+Prompts go as text (`ChatPrompt.text`, the role markup written out), and `/generate` reads text as a raw prompt
+whose caller owns the template (SGLang's semantics): a marker string in the program's own text becomes a
+control token there too. Programs that put untrusted text in a prompt run on `Runtime`, which encodes it as text.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ import orjson
 
 from frontend_lang.backend import Backend, BackendError, check_result
 from frontend_lang.choices import ChoiceScore
+from radixk3.chat_prompt import ChatPrompt
+
+# The meta_info lists a stream's event holds only the new entries of (the server's incremental streaming).
+STREAMED_LOGPROBS = ("input_token_logprobs", "output_token_logprobs", "output_top_logprobs")
 
 
 class RuntimeEndpoint(Backend):
@@ -53,14 +61,16 @@ class RuntimeEndpoint(Backend):
         return orjson.loads(r.content)
 
     # --- the backend -------------------------------------------------------------------------------------
-    def generate(self, text: str, sampling: dict[str, Any], options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        data = self._post({"text": text, "sampling_params": sampling, **options})
+    def generate(self, prompt: ChatPrompt, sampling: dict[str, Any], options: dict[str, Any]
+                 ) -> tuple[str, dict[str, Any]]:
+        data = self._post({"text": prompt.text, "sampling_params": sampling, **options})
         return data["text"], data["meta_info"]
 
-    def generate_stream(self, text: str, sampling: dict[str, Any], options: dict[str, Any]
+    def generate_stream(self, prompt: ChatPrompt, sampling: dict[str, Any], options: dict[str, Any]
                         ) -> Iterator[tuple[str, dict[str, Any]]]:
-        payload = {"text": text, "sampling_params": sampling, **options, "stream": True}
+        payload = {"text": prompt.text, "sampling_params": sampling, **options, "stream": True}
         sent = ""
+        logprobs: dict[str, list[Any]] = {}  # each event's new entries, gathered into the meta_info so far
         try:
             with self.client.stream("POST", "/generate", content=orjson.dumps(payload),
                                     headers={"Content-Type": "application/json"}) as r:
@@ -77,6 +87,10 @@ class RuntimeEndpoint(Backend):
                         raise BackendError(_error_text(event))
                     meta = event.get("meta_info") or {}
                     check_result(meta)
+                    for key in STREAMED_LOGPROBS:
+                        if key in meta:
+                            logprobs.setdefault(key, []).extend(meta[key])
+                    meta = meta | logprobs
                     full = event.get("text", "")
                     # Events carry the text so far; the new part is what follows what was already yielded.
                     delta = full[len(sent):] if full.startswith(sent) else full
@@ -85,13 +99,13 @@ class RuntimeEndpoint(Backend):
         except httpx.HTTPError as e:
             raise BackendError(f"cannot reach {self.base_url}: {e}") from e
 
-    def cache_prefix(self, text: str) -> dict[str, Any]:
-        return self._post({"text": text, "sampling_params": {"max_new_tokens": 0}})["meta_info"]
+    def cache_prefix(self, prompt: ChatPrompt) -> dict[str, Any]:
+        return self._post({"text": prompt.text, "sampling_params": {"max_new_tokens": 0}})["meta_info"]
 
-    def score_choices(self, prefix: str, choices: list[str]) -> list[ChoiceScore]:
+    def score_choices(self, prefix: ChatPrompt, choices: list[str]) -> list[ChoiceScore]:
         prompt_tokens = self.cache_prefix(prefix)["prompt_tokens"]
         start = max(prompt_tokens - 1, 0)
-        texts = [prefix] + [prefix + c for c in choices]
+        texts = [prefix.text] + [prefix.text + c for c in choices]
         outs = self._post({"text": texts, "sampling_params": [{"max_new_tokens": 0, "temperature": 0}] * len(texts),
                            "return_logprob": True, "logprob_start_len": start, "return_text_in_logprobs": True})
         if not isinstance(outs, list) or len(outs) != len(texts):

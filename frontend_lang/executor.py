@@ -3,6 +3,9 @@ and forked branches (and the programs of `run_batch`) send their requests concur
 
 A worker thread exists only while expressions are queued. The first failure (a backend error, a nested
 role) is kept; the expressions after it are skipped and every later sync point raises it.
+
+The state's text is also kept as a `ChatPrompt` (`prompt_`): the role markup's markers apart from everything
+else (the program's strings, generated text, chosen choices), which backends that tokenise encode as text.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from frontend_lang.ir import (
     Select,
     Text,
 )
+from radixk3.chat_prompt import ChatPrompt
 
 
 class StreamExecutor:
@@ -33,6 +37,7 @@ class StreamExecutor:
         self.stream = stream
         self.template = backend.chat_template
         self.text_ = ""
+        self.prompt_ = ChatPrompt()  # text_, with the role markup's markers kept apart
         self.messages_: list[dict[str, str]] = []
         self.variables: dict[str, Any] = {}
         self.meta_info: dict[str, Any] = {}
@@ -112,7 +117,7 @@ class StreamExecutor:
     def forked(self) -> StreamExecutor:
         """A branch that starts from this state's text, messages and variables (after a sync)."""
         b = StreamExecutor(self.backend, self.defaults, self.stream)
-        b.text_, b.messages_ = self.text_, list(self.messages_)
+        b.text_, b.prompt_, b.messages_ = self.text_, self.prompt_, list(self.messages_)
         b.variables, b.meta_info = dict(self.variables), dict(self.meta_info)
         b.cur_role, b.role_begin_pos = self.cur_role, self.role_begin_pos
         b.fork_start = len(self.text_)
@@ -139,9 +144,11 @@ class StreamExecutor:
             self._cond.notify_all()
 
     # --- execution (on the worker thread) --------------------------------------------------------------
-    def _fill(self, text: str) -> None:
+    def _fill(self, text: ChatPrompt | str) -> None:
+        """Append text (a string) or the role markup (a ChatPrompt)."""
         with self._cond:
-            self.text_ += text
+            self.prompt_ += text
+            self.text_ += text if isinstance(text, str) else text.text
             self._cond.notify_all()
 
     def _execute(self, expr: Expr) -> None:
@@ -153,7 +160,7 @@ class StreamExecutor:
         elif isinstance(expr, Gen):
             self._gen(expr)
         elif isinstance(expr, Select):
-            decision = self.backend.select(self.text_, expr.choices, expr.method)
+            decision = self.backend.select(self.prompt_, expr.choices, expr.method)
             self._fill(decision.decision)
             with self._cond:
                 self.meta_info[expr.name] = decision.meta_info
@@ -175,11 +182,11 @@ class StreamExecutor:
                 self.messages_.append({"role": expr.role, "content": content})
         elif isinstance(expr, CommitPrefix):
             if self.text_:
-                self.backend.cache_prefix(self.text_)
+                self.backend.cache_prefix(self.prompt_)
         elif isinstance(expr, Join):
             for branch in expr.branches:
                 branch.sync()
-                self._fill(branch.text_[branch.fork_start :])
+                self._fill(branch.prompt_.after(branch.fork_start))
         else:
             raise TypeError(f"unknown expression {type(expr).__name__}")
 
@@ -187,19 +194,20 @@ class StreamExecutor:
         sampling, options = self.defaults.merged(expr.params).to_request()
         name = expr.name
         if not self.stream:
-            text, meta = self.backend.generate(self.text_, sampling, options)
+            text, meta = self.backend.generate(self.prompt_, sampling, options)
             self._fill(text)
             with self._cond:
                 self.meta_info[name] = meta
             self.set_var(name, text)
             return
-        prompt = self.text_
+        prompt = self.prompt_
         with self._cond:
             self.variables[name] = ""
             self._cond.notify_all()
         for delta, meta in self.backend.generate_stream(prompt, sampling, options):
             with self._cond:
                 self.text_ += delta
+                self.prompt_ += delta
                 self.variables[name] += delta
                 self.meta_info[name] = meta
                 self._cond.notify_all()

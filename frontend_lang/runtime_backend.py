@@ -1,8 +1,9 @@
 """`Runtime`: the in-process backend over `radixk3.Engine` (SGLang's `sgl.Runtime`, without a server).
 
-Text is tokenised here with the engine's own tokenizer (as the engine would: with BOS) and sent as token ids,
-so `select` knows exactly which tokens belong to each choice, even where a choice's first token merges with
-the end of the prefix.
+Prompts are tokenised here with the engine's own tokenizer (with BOS, as the engine would) and sent as token
+ids, so `select` knows exactly which tokens belong to each choice, even where a choice's first token merges with
+the end of the prefix. The role markup's markers get their special ids; the program's text (its strings,
+generated text, choices) is encoded as text, so a marker written in it stays text (`ChatPrompt.ids`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, TypeVar
 
 from frontend_lang.backend import Backend, BackendError, check_result, logprob_of
 from frontend_lang.choices import ChoiceScore
+from radixk3.chat_prompt import ChatPrompt
 
 T = TypeVar("T")
 # What the engine raises for a request it refuses (InvalidRequest is a ValueError; EngineError a RuntimeError).
@@ -33,8 +35,8 @@ class Runtime(Backend):
         self.engine = engine
         self.tokenizer = engine.tokenizer
 
-    def _ids(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_bos=True)
+    def _ids(self, prompt: ChatPrompt) -> list[int]:
+        return prompt.ids(self.tokenizer, add_bos=True)
 
     @staticmethod
     def _call(fn: Callable[[], T]) -> T:
@@ -50,13 +52,14 @@ class Runtime(Backend):
         check_result(out["meta_info"])
         return out
 
-    def generate(self, text: str, sampling: dict[str, Any], options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        out = self._one(self._ids(text), sampling, options)
+    def generate(self, prompt: ChatPrompt, sampling: dict[str, Any], options: dict[str, Any]
+                 ) -> tuple[str, dict[str, Any]]:
+        out = self._one(self._ids(prompt), sampling, options)
         return out["text"], out["meta_info"]
 
-    def generate_stream(self, text: str, sampling: dict[str, Any], options: dict[str, Any]
+    def generate_stream(self, prompt: ChatPrompt, sampling: dict[str, Any], options: dict[str, Any]
                         ) -> Iterator[tuple[str, dict[str, Any]]]:
-        chunks = self._call(lambda: self.engine.stream(self._ids(text), sampling, **options))
+        chunks = self._call(lambda: self.engine.stream(self._ids(prompt), sampling, **options))
         completion = 0
         it = iter(chunks)
         while (chunk := self._call(lambda: next(it, None))) is not None:
@@ -68,10 +71,10 @@ class Runtime(Backend):
             check_result(meta)
             yield chunk.text, meta
 
-    def cache_prefix(self, text: str) -> dict[str, Any]:
-        return self._one(self._ids(text), {"max_new_tokens": 0}, {})["meta_info"]
+    def cache_prefix(self, prompt: ChatPrompt) -> dict[str, Any]:
+        return self._one(self._ids(prompt), {"max_new_tokens": 0}, {})["meta_info"]
 
-    def score_choices(self, prefix: str, choices: list[str]) -> list[ChoiceScore]:
+    def score_choices(self, prefix: ChatPrompt, choices: list[str]) -> list[ChoiceScore]:
         prefix_ids = self._ids(prefix)
         self._one(prefix_ids, {"max_new_tokens": 0}, {})
         fulls = [self._ids(prefix + c) for c in choices]

@@ -21,11 +21,7 @@ import torch
 from torch import Tensor
 
 from kernels.backend import kernel_backend
-from kernels.sampling_row import SamplingRow
-
-MASK32 = 0xFFFFFFFF
-HASH_MUL1 = 0x7FEB352D  # both < 2**31: a 32-bit value times either fits an int64 exactly
-HASH_MUL2 = 0x68E31DA4
+from kernels.sampling_tensors import HASH_MUL1, HASH_MUL2, MASK32, SamplingTensors, cutoffs
 
 
 class SampleResult(NamedTuple):
@@ -41,43 +37,6 @@ class TokenMask(NamedTuple):
 
     rows: Tensor  # [M] int64
     bitmask: Tensor  # [M, W] int32
-
-
-class SamplingTensors(NamedTuple):
-    """The rows' parameters as [N] tensors on the logits' device."""
-
-    temperature: Tensor
-    top_k: Tensor  # int64, <= 0: off
-    top_p: Tensor
-    min_p: Tensor
-    frequency_penalty: Tensor
-    presence_penalty: Tensor
-    repetition_penalty: Tensor
-    greedy: Tensor  # bool
-    seed: Tensor  # int64 in [0, 2**63)
-    step: Tensor  # int64
-
-    @staticmethod
-    def build(rows: list[SamplingRow], device: torch.device) -> SamplingTensors:
-        unseeded = sum(r.seed is None for r in rows)
-        fresh = torch.randint(0, 2**62, (unseeded,)).tolist() if unseeded else []
-        seeds = [r.seed if r.seed is not None else fresh.pop() for r in rows]
-
-        def col(vals: list[float] | list[int] | list[bool], dtype: torch.dtype) -> Tensor:
-            return torch.tensor(vals, dtype=dtype, device=device)
-
-        return SamplingTensors(
-            temperature=col([r.temperature for r in rows], torch.float32),
-            top_k=col([r.top_k for r in rows], torch.int64),
-            top_p=col([r.top_p for r in rows], torch.float32),
-            min_p=col([r.min_p for r in rows], torch.float32),
-            frequency_penalty=col([r.frequency_penalty for r in rows], torch.float32),
-            presence_penalty=col([r.presence_penalty for r in rows], torch.float32),
-            repetition_penalty=col([r.repetition_penalty for r in rows], torch.float32),
-            greedy=col([r.temperature <= 0.0 or r.top_k == 1 for r in rows], torch.bool),
-            seed=col([s % 2**63 for s in seeds], torch.int64),
-            step=col([r.step for r in rows], torch.int64),
-        )
 
 
 def output_counts(history: list[list[int]], vocab: int, device: torch.device) -> Tensor:
@@ -118,25 +77,6 @@ def penalized(logits: Tensor, p: SamplingTensors, counts: Tensor | None) -> Tens
     return torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
 
 
-def cutoffs(z: Tensor, p: SamplingTensors) -> Tensor:
-    """Per-row z cut-off of top-k and top-p ([N] fp32, -inf where neither applies); rows need sorting only if
-    they use top-k or top-p."""
-    cut = torch.full((z.shape[0],), float("-inf"), device=z.device)
-    need = ((p.top_k > 0) | (p.top_p < 1.0)) & ~p.greedy
-    if not bool(need.any()):
-        return cut
-    rows = need.nonzero().squeeze(1)
-    zs, _ = z[rows].sort(dim=-1, descending=True)
-    vocab = z.shape[1]
-    k = torch.where(p.top_k[rows] > 0, p.top_k[rows].clamp(max=vocab), vocab)
-    probs = zs.softmax(-1)
-    before = probs.cumsum(-1) - probs  # mass strictly before each sorted position
-    in_p = (before < p.top_p[rows, None]).sum(-1).clamp(min=1)  # the first token always stays
-    last = torch.minimum(k, in_p) - 1
-    cut[rows] = zs.gather(1, last[:, None]).squeeze(1)
-    return cut
-
-
 def select_torch(z: Tensor, adjusted: Tensor, p: SamplingTensors, cut: Tensor) -> Tensor:
     """Greedy rows: argmax of the penalised logits; others: the Gumbel-max draw among kept tokens."""
     if bool(p.greedy.all()):  # no draw at all: skip the [N, V] hash, the common serving case
@@ -149,9 +89,8 @@ def select_torch(z: Tensor, adjusted: Tensor, p: SamplingTensors, cut: Tensor) -
     return torch.where(p.greedy, adjusted.argmax(-1), drawn)
 
 
-def apply_penalties(logits: Tensor, rows: list[SamplingRow], history: list[list[int]]) -> Tensor:
+def apply_penalties(logits: Tensor, p: SamplingTensors, history: list[list[int]]) -> Tensor:
     """Penalised logits [N, V] fp32 (frequency, presence and repetition penalties over generated tokens)."""
-    p = SamplingTensors.build(rows, logits.device)
     return penalized(logits, p, output_counts(history, logits.shape[-1], logits.device))
 
 
@@ -187,15 +126,16 @@ def masked_logits(logits: Tensor, mask: TokenMask | None) -> Tensor:
 
 
 def sample(
-    logits: Tensor, rows: list[SamplingRow], history: list[list[int]] | None = None, top_logprobs_num: int = 0,
+    logits: Tensor, p: SamplingTensors, history: list[list[int]] | None = None, top_logprobs_num: int = 0,
     banned: list[list[int]] | None = None, mask: TokenMask | None = None,
 ) -> SampleResult:
-    """logits [N, V] -> one token per row (see the module docstring); `banned[i]`: ids row i may not draw;
-    `mask`: the grammar-constrained rows and the tokens they may draw."""
+    """logits [N, V] -> one token per row (see the module docstring) under row i's parameters, row i of `p`;
+    `history[i]`: the tokens row i generated so far (penalties); `banned[i]`: ids row i may not draw; `mask`:
+    the grammar-constrained rows and the tokens they may draw."""
     n, vocab = logits.shape
-    p = SamplingTensors.build(rows, logits.device)
-    wants_pen = any(r.frequency_penalty or r.presence_penalty or r.repetition_penalty != 1.0 for r in rows)
-    counts = output_counts(history, vocab, logits.device) if history is not None and wants_pen else None
+    if p.num_rows != n:
+        raise ValueError(f"sampling parameters for {p.num_rows} rows, {n} rows of logits")
+    counts = output_counts(history, vocab, logits.device) if history is not None and p.has_penalties() else None
     masked = masked_logits(logits, mask)
     drawable = banned_logits(masked, banned, copy=masked is logits)  # one [N, V] copy for both, not two
     if kernel_backend(logits.device) == "triton":

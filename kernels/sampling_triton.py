@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.sampling import HASH_MUL1, HASH_MUL2, MASK32, SamplingTensors, cutoffs
+from kernels.sampling_tensors import HASH_MUL1, HASH_MUL2, MASK32, SamplingTensors, cutoffs
 from kernels.triton_launch import kernel
 
 BLOCK_V = 1024

@@ -23,17 +23,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kernels.sampling import (
-    SamplingTensors,
-    TokenMask,
-    banned_logits,
-    cutoffs,
-    hash_uniform,
-    masked_logits,
-    output_counts,
-    penalized,
-)
-from kernels.sampling_row import SamplingRow
+from kernels.sampling import TokenMask, banned_logits, hash_uniform, masked_logits, output_counts, penalized
+from kernels.sampling_tensors import SamplingTensors, cutoffs
 
 ACCEPT_SALT = 0x2545F4914F6CDD1D  # xor-ed into the seed: both < 2**63, so the seed stays a valid int64
 DRAW_SALT = 0x1B873593CC9E2D51
@@ -45,17 +36,6 @@ class VerifyResult(NamedTuple):
     logprobs: Tensor  # [N, K+1] fp32, log-softmax of the raw logits at each emitted token (NaN past them)
     top_ids: Tensor  # [N, K+1, t] int64 (t = top_logprobs_num, may be 0)
     top_logprobs: Tensor  # [N, K+1, t] fp32
-
-
-def _position_rows(rows: list[list[SamplingRow]], num_drafts: list[int], width: int) -> list[SamplingRow]:
-    """The [N * (K+1)] flattened per-position rows; a request may give fewer than K+1 (at least num_drafts + 1):
-    the positions past them are never emitted, so they repeat its last row."""
-    flat: list[SamplingRow] = []
-    for req, nd in zip(rows, num_drafts, strict=True):
-        if not nd + 1 <= len(req) <= width:
-            raise ValueError(f"{len(req)} sampling rows for {nd} drafts (need {nd + 1}..{width})")
-        flat.extend(req + [req[-1]] * (width - len(req)))
-    return flat
 
 
 def _position_bans(banned: list[list[list[int]]] | None, n: int, width: int) -> list[list[int]] | None:
@@ -83,27 +63,22 @@ def kept(z: Tensor, p: SamplingTensors) -> Tensor:
     return keep & ((p.min_p[:, None] <= 0) | (z >= zmax + torch.log(p.min_p[:, None])))
 
 
-def plain_greedy(rows: list[list[SamplingRow]], banned: list[list[list[int]]] | None,
-                 mask: TokenMask | None) -> bool:
+def plain_greedy(p: SamplingTensors, banned: list[list[list[int]]] | None, mask: TokenMask | None) -> bool:
     """Every position greedy with nothing that changes its logits (penalties, bans, a grammar mask): then
     acceptance is an argmax compare on the raw logits, without the sampler's per-position tensors."""
     if mask is not None or (banned is not None and any(b for req in banned for b in req)):
         return False
-    return all((r.temperature <= 0.0 or r.top_k == 1) and not r.frequency_penalty and not r.presence_penalty
-               and r.repetition_penalty == 1.0 for req in rows for r in req)
+    return bool(p.greedy.all()) and not p.has_penalties()
 
 
-def _general(logits: Tensor, safe: Tensor, valid: Tensor, num_drafts: Tensor, rows: list[list[SamplingRow]],
-             histories: list[list[int]] | None, banned: list[list[list[int]]] | None, draft_probs: Tensor | None,
-             mask: TokenMask | None) -> tuple[Tensor, Tensor]:
+def _general(logits: Tensor, safe: Tensor, valid: Tensor, p: SamplingTensors, histories: list[list[int]] | None,
+             banned: list[list[list[int]]] | None, draft_probs: Tensor | None, mask: TokenMask | None
+             ) -> tuple[Tensor, Tensor]:
     """Acceptance with the full sampler: -> (accept [N, K] before the validity mask, own token [N, K+1])."""
     n, width, vocab = logits.shape
     k = width - 1
     dev = logits.device
-    flat_rows = _position_rows(rows, num_drafts.tolist(), width)
-    p = SamplingTensors.build(flat_rows, dev)
-    wants_pen = any(r.frequency_penalty or r.presence_penalty or r.repetition_penalty != 1.0 for r in flat_rows)
-    counts = _position_counts(histories or [[]] * n, safe, valid, vocab) if wants_pen else None
+    counts = _position_counts(histories or [[]] * n, safe, valid, vocab) if p.has_penalties() else None
 
     flat = logits.reshape(n * width, vocab)
     masked = masked_logits(flat, mask)
@@ -140,30 +115,33 @@ def _general(logits: Tensor, safe: Tensor, valid: Tensor, num_drafts: Tensor, ro
 
 
 def verify_drafts(
-    logits: Tensor, drafts: Tensor, num_drafts: Tensor, rows: list[list[SamplingRow]],
+    logits: Tensor, drafts: Tensor, num_drafts: Tensor, params: SamplingTensors,
     histories: list[list[int]] | None = None, banned: list[list[list[int]]] | None = None,
     draft_probs: Tensor | None = None, mask: TokenMask | None = None, top_logprobs_num: int = 0,
 ) -> VerifyResult:
-    """logits [N, K+1, V] (raw target logits; position j predicts output index rows[i][j].step);
-    drafts [N, K] int64 (entries past num_drafts[i] ignored); num_drafts [N] int64 in [0, K];
-    rows[i][j]: position j's sampling row; histories[i]: the tokens generated before position 0 (None: none);
-    banned[i][j]: ids position j may not draw; draft_probs [N, K, V]: the drafter's distributions (None: point
-    masses at the drafts); mask: a grammar mask whose rows index the flattened positions i * (K+1) + j."""
+    """logits [N, K+1, V] (raw target logits; position j of window i predicts output index `params.step` of
+    row i * (K+1) + j); drafts [N, K] int64 (entries past num_drafts[i] ignored); num_drafts [N] int64 in
+    [0, K]; params: the sampling parameters of every position, row i * (K+1) + j for position j of window i
+    (the rows of positions past num_drafts[i] + 1 are never emitted: any values); histories[i]: the tokens
+    generated before position 0 (None: none); banned[i][j]: ids position j may not draw; draft_probs
+    [N, K, V]: the drafter's distributions (None: point masses at the drafts); mask: a grammar mask whose rows
+    index the flattened positions i * (K+1) + j."""
     n, width, vocab = logits.shape
     k = width - 1
     dev = logits.device
     if drafts.shape != (n, k) or num_drafts.shape != (n,):
         raise ValueError(f"drafts {tuple(drafts.shape)} / num_drafts {tuple(num_drafts.shape)} for logits "
                          f"{tuple(logits.shape)}")
+    if params.num_rows != n * width:
+        raise ValueError(f"sampling parameters for {params.num_rows} positions, {n} windows of {width}")
     num_drafts = num_drafts.to(dev)
     valid = torch.arange(k, device=dev)[None] < num_drafts[:, None]  # [N, K]
     safe = torch.where(valid, drafts.to(dev), 0)  # ignored entries may be any id: index with 0 instead
-    if plain_greedy(rows, banned, mask):
-        _position_rows(rows, num_drafts.tolist(), width)  # the same argument check
+    if plain_greedy(params, banned, mask):
         own = logits.argmax(-1)  # nothing adjusts a plain greedy row's logits: the general path's argmax
         accept = safe == own[:, :k]
     else:
-        accept, own = _general(logits, safe, valid, num_drafts, rows, histories, banned, draft_probs, mask)
+        accept, own = _general(logits, safe, valid, params, histories, banned, draft_probs, mask)
     accept &= valid
     num_accepted = accept.long().cumprod(1).sum(1)
     pos = torch.arange(width, device=dev)[None]

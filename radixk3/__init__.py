@@ -17,12 +17,8 @@ def __getattr__(name: str) -> Any:
         from runtime.tokenizer.engine import Engine
 
         return Engine
-    if name in ("EngineError", "EngineOverloaded"):
+    if name in ("EngineError", "EngineOverloaded", "InvalidRequest"):
         import runtime.errors
 
         return getattr(runtime.errors, name)
-    if name == "InvalidRequest":
-        from runtime.sampling_params import InvalidRequest
-
-        return InvalidRequest
     raise AttributeError(name)

@@ -8,15 +8,23 @@ share one definition and a multi-byte character split over byte-fallback ids is 
 Generation ends on `stop_ids`: the model's eos (`</s>`), the chat end-of-turn marker `<|im_end|>` and K3's
 end of message `<|end_of_msg|>`. The K3 output markup (XTML: `<|open|>`, `<|close|>`, `<|sep|>`; see
 `runtime.tokenizer.k3_tools`) is special too, so that the built-in model can produce it and a prompt can carry it.
+
+Two ways to encode, as tiktoken has them (`Encoder`): `encode` reads marker strings as their special ids (a raw
+prompt whose caller wrote the template), `encode_ordinary` never gives a special id (text from users and tools;
+chat renderers build a `radixk3.chat_prompt.ChatPrompt` whose markers alone become special ids).
 """
 
 from __future__ import annotations
 
 import codecs
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import sentencepiece as spm
+
+from radixk3.chat_prompt import ChatPrompt
 
 MODEL_FILENAME = "tokenizer.model"
 BUILTIN_MODEL = Path(__file__).parent / "assets" / MODEL_FILENAME
@@ -41,6 +49,37 @@ USER_SYMBOLS = ("\n", *CHAT_MARKERS, SEPARATOR, *XTML_MARKERS)
 _ROLE_MARKERS = {"system": IM_SYSTEM, "user": IM_USER, "assistant": IM_ASSISTANT}
 # sentencepiece turns a literal U+2581 into a space on decode, so the tokenizer sends it through bytes.
 _SPACE_MARK = "\u2581"
+
+
+def turn_start(role: str, name: str | None = None) -> ChatPrompt:
+    """The opening of a chat turn in Kimi's framing, `<|im_user|>user<|im_middle|>`: the role's marker, the
+    turn's name (the role word unless `name` replaces it, as in Kimi's template; text), the middle marker. The
+    one definition of the framing: the chat template, K3's renderer and the frontend's roles all write it."""
+    marker = _ROLE_MARKERS.get(role)
+    if marker is None:
+        raise ValueError(f"unsupported chat role {role!r}; expected one of {sorted(_ROLE_MARKERS)}")
+    return ChatPrompt.marker(marker) + (name or role) + ChatPrompt.marker(IM_MIDDLE)
+
+
+def chat_turn(role: str, body: ChatPrompt | str, name: str | None = None) -> ChatPrompt:
+    """A whole turn: `turn_start`, the body (a string is text), `<|im_end|>`."""
+    return turn_start(role, name) + body + ChatPrompt.marker(IM_END)
+
+
+class Encoder(Protocol):
+    """What every tokenizer offers to encode, after tiktoken's `encode` / `encode_ordinary`. For every string
+    `s`, `decode(encode_ordinary(s)) == s` and `encode_ordinary(s)` holds no special id."""
+
+    @property
+    def bos_id(self) -> int: ...
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """A raw prompt, templated by its caller: marker strings in it become their special ids."""
+        ...
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Text as text: a marker string in it is encoded as ordinary pieces, never as a special id."""
+        ...
 
 
 class Tokenizer:
@@ -77,6 +116,9 @@ class Tokenizer:
         special.update(sp.piece_to_id(m) for m in (*CHAT_MARKERS, *xtml))
         self._bytes = tuple(table)
         self.special_ids: frozenset[int] = frozenset(special)
+        # The special pieces sentencepiece matches in text (user-defined symbols; it never matches control ones).
+        markers = sorted((*CHAT_MARKERS, *xtml), key=len, reverse=True)
+        self._special_markers = re.compile("|".join(map(re.escape, markers)))
         self.im_end_id: int = sp.piece_to_id(IM_END)
         self.separator_id: int = sp.piece_to_id(SEPARATOR)
         self.end_of_msg_id: int | None = sp.piece_to_id(END_OF_MSG) if self.has_xtml else None
@@ -112,7 +154,7 @@ class Tokenizer:
         return self._sp.piece_to_id(piece)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Token ids of `text`; special markers written in the text encode to their single ids."""
+        """Token ids of a raw prompt: special markers written in the text encode to their single ids."""
         ids = [self.bos_id] if add_bos else []
         parts = text.split(_SPACE_MARK)
         for k, part in enumerate(parts):
@@ -120,6 +162,20 @@ class Tokenizer:
                 ids.extend(self._space_bytes)
             if part:
                 ids.extend(self._sp.encode(part))
+        return ids
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Token ids of `text` as text, never a special id: the text is cut just after the first character of
+        each special marker written in it, so no piece encoded holds a whole marker (sentencepiece matches its
+        markers wherever they occur). Text without marker strings encodes as `encode` does."""
+        ids: list[int] = []
+        start = 0
+        # Each cut search starts at the last cut, so a piece holds no marker that starts inside it (markers are
+        # longer than one character, so one starting at the next cut ends past it).
+        while (m := self._special_markers.search(text, start)) is not None:
+            ids.extend(self.encode(text[start : m.start() + 1]))
+            start = m.start() + 1
+        ids.extend(self.encode(text[start:]))
         return ids
 
     def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
@@ -136,20 +192,23 @@ class Tokenizer:
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def chat_prompt(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> ChatPrompt:
         """Kimi-style prompt: `<|im_user|>user<|im_middle|>...<|im_end|>` per message, roles
-        system/user/assistant; an optional "name" replaces the role word, as in Kimi's template."""
-        out: list[str] = []
+        system/user/assistant; an optional "name" replaces the role word, as in Kimi's template. Contents and
+        names are text: `ChatPrompt.ids` never reads a marker in them."""
+        out: list[ChatPrompt] = []
         for m in messages:
-            role, content = m.get("role"), m.get("content")
-            if role not in _ROLE_MARKERS:
-                raise ValueError(f"unsupported chat role {role!r}; expected one of {sorted(_ROLE_MARKERS)}")
+            content = m.get("content")
             if not isinstance(content, str):
                 raise ValueError(f"chat message content must be a string, got {type(content).__name__}")
-            out.append(f"{_ROLE_MARKERS[role]}{m.get('name') or role}{IM_MIDDLE}{content}{IM_END}")
+            out.append(chat_turn(m.get("role", ""), content, m.get("name")))
         if add_generation_prompt:
-            out.append(f"{IM_ASSISTANT}assistant{IM_MIDDLE}")
-        return "".join(out)
+            out.append(turn_start("assistant"))
+        return ChatPrompt.join(out)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """`chat_prompt` as one string, markers written out (as a raw prompt: `encode` reads them)."""
+        return self.chat_prompt(messages, add_generation_prompt).text
 
     def _check_id(self, token_id: int) -> None:
         if not 0 <= token_id < len(self._bytes):

@@ -20,7 +20,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import zmq
 
@@ -29,6 +28,7 @@ from radixk3.tokenizer import Tokenizer
 from runtime.errors import EngineError
 from runtime.messages import RankFailed, Shutdown, WorkerReady, decode, encode
 from runtime.model_files import model_config, tokenizer_for
+from runtime.process_info import is_stopped
 from runtime.scheduler_main import scheduler_main
 from runtime.server_args import ServerArgs
 from runtime.sockets import endpoint
@@ -56,15 +56,6 @@ def _main_module_hidden() -> Iterator[None]:
     finally:
         main.__dict__.pop("__spec__", None)
         main.__dict__.update(saved)
-
-
-def _proc_state(pid: int) -> str | None:
-    """A process's state letter from /proc (R, S, T: stopped, Z, ...); None if unknown."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rpartition(")")[2].split()[0]
 
 
 def _signal_name(exitcode: int | None) -> str:
@@ -175,8 +166,7 @@ class EngineProcesses:
         is what noticed it."""
         culprits, others = [], []  # stopped or killed ranks first: the others exited because of them
         for rid, p in zip(self.ranks, self.procs, strict=False):
-            state = _proc_state(p.pid) if p.pid is not None else None
-            if state in ("T", "t"):
+            if is_stopped(p.pid):
                 culprits.append(f"{rank_label(*rid)} (pid {p.pid}) is stopped")
             elif not p.is_alive():
                 code = p.exitcode
@@ -186,6 +176,11 @@ class EngineProcesses:
                 else:
                     culprits.append(note + _signal_name(code))
         return "; ".join(culprits + others)
+
+    def describe_scheduler(self, replica: int) -> str:
+        """Replica `replica`'s scheduler as an error names it: its pid, and whether it is stopped."""
+        p = self.procs[len(self.ranks) + replica]
+        return f"the scheduler of replica {replica} (pid {p.pid}{', stopped' if is_stopped(p.pid) else ''})"
 
     def dead_child(self) -> str | None:
         for p in self.procs:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from runtime.sampling_params import InvalidRequest
+from runtime.errors import InvalidRequest
 
 if TYPE_CHECKING:
     import xgrammar as xgr

@@ -4,6 +4,8 @@ It runs the very same Scheduler, StepLoop and ModelWorker as the multi-process E
 the orjson round trip when `wire=True`), so what it proves about scheduling and caching holds there too.
 With overlap (the default, as in the Engine) a sent plan waits in a queue and the worker runs it when the
 loop asks for its result, after the next plan was made: exactly the order the overlapped processes see.
+`submit` is a door like the tokenizer manager's: the request is parsed and checked there, and nothing past it
+checks it again.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from radixk3.model import KimiForCausalLM
 from runtime.grammar import GrammarBackend
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, decode, encode
 from runtime.model_files import model_config, tokenizer_for
+from runtime.sampling_params import SamplingParams, check_output_options, check_prompt_ids
 from runtime.scheduler.scheduler import Scheduler
 from runtime.scheduler.step_loop import StepLoop
 from runtime.server_args import ServerArgs
@@ -29,7 +32,8 @@ class LocalEngine:
         tok = tokenizer_for(args)
         cfg = model_config(args) if model is None else model.config
         stop_ids = frozenset(tok.stop_ids) | {cfg.eos_token_id}
-        self.scheduler = Scheduler(args, self.worker.layout, stop_ids, tok.decode, cfg.vocab_size,
+        self.vocab_size = cfg.vocab_size
+        self.scheduler = Scheduler(args, self.worker.layout, stop_ids, tok.decode,
                                    GrammarBackend(tok, cfg.vocab_size, stop_ids), pool_bytes=self.worker.pool_bytes)
         self.wire, self.check, self.on_step = wire, check, on_step
         self._n = 0
@@ -43,11 +47,16 @@ class LocalEngine:
         res = self.worker.execute(plan)
         return decode(encode(res)) if self.wire else res
 
-    def submit(self, input_ids: list[int], sampling: dict[str, Any], **kw: Any) -> str:
-        rid = f"l{self._n}"
+    def submit(self, input_ids: list[int], sampling: dict[str, Any] | None, **options: Any) -> str:
+        """Check and queue one request (one sample: `n` is not expanded); `options`: GenerateReq's
+        (return_logprob, logprob_start_len, top_logprobs_num). Raises InvalidRequest for bad input."""
+        params = SamplingParams.from_dict(sampling, self.vocab_size)
+        req = GenerateReq(f"l{self._n}", check_prompt_ids(input_ids, self.vocab_size), params.for_sample(0),
+                          **options)
+        check_output_options(req.return_logprob, req.logprob_start_len, req.top_logprobs_num, self.vocab_size)
         self._n += 1
-        self.scheduler.add(GenerateReq(rid, list(input_ids), sampling, **kw))
-        return rid
+        self.scheduler.add(req)
+        return req.rid
 
     def run(self) -> dict[str, list[TokenOut]]:
         """Step until every submitted request has finished; returns each request's TokenOut chunks."""

@@ -2,7 +2,10 @@
 
 A message is a list of ZeroMQ frames: frame 0 is the orjson header (the dataclass fields that are not
 arrays, plus the message type), then one raw frame per array field, in field order: int64, or the dtype
-the class names for it in `ARRAY_DTYPES`.
+the class names for it in `ARRAY_DTYPES`; then, for each group of arrays (`ARRAY_GROUPS`: a dataclass of
+arrays, such as a plan's sampling columns), one raw frame per array of the group, in its field order and
+its `DTYPES`. A dataclass in the header (`NESTED`) is rebuilt as it was sent: it was checked before it was
+sent, so it is not checked again.
 """
 
 from __future__ import annotations
@@ -14,12 +17,19 @@ from typing import Any, ClassVar
 import numpy as np
 import orjson
 
+from kernels.sampling_columns import SamplingColumns
+from runtime.sampling_params import SamplingParams
+
 
 @dataclass
 class GenerateReq:
+    """One sample of a request, checked at the door (the tokenizer manager, LocalEngine): nothing downstream
+    validates it again."""
+
+    NESTED: ClassVar[dict[str, type]] = {"sampling": SamplingParams}
     rid: str
     input_ids: list[int]
-    sampling: dict[str, Any]
+    sampling: SamplingParams  # n = 1; sample i of n draws with seed + i
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: no input logprobs; else from this prompt position on
     top_logprobs_num: int = 0
@@ -63,8 +73,9 @@ class StepPlan:
     `input_ids[cu_seqlens[i]:cu_seqlens[i+1]]`; an input id of -1 stands for the token last sampled for
     that row (the overlap scheduler plans a decode before it knows that token). Checkpoint m writes the
     KDA state of sequence `ckpt_seq[m]` after `ckpt_offset[m]` of its new tokens into physical slot
-    `ckpt_slot[m]`. The first len(sample_params) entries of `logits_index` are the sampled rows, in
-    sequence order; the rest are input-logprob rows.
+    `ckpt_slot[m]`. The first `num_sampled` entries of `logits_index` are the sampled rows, in sequence
+    order (a verify window samples at each of its positions); the rest are input-logprob rows. Sampled row i
+    draws with the parameters of entry i of the `sampling` columns.
 
     Structured output: sampled row `grammar_rows[j]` may only draw the tokens whose bits are set in row j of
     `grammar_mask`, the packed bitmask (int32 [len(grammar_rows), ceil(vocab / 32)], flattened; bit t % 32 of
@@ -76,6 +87,7 @@ class StepPlan:
         "input_ids", "ckpt_seq", "ckpt_offset", "ckpt_slot", "logits_index", "grammar_rows", "grammar_mask",
     )
     ARRAY_DTYPES: ClassVar[dict[str, type]] = {"grammar_mask": np.int32}
+    ARRAY_GROUPS: ClassVar[dict[str, type]] = {"sampling": SamplingColumns}
     step: int
     mode: str  # "extend" | "decode" | "verify" | "idle" (radixk3.forward_batch.ForwardMode values)
     copies: list[tuple[int, int, int]]
@@ -92,16 +104,22 @@ class StepPlan:
     ckpt_offset: np.ndarray
     ckpt_slot: np.ndarray
     logits_index: np.ndarray
-    sample_params: list[dict[str, Any]]  # one per sampled row: SamplingRow fields
+    sampling: SamplingColumns  # one entry per sampled row
     banned: list[list[int]]  # per sampled row: token ids that may not be sampled (stops below min_new_tokens)
     reset_rows: list[tuple[int, list[int]]] = field(default_factory=list)
     top_logprobs_num: int = 0
     input_logprob_rows: list[tuple[int, int]] = field(default_factory=list)  # (logits row, token id)
     grammar_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     grammar_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    # DP attention with MTP: the draft-chain layer calls every rank makes before the target's forward this step
-    # (the widest verify window over every group, less 2), so that all groups run the same MTP layers in turn.
-    dp_draft_steps: int = 0
+    # DP attention: what every group's step holds, as far as a model proposer's calls (which carry the shared
+    # MoE / FFN's collectives) depend on it, so that each group joins the calls the others make: the widest
+    # verify window over every group (0: none verifies), and whether some group runs an extend or decode step.
+    dp_window_width: int = 0
+    dp_extends: bool = False
+
+    @property
+    def num_sampled(self) -> int:
+        return self.sampling.num_rows
 
 
 @dataclass
@@ -130,6 +148,7 @@ class WorkerReady:
     rank: int
     error: str | None = None
     pool_bytes: int | None = None  # the pool buffer's bytes (PoolGeometry.total_bytes); None with an error
+    pid: int | None = None  # the rank's process, so that the scheduler's watchdog can say it is stopped
 
 
 @dataclass
@@ -143,6 +162,16 @@ class RankFailed:
 @dataclass
 class Shutdown:
     pass
+
+
+@dataclass
+class Heartbeat:
+    """A scheduler is alive (sent while it has work, and at once when `stuck` changes): the tokenizer side's
+    watchdog notices a scheduler that falls silent with requests pending. `stuck`: what the scheduler's own
+    watchdog found stuck (a step its ranks have not finished within --watchdog-timeout); None: healthy."""
+
+    replica: int
+    stuck: str | None = None
 
 
 @dataclass
@@ -169,19 +198,30 @@ class FlushCacheOut:
 
 MESSAGES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (GenerateReq, AbortReq, TokenOut, StepPlan, StepResult, WorkerReady, RankFailed, Shutdown, MetricsReq,
-                MetricsOut, FlushCacheReq, FlushCacheOut)
+    for cls in (GenerateReq, AbortReq, TokenOut, StepPlan, StepResult, WorkerReady, RankFailed, Shutdown, Heartbeat,
+                MetricsReq, MetricsOut, FlushCacheReq, FlushCacheOut)
 }
 
 
+def _group_arrays(cls: type) -> list[tuple[str, str, type]]:
+    """(group, field, dtype) of every array of the class's array groups, in frame order."""
+    return [(group, f.name, kind.DTYPES[f.name])
+            for group, kind in getattr(cls, "ARRAY_GROUPS", {}).items() for f in dataclasses.fields(kind)]
+
+
 def encode(msg: Any) -> list[bytes]:
-    arrays = getattr(type(msg), "ARRAYS", ())
-    header = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg) if f.name not in arrays}
-    header["_type"] = type(msg).__name__
+    cls = type(msg)
+    arrays = getattr(cls, "ARRAYS", ())
+    groups = getattr(cls, "ARRAY_GROUPS", {})
+    header = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)
+              if f.name not in arrays and f.name not in groups}
+    header["_type"] = cls.__name__
     frames = [orjson.dumps(header, option=orjson.OPT_SERIALIZE_NUMPY)]
-    dtypes = getattr(type(msg), "ARRAY_DTYPES", {})
+    dtypes = getattr(cls, "ARRAY_DTYPES", {})
     frames.extend(np.ascontiguousarray(getattr(msg, name), dtype=dtypes.get(name, np.int64)).tobytes()
                   for name in arrays)
+    frames.extend(np.ascontiguousarray(getattr(getattr(msg, group), name), dtype=dtype).tobytes()
+                  for group, name, dtype in _group_arrays(cls))
     return frames
 
 
@@ -190,6 +230,16 @@ def decode(frames: list[bytes]) -> Any:
     cls = MESSAGES[header.pop("_type")]
     arrays = getattr(cls, "ARRAYS", ())
     dtypes = getattr(cls, "ARRAY_DTYPES", {})
-    for name, raw in zip(arrays, frames[1:], strict=True):
+    in_groups = _group_arrays(cls)
+    if len(frames) != 1 + len(arrays) + len(in_groups):
+        raise ValueError(f"{cls.__name__}: {len(frames)} frames, expected {1 + len(arrays) + len(in_groups)}")
+    for name, raw in zip(arrays, frames[1:], strict=False):
         header[name] = np.frombuffer(raw, dtype=dtypes.get(name, np.int64))
+    grouped: dict[str, dict[str, np.ndarray]] = {group: {} for group in getattr(cls, "ARRAY_GROUPS", {})}
+    for (group, name, dtype), raw in zip(in_groups, frames[1 + len(arrays) :], strict=True):
+        grouped[group][name] = np.frombuffer(raw, dtype=dtype)
+    for group, kind in getattr(cls, "ARRAY_GROUPS", {}).items():
+        header[group] = kind(**grouped[group])
+    for name, kind in getattr(cls, "NESTED", {}).items():
+        header[name] = kind(**header[name])
     return cls(**header)

@@ -1,33 +1,25 @@
-"""Per-request sampling parameters, named as SGLang names them, validated once at the door.
+"""Per-request sampling parameters, named as SGLang names them, parsed and validated once, at the door.
 
 Everything a request carries is checked here before it is sent anywhere: types (a bool is not an int, a
 float is not an int however integral), integers that fit the int64 wire format, finite floats, ranges, and
 token ids inside the model's vocabulary. A refusal is an `InvalidRequest` whose `param` names the field.
-This module imports no model code and no torch (the row type comes from the leaf `kernels.sampling_row`): the
-scheduler process uses it too.
+The parsed `SamplingParams` is what travels (in `GenerateReq`) and what the scheduler keeps: nothing past the
+door parses or validates it again. This module imports no model code and no torch: the scheduler process
+uses it too.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import orjson
 
-from kernels.sampling_row import SamplingRow
+from runtime.errors import InvalidRequest
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
-
-
-class InvalidRequest(ValueError):
-    """A request the engine refuses; the message says what is wrong and `param` names the field (HTTP 400)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
 
 
 def check_int(name: str, value: Any, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int:
@@ -75,8 +67,24 @@ def check_token_ids(name: str, ids: Any, vocab_size: int | None, *, allow_empty:
     return list(ids)
 
 
+def check_prompt_ids(ids: Any, vocab_size: int) -> list[int]:
+    """A prompt of token ids: a non-empty list of ids in the vocabulary."""
+    if isinstance(ids, list | tuple) and not ids:
+        raise InvalidRequest("the prompt is empty", param="input_ids")
+    return check_token_ids("input_ids", ids, vocab_size, allow_empty=False)
+
+
+def check_output_options(return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any, vocab_size: int) -> None:
+    """What a request asks to get back beside its tokens: logprobs, from which prompt position, how many top."""
+    check_bool("return_logprob", return_logprob)
+    check_int("logprob_start_len", logprob_start_len, -1)
+    check_int("top_logprobs_num", top_logprobs_num, 0, vocab_size)
+
+
 @dataclass
 class SamplingParams:
+    """Made by `from_dict` (validated) at the door; rebuilt as sent on the other side of the wire."""
+
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
@@ -168,12 +176,6 @@ class SamplingParams:
                 return name, value
         return None
 
-    def row(self, step: int) -> SamplingRow:
-        return SamplingRow(
-            temperature=float(self.temperature), top_p=float(self.top_p), top_k=self.top_k, min_p=float(self.min_p),
-            frequency_penalty=float(self.frequency_penalty), presence_penalty=float(self.presence_penalty),
-            repetition_penalty=float(self.repetition_penalty), seed=self.seed, step=step,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def for_sample(self, i: int) -> SamplingParams:
+        """The parameters of sample i of the request's n: one sample, drawing with seed + i if seeded."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + i)

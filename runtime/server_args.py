@@ -58,7 +58,7 @@ class ServerArgs:
     speculative_draft_model: str | None = None  # checkpoint of the draft model (draft) or drafter (dspark)
     speculative_ngram_max: int = 4  # n-gram prompt lookup: longest suffix matched
     speculative_ngram_min: int = 1  # ... and the shortest
-    speculative_ngram_capacity: int = 1 << 16  # finished requests' tokens the n-gram proposer also looks in (0: off)
+    speculative_ngram_capacity: int = 1 << 16  # requests' tokens (running, finished) n-gram drafts come from (0: off)
     spec_state: str = "replay"  # how the KDA state of the draft window is recovered: replay | snapshot
     debug_spec_state: bool = False  # after every verify, check the live KDA state against plain decode (tests)
     # Parallelism past one device (torch.distributed: gloo on CPU, NCCL on CUDA), spelled as SGLang spells it.
@@ -71,6 +71,10 @@ class ServerArgs:
     node_rank: int = 0  # this machine's index; node 0 runs the tokenizer and scheduler
     dist_init_addr: str | None = None  # host:port of node 0's rendezvous; None: a free local port
     dist_timeout: float = 60.0  # seconds a collective may wait before the group fails (a dead or hung rank)
+    watchdog_timeout: float = field(default=300.0, metadata={"help": (
+        "seconds a forward step, or a scheduler with requests pending, may go without progress before the "
+        "watchdog fails the requests concerned with an error naming the stuck process (the worker rank or "
+        "the scheduler) and /health answers 503 until it recovers; 0 turns the watchdog off")})
     log_level: str = "warning"
     # HTTP server (`radixk3 serve`); the offline Engine ignores these.
     host: str = "127.0.0.1"
@@ -78,7 +82,13 @@ class ServerArgs:
     api_key: str | None = None  # if set: `Authorization: Bearer KEY` on every endpoint but /health
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
     served_model_name: str | None = None  # the model id /v1 reports; default: the model path or "k3-tiny"
-    graceful_shutdown_timeout: float = 10.0  # on SIGTERM: seconds to let in-flight requests finish, then abort
+    graceful_shutdown_timeout: float = field(default=10.0, metadata={"help": (
+        "on SIGTERM: seconds to let in-flight requests finish; then each is aborted and ends with a 503 error "
+        "(a stream: an error event and [DONE]), and the server exits 0")})
+    timeout_keep_alive: float = field(default=5.0, metadata={"help": (
+        "seconds a connection may take, from its opening or its previous response, to send the next request's "
+        "head (request line and headers) in full; then the server closes it (as uvicorn's --timeout-keep-alive, "
+        "which alone spares a connection that never completes a head)")})
 
     def __post_init__(self) -> None:
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
@@ -120,10 +130,6 @@ class ServerArgs:
             raise ValueError(f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size}")
         if self.enable_dp_attention and self.tp_size % self.dp_size:
             raise ValueError(f"--dp-size {self.dp_size} must divide --tp-size {self.tp_size} with DP attention")
-        if self.enable_dp_attention and self.speculative_algorithm in ("draft", "dspark"):
-            # Their draft forwards vary in number with each DP rank's batch and are not lockstepped (MTP's are).
-            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} does not run with "
-                             "--enable-dp-attention yet; use ngram or mtp, or DP attention off")
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
             raise ValueError(f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -132,8 +138,14 @@ class ServerArgs:
             raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address)")
         if self.dist_timeout <= 0:
             raise ValueError("--dist-timeout must be > 0")
-        if self.graceful_shutdown_timeout < 0:
+        if not self.watchdog_timeout >= 0:  # also refuses NaN
+            raise ValueError(f"--watchdog-timeout must be >= 0 seconds (0 turns the watchdog off), "
+                             f"got {self.watchdog_timeout}")
+        if not self.graceful_shutdown_timeout >= 0:  # also refuses NaN
             raise ValueError("--graceful-shutdown-timeout must be >= 0")
+        if not 0 < self.timeout_keep_alive < float("inf"):
+            raise ValueError(f"--timeout-keep-alive must be a positive number of seconds, "
+                             f"got {self.timeout_keep_alive}")
 
     @property
     def overlap_schedule(self) -> bool:
@@ -145,6 +157,12 @@ class ServerArgs:
     def step_prefill_budget(self) -> int:
         """The most prefill tokens one step computes, across requests."""
         return self.chunked_prefill_size if self.max_prefill_tokens is None else self.max_prefill_tokens
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """How often a busy scheduler says it is alive, and the watchdogs look: a fifth of the watchdog's
+        timeout, at most a second (a hang is noticed within the timeout plus about this)."""
+        return min(1.0, self.watchdog_timeout / 5)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ import signal
 import zmq
 
 from runtime.messages import RankFailed, Shutdown, WorkerReady, decode, encode
+from runtime.process_info import set_process_name, worker_process_name
 from runtime.server_args import ServerArgs
 from runtime.sockets import LINGER_MS, die_with_parent, disconnected, make_socket
 from runtime.topology import COLLECTIVE_FAILED_EXIT, Topology, rank_label
@@ -19,6 +20,7 @@ from runtime.topology import COLLECTIVE_FAILED_EXIT, Topology, rank_label
 def worker_main(args: ServerArgs, topo: Topology, replica: int, rank: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and tells us to stop
     die_with_parent()
+    set_process_name(worker_process_name(replica, rank))
     who = rank_label(replica, rank)
     ctx = zmq.Context()
     plans = make_socket(ctx, zmq.PULL, topo.addr(f"worker_in_{replica}_{rank}"), bind=False)
@@ -40,7 +42,7 @@ def worker_main(args: ServerArgs, topo: Topology, replica: int, rank: int) -> No
         results.send_multipart(encode(WorkerReady(rank, error=f"{who}: {type(e).__name__}: {e}")))
         ctx.destroy(linger=LINGER_MS)
         return
-    results.send_multipart(encode(WorkerReady(rank, pool_bytes=worker.pool_bytes)))
+    results.send_multipart(encode(WorkerReady(rank, pool_bytes=worker.pool_bytes, pid=os.getpid())))
     poller = zmq.Poller()
     poller.register(plans, zmq.POLLIN)
     poller.register(scheduler_watch, zmq.POLLIN)

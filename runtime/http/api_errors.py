@@ -7,6 +7,7 @@ tell the user what to fix.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -15,9 +16,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from runtime.errors import ShuttingDown
+
 M = TypeVar("M", bound=BaseModel)
+
+log = logging.getLogger("uvicorn.error")  # uvicorn's server log: --log-level sets its level
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait: the queue drains at step speed
 
@@ -61,8 +67,15 @@ def request_failed(rid: str, error: str | None) -> APIError:
 
 
 def stream_failed(e: BaseException) -> APIError:
-    """The engine went away mid-stream: said in the stream, as its status line is sent already."""
+    """The engine went away mid-stream, or the server's shutdown ended it: said in the stream, as its status
+    line is sent already."""
+    if isinstance(e, ShuttingDown):
+        return shutting_down(e)
     return APIError(503, f"the request failed: {type(e).__name__}: {e}", "server_error")
+
+
+def shutting_down(e: ShuttingDown) -> APIError:
+    return APIError(503, str(e), "server_error", code="shutting_down")
 
 
 # How pydantic tags the members of a union in an error's location; never field names here.
@@ -131,12 +144,18 @@ async def parse_body(request: Request, model: type[M]) -> M:
 
 def install_error_handlers(app: FastAPI) -> None:
     """APIError, FastAPI's own validation and routing errors (404, 405) and anything unexpected, in one shape."""
-    from runtime.errors import EngineError, EngineOverloaded
-    from runtime.sampling_params import InvalidRequest
+    from runtime.errors import EngineError, EngineOverloaded, InvalidRequest
 
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> Response:
         return exc.response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, _: ClientDisconnect) -> Response:
+        # While its body was read: nobody to answer and nothing wrong here, so no traceback (which any
+        # client could otherwise write into the log at will).
+        log.debug("the client left during the body of %s %s", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(_: Request, exc: InvalidRequest) -> Response:
@@ -146,6 +165,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _overloaded(_: Request, exc: EngineOverloaded) -> Response:
         return APIError(503, f"the server is overloaded: {exc}; retry later", "server_overloaded",
                         code="overloaded").response()
+
+    @app.exception_handler(ShuttingDown)
+    async def _shutting_down(_: Request, exc: ShuttingDown) -> Response:
+        return shutting_down(exc).response()
 
     @app.exception_handler(EngineError)
     async def _engine(_: Request, exc: EngineError) -> Response:

@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from runtime.http.api_errors import APIError, request_failed
 from runtime.http.metrics import RequestTimer
+from runtime.sampling_params import SamplingParams
 from runtime.tokenizer.manager import RequestHandle, TokenizerManager
 from runtime.tokenizer.request_stream import Sample, StreamChunk
 
@@ -126,7 +127,7 @@ async def merged(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int
 
 
 def submit_all(tm: TokenizerManager, live: MutableMapping[str, RequestHandle], prompts: Sequence[list[int]],
-               params: Sequence[dict[str, Any]], rids: Sequence[str | None], **kw: Any) -> list[RequestHandle]:
+               params: Sequence[SamplingParams], rids: Sequence[str | None], **kw: Any) -> list[RequestHandle]:
     """Submit every prompt of a batch, or none: a refusal of one aborts those already sent. Each handle is
     listed in `live` (weak values) under its request id, for /abort_request."""
     handles: list[RequestHandle] = []

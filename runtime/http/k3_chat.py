@@ -1,5 +1,6 @@
 """The OpenAI chat route's K3 side: a request with tools or thinking becomes a K3 prompt (and, when a call
-is forced, a grammar); the engine's text (special tokens kept) becomes OpenAI's message fields and deltas."""
+is forced, a grammar); the engine's text (special tokens kept) goes through the reply assembler
+(`runtime.tokenizer.k3_reply`), whose replies and deltas this maps to OpenAI's message fields."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from runtime.http.openai_protocol import (
     NamedToolChoice,
     ToolCallOut,
 )
-from runtime.tokenizer.k3_stream_parser import Delta, K3StreamParser
+from runtime.tokenizer.k3_reply import ReplyAssembler, without_stop_text
 from runtime.tokenizer.k3_tools import K3Prompt, RenderError, forcing_grammar, render_k3_chat
 
 _GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema")
@@ -30,6 +31,7 @@ class K3Chat:
     prompt: K3Prompt
     parse_tools: bool
     grammar: str | None  # EBNF forcing a tool call
+    parallel_calls: bool  # OpenAI's parallel_tool_calls: off, a reply keeps its first call only
 
 
 def plan_k3_chat(req: ChatCompletionRequest) -> K3Chat:
@@ -50,7 +52,7 @@ def plan_k3_chat(req: ChatCompletionRequest) -> K3Chat:
     except (ValueError, RuntimeError) as e:  # xgrammar refusing a tool's parameter schema
         message = _CPP_LOCATION.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
         raise APIError(400, f"tools: {message}", "invalid_request_error", param="tools") from None
-    return K3Chat(prompt, bool(tools), grammar)
+    return K3Chat(prompt, bool(tools), grammar, req.parallel_tool_calls)
 
 
 def k3_sampling(chat: K3Chat, sampling: dict[str, Any]) -> dict[str, Any]:
@@ -65,48 +67,30 @@ def k3_sampling(chat: K3Chat, sampling: dict[str, Any]) -> dict[str, Any]:
 
 
 class K3Reply:
-    """One choice's parse: `push` each chunk of text (the stop token's own text is dropped at the end)."""
+    """One choice: `push` each chunk of the engine's text (the stop token's own text is dropped at the end)."""
 
     def __init__(self, chat: K3Chat, tokenizer: Tokenizer) -> None:
-        self._parser = K3StreamParser(chat.prompt.prefix, tools=chat.parse_tools,
-                                      strip_strings=chat.grammar is not None)
+        self._reply = ReplyAssembler(chat.prompt.prefix, tools=chat.parse_tools, forced=chat.grammar is not None,
+                                     parallel=chat.parallel_calls)
         self._tok = tokenizer
-        self.thinking = chat.prompt.thinking
-        self.content = ""
-        self.reasoning = ""
-        self.calls: dict[int, ToolCallOut] = {}
 
     def push(self, text: str, finished: str | None, last_ids: list[int]) -> DeltaMessage:
-        if finished is not None and last_ids and last_ids[-1] in self._tok.stop_ids:
-            piece = self._tok.decode(last_ids[-1:], skip_special_tokens=False)
-            text = text.removesuffix(piece)
-        d = self._parser.feed(text)
         if finished is not None:
-            end = self._parser.finish()
-            d = Delta(d.reasoning + end.reasoning, d.content + end.content, d.tool_calls + end.tool_calls)
-        self.content += d.content
-        self.reasoning += d.reasoning
-        deltas: dict[int, DeltaToolCall] = {}  # one entry per call in a chunk, as OpenAI streams them
-        for t in d.tool_calls:
-            if t.name is not None:
-                self.calls[t.index] = ToolCallOut(id=t.id or "", function=FunctionCallOut(name=t.name, arguments=""))
-                deltas[t.index] = DeltaToolCall(index=t.index, id=t.id, type="function",
-                                                function=FunctionCallOut(name=t.name, arguments=""))
-            fn = self.calls[t.index].function
-            fn.arguments = (fn.arguments or "") + t.arguments
-            out = deltas.setdefault(t.index, DeltaToolCall(index=t.index, function=FunctionCallOut(arguments="")))
-            out.function.arguments = (out.function.arguments or "") + t.arguments
+            text = without_stop_text(self._tok, text, last_ids)
+        d = self._reply.push(text, final=finished is not None)
+        calls = [DeltaToolCall(index=c.index, id=c.id, type="function" if c.name is not None else None,
+                               function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in d.tool_calls]
         return DeltaMessage(content=d.content or None, reasoning_content=d.reasoning or None,
-                            tool_calls=list(deltas.values()) or None)
+                            tool_calls=calls or None)
 
     def message(self) -> AssistantMessage:
-        calls = [self.calls[i] for i in sorted(self.calls)]
-        return AssistantMessage(content=self.content or None,
-                                reasoning_content=self.reasoning if self.reasoning or self.thinking else None,
-                                tool_calls=calls or None)
+        r = self._reply.reply()
+        calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                 for c in r.tool_calls]
+        return AssistantMessage(content=r.content, reasoning_content=r.reasoning_content, tool_calls=calls or None)
 
     def finish_reason(self, finished: str | None) -> str | None:
-        return "tool_calls" if finished == "stop" and self.calls else finished
+        return self._reply.finish_reason(finished)
 
 
 def k3_message(chat: K3Chat, tokenizer: Tokenizer, text: str, finished: str | None, ids: list[int]

@@ -2,7 +2,9 @@
 
 Two sources: the scheduler's own counters (running, queued, pool bytes, cache, state checkpoints), fetched at
 scrape time with `get_metrics`, and what only the tokenizer process sees (token counters, TTFT, inter-token
-and end-to-end latency), observed per request by `RequestTimer`.
+and end-to-end latency), observed per request by `RequestTimer`. A scrape never fails for want of the
+scheduler's answer (stuck, or the engine down): it serves the last values read, and
+`radixk3_scheduler_metrics_staleness_seconds` says how old they are (0: read for this scrape).
 """
 
 from __future__ import annotations
@@ -44,12 +46,24 @@ _COUNTERS = (
 
 
 class _SchedulerCollector(Collector):
-    """Exports the last scheduler snapshot the scrape handler fetched."""
+    """Exports the last scheduler snapshot the scrape handler fetched, and how old it is."""
 
     def __init__(self) -> None:
-        self.snapshot: dict[str, Any] = {}
+        self.snapshot: dict[str, Any] = {}  # until the first is read: zeros, as of the server's start
+        self.read_at = time.monotonic()
+        self.fresh = False  # `snapshot` was read for the scrape being rendered
+
+    def update(self, snapshot: dict[str, Any] | None) -> None:
+        """A scrape's snapshot, or None when the scheduler did not answer: the last one stays, gone stale."""
+        self.fresh = snapshot is not None
+        if snapshot is not None:
+            self.snapshot, self.read_at = snapshot, time.monotonic()
 
     def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(f"{PREFIX}_scheduler_metrics_staleness_seconds",
+                                "seconds since the scheduler's values here were read (0: read for this scrape; "
+                                "more: it did not answer in time, and these are the last values known)",
+                                value=0.0 if self.fresh else time.monotonic() - self.read_at)
         s = self.snapshot
         for key, name, doc in _GAUGES:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(s.get(key, 0)))
@@ -80,8 +94,9 @@ class ServerMetrics:
         self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "submit to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
 
-    def render(self, scheduler_snapshot: dict[str, Any]) -> bytes:
-        self.scheduler.snapshot = scheduler_snapshot
+    def render(self, scheduler_snapshot: dict[str, Any] | None) -> bytes:
+        """The exposition, with these scheduler counters, or the last ones known (None: no answer came)."""
+        self.scheduler.update(scheduler_snapshot)
         return generate_latest(self.registry)
 
     def timer(self) -> RequestTimer:

@@ -2,9 +2,8 @@
 /flush_cache, /abort_request.
 
 `/generate` takes `text` or `input_ids`, one prompt or a batch, and returns `{"text", "output_ids",
-"meta_info"}` per sample (a list for a batch or n > 1). Streamed, each event carries the sample's text so far
-(as SGLang streams it) and its `index` (sample j of prompt i of a batch: the samples of the prompts before
-i, plus j).
+"meta_info"}` per sample (a list for a batch or n > 1). Streamed, each event is one sample's (see `_stream`),
+with its `index` (sample j of prompt i of a batch: the samples of the prompts before i, plus j).
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from runtime.http.metrics import RequestTimer
 from runtime.http.sse import DONE, event, sse_response
 from runtime.http.state import ServerState, state_of
 from runtime.tokenizer.manager import RequestHandle
+from runtime.tokenizer.request_stream import StreamCursor
 
 router = APIRouter()
 
@@ -84,7 +84,7 @@ async def generate(request: Request) -> Response:
     req = await parse_body(request, GenerateRequest)
     prompts = req.prompts()
     ids = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in prompts]
-    sps = [dict(sp or {}) for sp in req.per_prompt("sampling_params", len(ids))]
+    sps = [st.tm.parse_sampling(sp) for sp in req.per_prompt("sampling_params", len(ids))]
     await st.tm.check_grammars(sps)  # parsed in a thread: a large grammar never stalls other requests
     handles = submit_all(st.tm, st.live, ids, sps,
                          req.per_prompt("rid", len(ids)), return_logprob=req.return_logprob,
@@ -106,9 +106,22 @@ async def generate(request: Request) -> Response:
 
 async def _stream(st: ServerState, req: GenerateRequest, prompt_ids: list[list[int]], handles: list[RequestHandle],
                   timers: list[RequestTimer]) -> AsyncIterator[bytes]:
-    """Events of every sample of every prompt as they come; sample j of prompt i is `index` offset_i + j."""
+    """Events of every sample of every prompt as they come; sample j of prompt i is `index` offset_i + j.
+
+    An event sends only what is new (SGLang's incremental streaming output), so a stream's bytes grow with its
+    tokens, not with their square; a client rebuilds the whole result by concatenating its events' lists:
+    - `text`: the sample's text so far, as SGLang's default stream sends it: SGLang's `RuntimeEndpoint` (and
+      our `frontend_lang.RuntimeEndpoint`) reads `data["text"][len(seen):]`, `bench_serving` keeps the last
+      event's `text` as the output;
+    - `output_ids`: the new token ids (SGLang's incremental shape; none of those clients reads them);
+    - `meta_info`: the counts so far (`completion_tokens`, which `bench_serving` reads per event, `prompt_tokens`,
+      `cached_tokens`) and `finish_reason` / `error` at the end; with `return_logprob`, `output_token_logprobs`
+      and `output_top_logprobs` of the new tokens only, and `input_token_logprobs` once, in the first event
+      with output (empty lists in the others).
+    """
     offsets = [sum(len(h.rids) for h in handles[:i]) for i in range(len(handles))]
     samples = [[Sample(j) for j in range(len(h.rids))] for h in handles]
+    cursors = [[StreamCursor() for _ in h.rids] for h in handles]
     try:
         async for i, chunk in merged([metered(h, t) for h, t in zip(handles, timers, strict=True)]):
             s = samples[i][chunk.index]
@@ -116,7 +129,7 @@ async def _stream(st: ServerState, req: GenerateRequest, prompt_ids: list[list[i
             if chunk.finished == "error":
                 yield event(request_failed(s.rid, s.error).body())
                 continue
-            yield event(handles[i].result_of(s) | {"index": offsets[i] + chunk.index})
+            yield event(handles[i].result_of(s, cursors[i][chunk.index]) | {"index": offsets[i] + chunk.index})
     except Exception as e:  # the engine went away mid-stream: say so in the stream, the status is sent already
         yield event(stream_failed(e).body())
     yield DONE
@@ -127,6 +140,8 @@ async def health(request: Request) -> Response:
     st = state_of(request)
     if st.tm.dead is not None or st.procs.closed:
         raise APIError(503, f"the engine is down: {st.tm.dead or 'shut down'}", "server_error")
+    if (stuck := st.tm.stuck) is not None:  # until the stuck process recovers
+        raise APIError(503, f"the engine is stuck: {stuck}", "server_error")
     return OrjsonResponse({"status": "ok"})
 
 

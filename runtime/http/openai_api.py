@@ -3,6 +3,9 @@
 A request of p prompts and n samples is p engine submissions of n samples each; choice `i * n + j` is sample
 j of prompt i. Streams are server-sent events ending with `data: [DONE]`, with a final usage chunk when
 `stream_options.include_usage` is set.
+
+A completion's string prompt is raw (the caller owns the template: marker strings become their special ids, as
+in SGLang); a chat's messages are text, encoded ordinarily between the markers its renderer placed.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from radixk3.chat_prompt import ChatPrompt
 from radixk3.tokenizer import Tokenizer
 from runtime.http.api_errors import APIError, OrjsonResponse, parse_body, request_failed, stream_failed
 from runtime.http.handles import (
@@ -99,11 +103,13 @@ def _completion_logprobs(tok: Tokenizer, ids: list[int], lps: list[float], tops:
 # --- shared plumbing -----------------------------------------------------------------------------------
 
 
-def _submit(st: ServerState, prompts: list[list[int]], sampling: dict[str, Any], rid: str | None,
-            logprobs: bool, top: int) -> tuple[list[RequestHandle], list[RequestTimer]]:
+async def _submit(st: ServerState, prompts: list[list[int]], sampling: dict[str, Any], rid: str | None,
+                  logprobs: bool, top: int) -> tuple[list[RequestHandle], list[RequestTimer]]:
+    params = st.tm.parse_sampling(sampling)
+    await st.tm.check_grammars([params])  # parsed in a thread: a large grammar never stalls other requests
     rids = [rid] if rid is not None and len(prompts) == 1 else [
         None if rid is None else f"{rid}-p{i}" for i in range(len(prompts))]
-    handles = submit_all(st.tm, st.live, prompts, [dict(sampling) for _ in prompts], rids,
+    handles = submit_all(st.tm, st.live, prompts, [params] * len(prompts), rids,
                          return_logprob=logprobs, top_logprobs_num=top)
     return handles, [st.metrics.timer() for _ in handles]
 
@@ -152,9 +158,7 @@ async def completions(request: Request) -> Response:
     _check_model(st, req.model)
     prompts = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in req.prompts()]
     want_lp = req.logprobs is not None
-    sampling = req.sampling(req.max_tokens)
-    await st.tm.check_grammars([sampling])
-    handles, timers = _submit(st, prompts, sampling, req.rid, want_lp, req.logprobs or 0)
+    handles, timers = await _submit(st, prompts, req.sampling(req.max_tokens), req.rid, want_lp, req.logprobs or 0)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         return sse_response(_completion_stream(st, req, handles, timers, cid, created))
@@ -203,11 +207,9 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(400, "tools and thinking need K3's markup tokens (<|open|>, <|close|>, <|sep|>, "
                        "<|end_of_msg|>), which this model's tokenizer lacks", "invalid_request_error", param="tools")
     k3 = plan_k3_chat(req) if req.is_k3 else None  # tools or thinking: K3's markup (runtime.tokenizer.k3_tools)
-    prompt = st.tokenizer.encode(_chat_prompt(st.tokenizer, req, k3), add_bos=True)
+    prompt = _chat_prompt(st.tokenizer, req, k3).ids(st.tokenizer)  # messages are text: markers only where rendered
     top = req.top_logprobs or 0
-    sampling = _chat_sampling(req, k3)
-    await st.tm.check_grammars([sampling])
-    handles, timers = _submit(st, [prompt], sampling, req.rid, req.logprobs, top)
+    handles, timers = await _submit(st, [prompt], _chat_sampling(req, k3), req.rid, req.logprobs, top)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         return sse_response(_chat_stream(st, req, handles, timers, cid, created, k3))
@@ -219,11 +221,11 @@ async def chat_completions(request: Request) -> Response:
     return OrjsonResponse(body.model_dump())
 
 
-def _chat_prompt(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None) -> str:
+def _chat_prompt(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None) -> ChatPrompt:
     if k3 is not None:
-        return k3.prompt.text
+        return k3.prompt.prompt
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
-    return tok.apply_chat_template(messages)
+    return tok.chat_prompt(messages)
 
 
 def _chat_sampling(req: ChatCompletionRequest, k3: K3Chat | None) -> dict[str, Any]:

@@ -2,6 +2,10 @@
 
 Starlette's StreamingResponse watches the connection; when the client leaves it cancels the generator,
 whose `metered` stream then aborts the request on the scheduler.
+
+JSON leaves U+2028, U+2029 and U+0085 raw inside strings, but clients that split a stream on Unicode line
+breaks (Python's `str.splitlines`, httpx's `iter_lines`) would cut a `data:` line there and get broken JSON:
+every event writes them as JSON escapes, which any JSON parser reads back as the same characters.
 """
 
 from __future__ import annotations
@@ -14,9 +18,15 @@ from starlette.responses import StreamingResponse
 
 DONE = b"data: [DONE]\n\n"
 
+# Their UTF-8 bytes, which in valid UTF-8 can only be these characters (a lead byte starts each sequence).
+_LINE_BREAK_ESCAPES = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
+
 
 def event(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+    data = orjson.dumps(obj)
+    for raw, escaped in _LINE_BREAK_ESCAPES:
+        data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 def sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:

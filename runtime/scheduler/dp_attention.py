@@ -7,10 +7,12 @@ groups must step in lockstep: each step is one plan per group, sent together, an
 gets an IDLE plan (its ranks run the layers on zero rows and join the collectives). A step's results are one
 per group, from each group's first rank, in group order.
 
-Speculation runs per DP rank, each replaying its own requests' KDA inputs. N-gram drafts add no forward. The
-MTP proposer's layer calls (its MoE is shared too) vary with each group's windows, so every step fixes them for
-all groups (`StepPlan.dp_draft_steps`, `MTPProposer.idle_drafts`) and a group with fewer joins on zero rows. The
-draft-model and DSpark proposers are refused (`ServerArgs`): their forwards are not lockstepped yet.
+Speculation runs per DP rank, each replaying its own requests' KDA inputs. N-gram drafts add no forward. The MTP
+layers' and the draft model's calls (their MoE / FFN is shared too) vary with each group's windows and mode, so
+every plan says what all groups' steps hold (`StepPlan.dp_window_width`, `dp_extends`) and a group that makes
+fewer calls joins the others' on zero rows (`runtime/spec/proposers.py::LockstepProposer`). DSpark's drafter is
+replicated on every rank and its only sharded parts, the target's embedding and LM head, belong to the attention
+group: it runs no collective across groups.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from runtime.dp_router import DPRouter
+from kernels.sampling_columns import SamplingColumns
+from runtime.dp_router import CacheAwareConfig, DPRouter
 from runtime.grammar import GrammarBackend
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
 from runtime.pool_layout import PoolLayout
@@ -33,7 +36,7 @@ def idle_plan(step: int) -> StepPlan:
     """A step with no sequences: the group's ranks only join the other groups' collectives."""
     empty = np.zeros(0, dtype=np.int64)
     return StepPlan(step, "idle", [], [], empty, empty, empty, empty, empty, np.zeros(1, dtype=np.int64), empty,
-                    empty, empty, empty, empty, empty, [], [])
+                    empty, empty, empty, empty, empty, SamplingColumns.of(0), [])
 
 
 class DPAttentionScheduler:
@@ -41,23 +44,27 @@ class DPAttentionScheduler:
     (one per DP rank) and whose result is the list of their results."""
 
     def __init__(self, args: ServerArgs, layout: PoolLayout, stop_ids: frozenset[int],
-                 detokenize: Callable[[list[int]], str], vocab_size: int,
-                 grammar: Callable[[], GrammarBackend | None], *, pool_bytes: int | None = None) -> None:
+                 detokenize: Callable[[list[int]], str], grammar: Callable[[], GrammarBackend | None], *,
+                 pool_bytes: int | None = None) -> None:
         # Every group's pool is one size: the ranks of the replica agreed on it (one TP group).
-        self.groups = [Scheduler(args, layout, stop_ids, detokenize, vocab_size, grammar(), pool_bytes=pool_bytes)
+        self.groups = [Scheduler(args, layout, stop_ids, detokenize, grammar(), pool_bytes=pool_bytes)
                        for _ in range(args.dp_size)]
-        self.router = DPRouter(args.dp_size, args.load_balance_method)
+        self.router = DPRouter(args.dp_size, args.load_balance_method, CacheAwareConfig.from_args(args))
         self._inflight: deque[list[bool]] = deque()  # per step in flight: which groups ran a real plan
         self._idle_steps = 0
 
     # --- requests in -----------------------------------------------------------------------------------
     def add(self, msg: GenerateReq) -> None:
-        self.groups[self.router.route(msg.rid, msg.input_ids)].add(msg)
+        self.groups[self.router.route(msg.rid, msg.input_ids, msg.sampling.max_new_tokens)].add(msg)
 
     def abort(self, rid: str) -> None:
         g = self.router.replica_of(rid)
         if g is not None:
             self.groups[g].abort(rid)
+
+    def fail_all(self, error: str) -> list[TokenOut]:
+        """Every group's requests fail (the watchdog: a step is stuck); see `Scheduler.fail_all`."""
+        return self._finished([o for s in self.groups for o in s.fail_all(error)])
 
     # --- the step loop's view --------------------------------------------------------------------------
     @property
@@ -84,11 +91,12 @@ class DPAttentionScheduler:
         self._inflight.append([p is not None for p in plans])
         self._idle_steps += 1
         out = [p if p is not None else idle_plan(-self._idle_steps) for p in plans]
-        # An MTP draft chain runs its layers 1 .. (window width - 2) before the target's forward: every group
-        # joins the widest one's calls.
-        steps = max((int(np.diff(p.cu_seqlens).max()) - 2 for p in out if p.mode == "verify"), default=0)
+        # A model proposer's calls before the target's forward follow the widest window, after it whether a
+        # group observed an extend or decode step: every group joins as many.
+        width = max((int(np.diff(p.cu_seqlens).max()) for p in out if p.mode == "verify"), default=0)
+        extends = any(p.mode in ("extend", "decode") for p in out)
         for p in out:
-            p.dp_draft_steps = max(steps, 0)
+            p.dp_window_width, p.dp_extends = width, extends
         return out
 
     def process(self, results: list[StepResult]) -> list[TokenOut]:
@@ -122,7 +130,7 @@ class DPAttentionScheduler:
     def flush_cache(self) -> bool:
         flushed = all([s.flush_cache() for s in self.groups])  # a list: every idle group flushes
         if flushed:  # nothing outstanding: the router's picture of the trees is empty too
-            self.router = DPRouter(len(self.groups), self.router.method)
+            self.router = DPRouter(len(self.groups), self.router.method, self.router.config)
         return flushed
 
     def check_integrity(self) -> None:

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kernels.sampling_columns import PARAMETERS, SamplingColumns
 from runtime.grammar import GrammarMatcher, fill_masks
 from runtime.messages import StepPlan
+from runtime.sampling_params import SamplingParams
 from runtime.scheduler.output_processor import OutputProcessor
 from runtime.scheduler.page_table import PageTables
 from runtime.scheduler.pool import UnifiedPool
@@ -43,6 +45,12 @@ class StepRecord:
     ckpts: list[Checkpoint]
 
 
+def sampling_columns(params: list[SamplingParams], steps: list[int]) -> SamplingColumns:
+    """The sampled rows' columns: row i samples output `steps[i]` of a request with parameters `params[i]`."""
+    return SamplingColumns.of(len(params), step=steps,
+                              **{name: [getattr(p, name) for p in params] for name in (*PARAMETERS, "seed")})
+
+
 def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: OutputProcessor) -> StepPlan:
     for s in rec.seqs:
         tables.sync(s.req)
@@ -50,7 +58,8 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
     ids: list[int] = []
     cu, rows, prefix, slots = [0], [], [], []
     sample_rows: list[int] = []
-    params: list[dict] = []
+    params: list[SamplingParams] = []  # per sampled row: its request's parameters, and the output index it samples
+    steps: list[int] = []
     banned: list[list[int]] = []
     lp_rows: list[tuple[int, int]] = []  # (packed row, next token)
     grammar_rows: list[int] = []
@@ -73,7 +82,8 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
             first = req.output_index - 1  # its pending sample is counted
             for j in range(len(s.drafts) + 1):  # a verify window samples at each of its positions
                 sample_rows.append(base + s.n - 1 - len(s.drafts) + j)
-                params.append(req.params.row(first + j).__dict__)
+                params.append(req.params)
+                steps.append(first + j)
                 banned.append(outputs.banned_at(req, first + j))
             if req.grammar is not None:
                 # The mask needs every earlier output accepted: no other sample of it may be in flight.
@@ -95,8 +105,8 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
         table_cols=table_cols, table_pages=table_pages, rows=arr(rows), prefix_lens=arr(prefix),
         cu_seqlens=arr(cu), state_slots=arr(slots), input_ids=arr(ids), ckpt_seq=arr(ckpt_seq),
         ckpt_offset=arr(ckpt_offset), ckpt_slot=arr(ckpt_slot),
-        logits_index=arr(sample_rows + [r for r, _ in lp_rows]), sample_params=params, banned=banned,
-        reset_rows=resets, top_logprobs_num=top_n,
+        logits_index=arr(sample_rows + [r for r, _ in lp_rows]), sampling=sampling_columns(params, steps),
+        banned=banned, reset_rows=resets, top_logprobs_num=top_n,
         input_logprob_rows=[(len(sample_rows) + i, tok) for i, (_, tok) in enumerate(lp_rows)],
         grammar_rows=arr(grammar_rows), grammar_mask=fill_masks(matchers).reshape(-1),
     )

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.radix_cache import Node
-from runtime.spec.ngram import NgramIndex
+from runtime.spec.ngram import CorpusDoc, NgramIndex
 
 if TYPE_CHECKING:
     from runtime.grammar import GrammarMatcher
@@ -66,9 +66,11 @@ class Req:
     retries: int = 0
     # Structured output: the matcher has accepted exactly `output_ids` (tokens are accepted as processed).
     grammar: GrammarMatcher | None = None
-    # Speculative decoding: the n-gram proposer's index of this request's tokens, and whether its live state
-    # is past its kept tokens (a stop inside an accepted run): such a state is never donated to the tree.
+    # Speculative decoding: the n-gram proposer's index of this request's tokens, its document in the shared
+    # n-gram corpus (its committed tokens), and whether its live state is past its kept tokens (a stop inside
+    # an accepted run): such a state is never donated to the tree.
     ngram: NgramIndex | None = None
+    corpus_doc: CorpusDoc | None = None
     state_ahead: bool = False
 
     @property

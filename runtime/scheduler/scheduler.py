@@ -27,10 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.errors import InvalidRequest
 from runtime.grammar import GrammarBackend, GrammarKey
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
 from runtime.pool_layout import PoolLayout, pool_budget
-from runtime.sampling_params import InvalidRequest, SamplingParams
 from runtime.scheduler.admission import NO_DEMAND, Admission, Demand, request_demand
 from runtime.scheduler.output_processor import OutputProcessor
 from runtime.scheduler.page_table import PageTables
@@ -80,14 +80,13 @@ MAX_STEP_RETRIES = 2  # failed steps a request may share with others before it f
 
 class Scheduler:
     def __init__(self, args: ServerArgs, layout: PoolLayout, stop_ids: frozenset[int],
-                 detokenize: Callable[[list[int]], str], vocab_size: int,
-                 grammar: GrammarBackend | None = None, *, pool_bytes: int | None = None) -> None:
+                 detokenize: Callable[[list[int]], str], grammar: GrammarBackend | None = None, *,
+                 pool_bytes: int | None = None) -> None:
         """`pool_bytes`: the pool's size, as the worker ranks allocated it (their `WorkerReady.pool_bytes`);
         None: the `--mem-bytes` budget (`pool_budget`), for a scheduler without workers to ask."""
         self.args = args
         self.grammar = grammar
         self.grammar_wait: list[tuple[Req, concurrent.futures.Future[Any]]] = []  # compiling, in arrival order
-        self.vocab_size = vocab_size
         self.pool = UnifiedPool(layout, pool_budget(layout, args) if pool_bytes is None else pool_bytes)
         self.cache = None if args.disable_radix_cache else HybridRadixCache(self.pool)
         self.ps = layout.page_size
@@ -106,7 +105,7 @@ class Scheduler:
         self._retracted_now: set[int] = set()
         self._decodes_owed = False  # the last extend step could not carry the running decodes: they go next
         self.spec = args.speculative_algorithm
-        # n-gram: finished requests' tokens, where every request also looks for its drafts.
+        # n-gram: every request's committed tokens (running ones too), where every request also looks for drafts.
         self.ngram_corpus = NgramCorpus(args.speculative_ngram_min, args.speculative_ngram_max,
                                         args.speculative_ngram_capacity) \
             if self.spec == "ngram" and args.speculative_ngram_capacity > 0 else None
@@ -116,18 +115,10 @@ class Scheduler:
 
     # --- requests in -----------------------------------------------------------------------------------
     def add(self, msg: GenerateReq) -> None:
+        """Queue a request checked at the door (its parameters, token ids and options are not checked again);
+        refuse it only for what the scheduler alone knows: the pool, the queue, the grammar backend."""
+        params = msg.sampling
         try:
-            params = SamplingParams.from_dict(msg.sampling, self.vocab_size)
-            if not msg.input_ids:
-                raise InvalidRequest("the prompt is empty")
-            bad = [t for t in msg.input_ids if isinstance(t, bool) or not isinstance(t, int)
-                   or not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequest(f"input_ids hold {bad[:3]}: token ids must be ints in [0, {self.vocab_size})")
-            if not isinstance(msg.top_logprobs_num, int) or not 0 <= msg.top_logprobs_num <= self.vocab_size:
-                raise InvalidRequest(f"top_logprobs_num must be an int in [0, {self.vocab_size}]")
-            if not isinstance(msg.logprob_start_len, int):
-                raise InvalidRequest("logprob_start_len must be an int")
             need = len(msg.input_ids) + params.max_new_tokens
             # The request alone, with its state block, must fit the pool (with one spare checkpoint block).
             if not self.pool.fits_packed(-(-need // self.ps), 2):
@@ -136,7 +127,7 @@ class Scheduler:
                 raise InvalidRequest("the queue is full, try again later")
             if params.grammar is not None and self.grammar is None:
                 raise InvalidRequest("structured output is not available in this engine", param=params.grammar[0])
-        except (InvalidRequest, TypeError) as e:
+        except Exception as e:  # refused, or something unexpected: this request fails, never the scheduler
             self.outputs.outbox.append(TokenOut(msg.rid, [], finished="error", error=str(e)))
             return
         self._arrivals += 1
@@ -159,6 +150,26 @@ class Scheduler:
         for req in self.running:
             if req.rid == rid and not req.finished:
                 req.aborted = True  # released once no step in flight includes it
+
+    def fail_all(self, error: str) -> list[TokenOut]:
+        """Fail every request with `error` (the watchdog: a step is stuck). Queued requests and running ones
+        in no step in flight let go of their memory now. A request in a step in flight keeps its memory until
+        that step's result comes (the stuck ranks may still write it, and later plans may still read it); it
+        is poisoned, so that result's tokens are discarded and its state is never cached."""
+        for req, _ in self.grammar_wait:
+            self.outputs.finish(req, "error", error)
+        self.grammar_wait = []
+        while self.waiting:
+            self.outputs.finish(self.waiting.popleft(), "error", error)
+        for req in list(self.running):
+            if req.finished is None:
+                self.outputs.finish(req, "error", error)
+            if req.in_flight:
+                req.poisoned = True
+            else:
+                self._settle(req)
+        self._refresh_metrics()
+        return self.take_outputs()
 
     @property
     def has_work(self) -> bool:
@@ -262,6 +273,7 @@ class Scheduler:
                 n_tok, first = (result.num_accepted[i] + 1, tok_i) if rec.mode == "verify" else (1, i)
                 tok_i += n_tok
                 self._apply_samples(req, result, first, n_tok, row_errors.get(i))
+                self._share_tokens(req)
                 if rec.mode == "verify":
                     self._commit_window(req, s, n_tok)
         for c in rec.ckpts:
@@ -342,18 +354,24 @@ class Scheduler:
                 req.retry = True
         req.poisoned = True
 
-    def _requeue(self, req: Req) -> None:
-        """Drop everything a failed step may have touched (nothing is donated) and queue the request again,
-        to be recomputed alone; its outputs so far came from steps that succeeded and are kept."""
+    def _requeue(self, req: Req, failed: bool) -> None:
+        """Free a running request's memory and queue it again to be recomputed; its outputs so far are kept.
+        Retracted under memory pressure (`failed` false), it caches what it computed: nothing is lost. After a
+        failed step it shared (`failed`), nothing that step may have touched is donated; it runs alone next,
+        one retry spent, no longer poisoned (it will be recomputed from what succeeded)."""
         assert req.in_flight == 0
-        self._release(req, donate=False)
+        self._release(req, donate=not failed)
         req.num_computed = req.branch_len = 0
         req.prefill_done = req.retract_pending = req.poisoned = req.retry = False
         req.ckpt_points.clear()
-        req.isolate = True
-        req.retries += 1
         self.waiting.appendleft(req)
         self._retracted_now.add(id(req))
+        if failed:
+            req.isolate = True
+            req.retries += 1
+        else:
+            self.metrics.retractions += 1
+            self.ratio.on_retract()
 
     # --- batches ---------------------------------------------------------------------------------------
     def _compose_step(self) -> tuple[list[tuple[Req, int]], str, int]:
@@ -455,6 +473,7 @@ class Scheduler:
             self._count_admission(req, match)
             self.tables.assign(req)
             self.running.append(req)
+            self._share_tokens(req)
             batch.append((req, n))
             sources.append(req)
             budget -= n
@@ -529,21 +548,13 @@ class Scheduler:
         return True
 
     def _retract(self, req: Req) -> None:
-        """Free a running request's memory (caching what it computed) and queue it again; nothing is lost."""
-        assert req.in_flight == 0
-        self._release(req, donate=True)
-        req.num_computed = req.branch_len = 0
-        req.prefill_done = req.retract_pending = False
-        req.ckpt_points.clear()
-        self.waiting.appendleft(req)
-        self._retracted_now.add(id(req))
-        self.metrics.retractions += 1
-        self.ratio.on_retract()
+        """Under memory pressure: free a running request's memory, caching what it computed, and queue it again."""
+        self._requeue(req, failed=False)
 
     def _settle(self, req: Req) -> None:
         """A request that is in no step in flight and will not be scheduled again: release or retract it."""
         if req.retry and not (req.finished or req.aborted):
-            self._requeue(req)
+            self._requeue(req, failed=True)
         elif req.finished or req.aborted or req.poisoned:
             self._release(req, donate=not req.poisoned)
             if not req.finished:
@@ -551,9 +562,18 @@ class Scheduler:
         elif req.retract_pending:
             self._retract(req)
 
+    def _share_tokens(self, req: Req) -> None:
+        """Index what `req` committed since the last call in the n-gram corpus, for every request to draft from:
+        its prompt when admitted, its outputs as a step's samples are accepted (`output_ids` only ever holds
+        tokens the request keeps; drafts and in-flight samples are not among them). Costs O(new tokens x n-gram
+        sizes) per call, so a step costs O(its committed tokens), never O(corpus)."""
+        if self.ngram_corpus is None:
+            return
+        seen = 0 if req.corpus_doc is None else req.corpus_doc.seen
+        if seen < req.known_len:
+            req.corpus_doc = self.ngram_corpus.extend(req.corpus_doc, req.ids(seen, req.known_len))
+
     def _release(self, req: Req, donate: bool) -> None:
-        if self.ngram_corpus is not None and req.finished and not req.poisoned:
-            self.ngram_corpus.add(req.all_ids)
         self.req_cache.cache_req(req, donate and not req.state_ahead)
         req.state_ahead = False
         self.tables.release(req)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.sampling import SamplingTensors, hash_uniform
-from kernels.sampling_row import SamplingRow
+from kernels.sampling import hash_uniform
+from kernels.sampling_tensors import SamplingTensors
 from kernels.spec_layout import window_layout as packed_layout
 from kernels.spec_sampling import kept
 
@@ -18,9 +18,9 @@ def window_layout(cu_seqlens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return lay.seq, lay.off, lay.lens
 
 
-def any_sampled(params: list[list[SamplingRow]]) -> bool:
+def any_sampled(params: SamplingTensors) -> bool:
     """Whether some window position samples (then drafts are drawn and their q handed to the verifier)."""
-    return any(r.temperature > 0 and r.top_k != 1 for req in params for r in req)
+    return not bool(params.greedy.all())
 
 
 def draw_drafts(logits: Tensor, p: SamplingTensors) -> tuple[Tensor, Tensor]:
@@ -37,9 +37,9 @@ def draw_drafts(logits: Tensor, p: SamplingTensors) -> tuple[Tensor, Tensor]:
     return torch.where(p.greedy, argmax, drawn), torch.where(g, q, soft)
 
 
-def choose(logits: Tensor, rows: list[SamplingRow] | None) -> tuple[Tensor, Tensor | None]:
-    """One draft per row of `logits` [M, V] (fp32): the argmax when `rows` is None (every request greedy), else
-    `draw_drafts` under each row's sampling parameters, with q."""
-    if rows is None:
+def choose(logits: Tensor, params: SamplingTensors | None) -> tuple[Tensor, Tensor | None]:
+    """One draft per row of `logits` [M, V] (fp32): the argmax when `params` is None (every request greedy),
+    else `draw_drafts` under row i's sampling parameters, row i of `params`, with q."""
+    if params is None:
         return logits.argmax(-1), None
-    return draw_drafts(logits, SamplingTensors.build(rows, logits.device))
+    return draw_drafts(logits, params)

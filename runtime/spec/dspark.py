@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.sampling_row import SamplingRow
+from kernels.sampling_tensors import SamplingTensors
 from radixk3.dspark import DSparkModel, store_context
 from radixk3.dspark_checkpoint import load_dspark
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
@@ -56,7 +56,7 @@ class DSparkProposer:
             assert hidden is not None
             self._store(hidden, token_positions(batch.cu_seqlens, batch.prefix_lens), batch.kv_slots)
 
-    def propose(self, batch: ForwardBatch, rows: Tensor, params: list[list[SamplingRow]]) -> Tensor | None:
+    def propose(self, batch: ForwardBatch, rows: Tensor, params: SamplingTensors) -> Tensor | None:
         ids = batch.input_ids
         _, _, lens = window_layout(batch.cu_seqlens)
         starts = batch.cu_seqlens[:-1]
@@ -73,7 +73,7 @@ class DSparkProposer:
             for i in range(int(kg.max())):
                 on = (kg > i).nonzero().squeeze(1)
                 logits = self.drafter.markov_logits(base[on, i], prev[on])
-                d, q = choose(logits, None if probs is None else [params[int(group[r])][i] for r in on.tolist()])
+                d, q = choose(logits, None if probs is None else params.take(starts[group[on]] + i))
                 ids[starts[group[on]] + 1 + i] = d
                 if probs is not None:
                     probs[group[on], i] = q

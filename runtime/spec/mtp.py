@@ -24,7 +24,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from kernels.sampling_row import SamplingRow
+from kernels.sampling_tensors import SamplingTensors
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
 from runtime.spec.drafts import any_sampled, choose, window_layout
@@ -34,6 +34,7 @@ from runtime.worker.pool_buffer import PoolBuffer
 class MTPProposer:
     needs_hidden = True
     aux_layer_ids: tuple[int, ...] = ()
+    observes_verify = True  # after_verify runs every layer, as observe does
 
     def __init__(self, model: KimiForCausalLM, buffer: PoolBuffer, num_rows: int) -> None:
         cfg = model.config
@@ -111,7 +112,11 @@ class MTPProposer:
 
     # DP attention: every rank runs the same MTP layers in the same order in a step (their MoE is shared), so a
     # rank with fewer positions joins the others' calls on zero rows. Per step: the draft chain's calls before the
-    # target's forward (layer j % n for j = 1 .. the step's `dp_draft_steps`), then each layer once after it.
+    # target's forward (layer j % n for j = 1 .. `draft_calls` of the widest window), then each layer once after it.
+    def draft_calls(self, width: int) -> int:
+        """The chain's layer calls for windows up to `width` positions wide: drafts 2 .. width - 1 each run one."""
+        return max(width - 2, 0)
+
     def idle_drafts(self, first: int, last: int) -> None:
         """Join draft-chain calls `first` .. `last` (1-based) that this rank does not make itself."""
         if self.model.dp_attention:
@@ -129,7 +134,7 @@ class MTPProposer:
             assert hidden is not None
             self._run(batch, hidden, next_last, rows)
 
-    def propose(self, batch: ForwardBatch, rows: Tensor, params: list[list[SamplingRow]]) -> Tensor | None:
+    def propose(self, batch: ForwardBatch, rows: Tensor, params: SamplingTensors) -> Tensor | None:
         ids = batch.input_ids
         _, _, lens = window_layout(batch.cu_seqlens)
         starts = batch.cu_seqlens[:-1]
@@ -143,7 +148,7 @@ class MTPProposer:
         for j in range(1, width):
             drafting = (lens > j).nonzero().squeeze(1)
             logits = self.model.mtp_logits((j - 1) % self.num_layers, chain[drafting, j - 1]).float()
-            d, q = choose(logits, None if probs is None else [params[i][j - 1] for i in drafting.tolist()])
+            d, q = choose(logits, None if probs is None else params.take(starts[drafting] + j - 1))
             ids[starts[drafting] + j] = d
             if probs is not None:
                 probs[drafting, j - 1] = q

@@ -5,10 +5,11 @@ It runs in the scheduler, which holds every request's tokens. A per-request inde
 n-gram seen so far, for each n) grows by the tokens appended since the last call, so a proposal costs
 O(new tokens x n range), not a scan of the whole context.
 
-Shared corpus (`NgramCorpus`, as SGLang's n-gram cache and llama.cpp's NgramCache): finished requests' tokens,
-one index for every request of a scheduler, bounded by `--speculative-ngram-capacity` tokens (oldest request out
-first). A request drafts from it when it matches a longer suffix there than in its own context: answers to
-similar prompts repeat each other's phrasing.
+Shared corpus (`NgramCorpus`, as SGLang's n-gram cache and llama.cpp's NgramCache): every request's committed
+tokens, running ones included (the prompt from admission, outputs as they are accepted), one index for every
+request of a scheduler, bounded by `--speculative-ngram-capacity` tokens (oldest request out first). A request
+drafts from it when it matches a longer suffix there than in its own context: answers to similar prompts repeat
+each other's phrasing, and requests running together draft from each other.
 
 Adaptive draft count (`propose_drafts`): how far a match continues depends on how long it is. Measured on the
 trained spec pair (gsm8k, greedy, k = 8): after a 1- or 2-token match the target takes a 3rd draft about 1 time
@@ -20,12 +21,13 @@ more drafts up to k.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 SHORT_MATCH_DRAFTS = {1: 2, 2: 2, 3: 4}  # drafts after a match of n tokens, below LONG_MATCH
 LONG_MATCH = 4
+V = TypeVar("V")
 
 
 class NgramMatch(NamedTuple):
@@ -63,7 +65,7 @@ class NgramIndex:
             self.last_end[key] = stop
         self.indexed = max(self.indexed, n_ids)
         n, end = _suffix_match(self.last_end, ids, self.min_n, self.max_n)
-        return NgramMatch(n, ids[end : end + k] if n else [])
+        return NgramMatch(n, ids[end : end + k] if end is not None else [])
 
 
 def _ngrams(ids: Sequence[int], lo: int, hi: int, first: int, stop: int) -> Iterator[tuple[tuple[int, ...], int]]:
@@ -73,74 +75,130 @@ def _ngrams(ids: Sequence[int], lo: int, hi: int, first: int, stop: int) -> Iter
             yield tuple(ids[end - n : end]), end
 
 
-def _suffix_match(last_end: dict[tuple[int, ...], int], ids: Sequence[int], lo: int, hi: int) -> tuple[int, int]:
-    """(n, end) of the longest suffix of `ids` with n in [lo, hi] that `last_end` holds; (0, -1) if none."""
+def _suffix_match(last_end: Mapping[tuple[int, ...], V], ids: Sequence[int], lo: int, hi: int) -> tuple[int, V | None]:
+    """(n, where) of the longest suffix of `ids` with n in [lo, hi] that `last_end` holds; (0, None) if none."""
     for n in range(min(hi, len(ids)), lo - 1, -1):
-        end = last_end.get(tuple(ids[len(ids) - n :]))
-        if end is not None:
-            return n, end
-    return 0, -1
+        where = last_end.get(tuple(ids[len(ids) - n :]))
+        if where is not None:
+            return n, where
+    return 0, None
 
 
-SEPARATOR = -1  # ends each request in the corpus: no token id, so drafts stop there and no n-gram spans it
+@dataclass(eq=False)
+class CorpusDoc:
+    """One request's tokens in the corpus. The request keeps it and extends it as it commits tokens
+    (`NgramCorpus.extend`); position p of the request is `tokens[p - base]`."""
+
+    serial: int  # creation order: a newer document's occurrence of an n-gram is preferred
+    tokens: list[int] = field(default_factory=list)  # the request's tokens held: [base, seen)
+    base: int = 0  # request positions before it were dropped (the request alone outgrew the corpus)
+    evicted: bool = False  # out of the corpus: the request's next tokens start a new document
+
+    @property
+    def seen(self) -> int:
+        """The request's tokens handed to the corpus so far (held, or dropped from the front)."""
+        return self.base + len(self.tokens)
 
 
 @dataclass
 class NgramCorpus:
-    """Finished requests' tokens, each followed by SEPARATOR, and for each n in [min_n, max_n] where each n-gram
-    in them last ended. Positions are virtual: `tokens[i]` is position `base + i`; evicting the oldest request
-    advances `base`."""
+    """Requests' committed tokens, running and finished, one document per request (oldest first), and for
+    each n in [min_n, max_n] where each n-gram in them occurs followed by a token: (document, request position of
+    that token) of its occurrence in the newest document holding it, the latest there. At most `capacity` tokens
+    are held; the oldest documents go first, whole, and a document longer than `capacity` alone keeps its latest
+    tokens. (Newest document, not latest commit: an entry pointing into the oldest document then means no other
+    holds the n-gram, so eviction forgets nothing still held; a running old request's tokens do not shadow a
+    newer request's.)
+
+    Cost: `extend` indexes only the tokens it is given, O(new tokens x (max_n - min_n + 1)); eviction drops each
+    token once, at the same cost; `lookup` is at most max_n - min_n + 1 dict probes and a k-token slice. Nothing
+    walks the corpus but `check_integrity` and `held` (tests)."""
 
     min_n: int
     max_n: int
-    capacity: int  # tokens kept (separators not counted), at most
-    base: int = 0
-    tokens: list[int] = field(default_factory=list)
-    docs: deque[int] = field(default_factory=deque)  # entries in `tokens` per request held, oldest first
-    last_end: dict[tuple[int, ...], int] = field(default_factory=dict)
+    capacity: int  # tokens held, at most
+    size: int = 0  # tokens held
+    created: int = 0  # documents made so far (the next one's serial)
+    docs: deque[CorpusDoc] = field(default_factory=deque)  # oldest first
+    last_end: dict[tuple[int, ...], tuple[CorpusDoc, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
             raise ValueError(f"an n-gram corpus holds at least one token, got capacity {self.capacity}")
 
-    def add(self, ids: Sequence[int]) -> None:
-        """Index a finished request's tokens (its last `capacity` at most), evicting the oldest to fit."""
-        doc = [*ids[-self.capacity :], SEPARATOR]
-        start = self.base + len(self.tokens)
-        self.tokens += doc
-        self.docs.append(len(doc))
-        for key, end in _ngrams(doc, self.min_n, self.max_n, 1, len(doc) - 1):  # each with a token after it
-            self.last_end[key] = start + end
-        while len(self.tokens) - len(self.docs) > self.capacity:
+    def add(self, ids: Sequence[int]) -> CorpusDoc:
+        """Index a whole request's tokens as a new document."""
+        return self.extend(None, ids)
+
+    def extend(self, doc: CorpusDoc | None, ids: Sequence[int]) -> CorpusDoc:
+        """Index `ids`, the tokens a request committed since it last called with `doc` (None: its first call),
+        and return its document: `doc`, or a new one if there was none or `doc` was evicted."""
+        if doc is None or doc.evicted:
+            doc = CorpusDoc(self.created, base=0 if doc is None else doc.seen)
+            self.created += 1
+            self.docs.append(doc)
+        over = len(doc.tokens) + len(ids) - self.capacity
+        if over > 0:  # the request alone outgrows the corpus: it keeps its latest tokens
+            dropped = min(over, len(doc.tokens))
+            self._drop_front(doc, dropped)
+            doc.base += over - dropped  # and skips the oldest of `ids` if it held fewer than `over`
+            ids = ids[over - dropped :]
+        old = len(doc.tokens)
+        doc.tokens += ids
+        self.size += len(ids)
+        for key, end in _ngrams(doc.tokens, self.min_n, self.max_n, max(old, 1), len(doc.tokens)):
+            where = self.last_end.get(key)
+            if where is None or where[0].serial <= doc.serial:  # the newest document's occurrence wins
+                self.last_end[key] = (doc, doc.base + end)
+        while self.size > self.capacity:
             self._evict_oldest()
+        return doc
 
     def clear(self) -> None:
-        self.base, self.tokens, self.docs, self.last_end = 0, [], deque(), {}
+        for doc in self.docs:
+            doc.evicted = True
+        self.size, self.docs, self.last_end = 0, deque(), {}
 
     def _evict_oldest(self) -> None:
-        size = self.docs.popleft()
-        for key, end in _ngrams(self.tokens, self.min_n, self.max_n, 1, size - 1):
-            if self.last_end.get(key) == self.base + end:  # drop the entries that still point into it
+        doc = self.docs.popleft()
+        self._drop_front(doc, len(doc.tokens))
+        doc.evicted = True
+
+    def _drop_front(self, doc: CorpusDoc, count: int) -> None:
+        """Forget `doc`'s first `count` tokens and the index entries of n-grams starting among them. Exact: `doc`
+        is the oldest document (nothing older holds what its entries point at), or it outgrew the capacity and
+        every older document goes before `extend` returns."""
+        for key, end in _ngrams(doc.tokens, self.min_n, self.max_n, 1, min(count + self.max_n, len(doc.tokens))):
+            if end - len(key) < count and self.last_end.get(key) == (doc, doc.base + end):
                 del self.last_end[key]
-        del self.tokens[:size]
-        self.base += size
+        del doc.tokens[:count]
+        doc.base += count
+        self.size -= count
 
     def lookup(self, ids: Sequence[int], k: int) -> NgramMatch:
-        """The longest suffix of `ids` that occurs in the corpus, and up to k tokens that followed it there
-        (never past the end of the request it occurred in)."""
-        n, end = _suffix_match(self.last_end, ids, self.min_n, self.max_n)
-        if not n:
+        """The longest suffix of `ids` that occurs in the corpus with a token after it, and up to k tokens that
+        follow it in the newest request holding it (as far as that one has committed them)."""
+        n, where = _suffix_match(self.last_end, ids, self.min_n, self.max_n)
+        if where is None:
             return NgramMatch(0, [])
-        drafts = self.tokens[end - self.base : end - self.base + k]
-        return NgramMatch(n, drafts[: drafts.index(SEPARATOR)] if SEPARATOR in drafts else drafts)
+        doc, end = where
+        return NgramMatch(n, doc.tokens[end - doc.base : end - doc.base + k])
+
+    def held(self) -> list[list[int]]:
+        """Every document's tokens held, oldest first (tests)."""
+        return [list(d.tokens) for d in self.docs]
 
     def check_integrity(self) -> None:
-        assert sum(self.docs) == len(self.tokens) <= self.capacity + len(self.docs), "docs and tokens disagree"
-        assert self.tokens.count(SEPARATOR) == len(self.docs), "one separator ends each request"
-        for key, end in self.last_end.items():
-            i = end - self.base
-            assert len(key) <= i < len(self.tokens) and self.tokens[i] != SEPARATOR, f"{key} has no token after it"
-            assert tuple(self.tokens[i - len(key) : i]) == key, f"{key} is not where the index says"
+        assert self.size == sum(len(d.tokens) for d in self.docs) <= self.capacity, "size and documents disagree"
+        assert not any(d.evicted for d in self.docs), "an evicted document is still held"
+        held = {id(d) for d in self.docs}
+        serials = [d.serial for d in self.docs]
+        assert serials == sorted(set(serials)) and all(s < self.created for s in serials), "documents out of order"
+        for key, (doc, end) in self.last_end.items():
+            i = end - doc.base
+            assert id(doc) in held, f"{key} points into an evicted document"
+            assert len(key) <= i < len(doc.tokens), f"{key} has no token after it"
+            assert tuple(doc.tokens[i - len(key) : i]) == key, f"{key} is not where the index says"
 
 
 def propose_drafts(own: NgramIndex, corpus: NgramCorpus | None, ids: list[int], k: int) -> list[int]:

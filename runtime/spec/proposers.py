@@ -23,6 +23,12 @@ distribution under the request's temperature / top-k / top-p / min-p (no penalti
 proposal, any q keeps rejection sampling exact) with the plain sampler's counter-based stream (independent of the
 verifier's accept and residual streams), and hand q to `verify_drafts`: a draft model equal to the target then
 accepts every sampled draft, up to rounding.
+
+DP attention (`LockstepProposer`): the draft model is sharded as the target is, so each of its forwards runs the
+shared FFN / MoE's collectives over every attention group; the MTP layers likewise. Each step every group makes
+the same calls in the same order: before the target's forward as many as the step's widest window drafts with
+(`draft_calls`), after it one observation if some group observes; a group with fewer joins on zero rows. DSpark's
+drafter is replicated and needs none of this.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from kernels.sampling_row import SamplingRow
+from kernels.sampling_tensors import SamplingTensors
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
 from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
@@ -56,10 +62,11 @@ class Proposer(Protocol):
         """After a target extend or decode step over `batch` and its sampling: `hidden` the new tokens'
         pre-norm hiddens (when `needs_hidden`), `next_last[i]` sequence i's sampled token (-1: none sampled)."""
 
-    def propose(self, batch: ForwardBatch, rows: Tensor, params: list[list[SamplingRow]]) -> Tensor | None:
+    def propose(self, batch: ForwardBatch, rows: Tensor, params: SamplingTensors) -> Tensor | None:
         """Fill `batch.input_ids` at every window position > 0 with drafts, in place; return the draft
         distributions [N, K, V] for rejection sampling (K = widest window - 1), or None for point masses.
-        `params[i][j]`: the sampling row of window i's position j (draft j + 1 is drawn for it)."""
+        `params`: the sampling parameters of every window position, packed as `batch.input_ids` (row
+        cu_seqlens[i] + j: window i's position j, for which draft j + 1 is drawn)."""
 
     def commit(self, state_slots: Tensor, rows: Tensor, num_tokens: Tensor, check: bool) -> None:
         """After acceptance: advance the proposer's states by each window's first num_tokens[i] tokens."""
@@ -70,9 +77,25 @@ class Proposer(Protocol):
         committed, `last[i]` the token sampled after them, `hidden` the target's pre-norm hiddens [T, H]."""
 
 
+class LockstepProposer(Proposer, Protocol):
+    """A proposer whose calls run collectives across DP attention groups (see the module notes)."""
+
+    observes_verify: bool  # whether it also runs its observation calls after a verify step
+
+    def draft_calls(self, width: int) -> int:
+        """Calls `propose` makes before the target's forward for windows up to `width` positions wide."""
+
+    def idle_drafts(self, first: int, last: int) -> None:
+        """Join draft calls `first` .. `last` (1-based) that this rank does not make itself."""
+
+    def idle_observe(self) -> None:
+        """Join the observation calls after the target's forward (this rank has nothing to observe)."""
+
+
 class DraftModelProposer:
     needs_hidden = False
     aux_layer_ids: tuple[int, ...] = ()
+    observes_verify = False  # a verify step's commit replays the draft's recorded inputs: no forward
 
     def __init__(self, model: KimiForCausalLM, buffer: PoolBuffer, window: SpecWindow) -> None:
         self.model = model
@@ -97,7 +120,7 @@ class DraftModelProposer:
             # Only the last token's logits: the draft's are never read here (input logprobs are the target's).
             self.model.forward_batch(dataclasses.replace(batch, logits_index=None, attn_backend=None), self.cache)
 
-    def propose(self, batch: ForwardBatch, rows: Tensor, params: list[list[SamplingRow]]) -> Tensor | None:
+    def propose(self, batch: ForwardBatch, rows: Tensor, params: SamplingTensors) -> Tensor | None:
         ids = batch.input_ids
         _, _, lens = window_layout(batch.cu_seqlens)
         starts = batch.cu_seqlens[:-1]
@@ -120,7 +143,7 @@ class DraftModelProposer:
             if not bool(more.any()):
                 continue
             drafting = on[more]
-            d, q = choose(logits[more].float(), None if probs is None else [params[i][j] for i in drafting.tolist()])
+            d, q = choose(logits[more].float(), None if probs is None else params.take(starts[drafting] + j))
             ids[starts[drafting] + j + 1] = d
             if probs is not None:
                 probs[drafting, j] = q
@@ -128,6 +151,20 @@ class DraftModelProposer:
             ones = torch.ones_like(drafting)
             shifted.commit(self.running.recurrent, self.running.conv, rows[drafting], rows[drafting], ones)
         return probs
+
+    # DP attention (`LockstepProposer`): a verify step drafts in one forward per window position, an extend or
+    # decode step observes in one forward; a rank joins the others' on an idle batch.
+    def draft_calls(self, width: int) -> int:
+        return width
+
+    def idle_drafts(self, first: int, last: int) -> None:
+        if self.model.dp_attention:
+            for _ in range(first, last + 1):
+                self.model.idle_step()
+
+    def idle_observe(self) -> None:
+        if self.model.dp_attention:
+            self.model.idle_step()
 
     def _window_from(self, j: int) -> SpecWindow:
         """The draft's window seen from position j (views): a one-token verify there records at position j."""
@@ -145,6 +182,11 @@ class DraftModelProposer:
         self.window.commit(c.recurrent, c.conv, state_slots, rows, num_tokens)
         if before is not None:
             check_committed_states(self.window, before, c.recurrent, c.conv, state_slots, rows, num_tokens)
+
+
+def lockstep_proposer(proposer: Proposer | None, dp_attention: bool) -> LockstepProposer | None:
+    """The proposer if its calls must be lockstepped across DP attention groups, else None."""
+    return proposer if dp_attention and isinstance(proposer, (MTPProposer, DraftModelProposer)) else None
 
 
 def load_draft_model(args: ServerArgs, target: KimiForCausalLM) -> KimiForCausalLM:

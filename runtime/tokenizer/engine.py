@@ -69,13 +69,11 @@ class Engine:
 
     async def _submit_for(self, consumer: asyncio.AbstractEventLoop, prompt: str | list[int],
                           sampling: dict[str, Any] | None, kw: dict[str, Any]) -> RequestHandle:
-        opts = {"rid": None, "return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0,
-                "return_text_in_logprobs": False, "timeout": None, "deadline": None}
-        unknown = set(kw) - set(opts)
-        if unknown:
-            raise TypeError(f"unexpected keyword argument(s): {sorted(unknown)}")
-        await self.tm.check_grammars([sampling])  # parsed off this loop: other requests' chunks keep flowing
-        return self.tm._submit(prompt, sampling, consumer, **(opts | kw))
+        """`TokenizerManager.submit` with the options in `kw`, its grammar parsed off this loop first (other
+        requests' chunks keep flowing)."""
+        params = self.tm.parse_sampling(sampling)
+        await self.tm.check_grammars([params])
+        return self.tm.submit(prompt, params, consumer=consumer, **kw)
 
     async def _submit_many(self, consumer: asyncio.AbstractEventLoop, prompts: Prompts,
                            sampling_params: dict[str, Any] | list[dict[str, Any]] | None, kw: dict[str, Any]

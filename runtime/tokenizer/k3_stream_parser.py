@@ -14,8 +14,10 @@ each `feed` returns what became certain. The grammar of a message:
 Reasoning and content stream as they come; a tool call is released whole when its close marker arrives
 (its name first, then the arguments in fragments), so a call that turns out malformed was never half sent.
 Malformed markup does not fail: from the first point where the text leaves the grammar, the raw text (with any
-unfinished call it interrupted) becomes plain content. Because one machine serves the streamed and the
-one-shot parse, the deltas of any split of a text add up to the parse of the whole text.
+unfinished call it interrupted) becomes plain content. With parallel calls off (OpenAI's `parallel_tool_calls:
+false`) the message ends at its first call: once that call is released the rest of the text (further calls,
+well-formed or not, and the closing markup) is dropped, neither calls nor content. Because one machine serves
+the streamed and the one-shot parse, the deltas of any split of a text add up to the parse of the whole text.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Phase(Enum):
     AFTER_TOOLS = auto()
     DONE = auto()
     PLAIN = auto()  # left the grammar: everything from here is content
+    CUT = auto()  # past the one call allowed (parallel calls off): everything from here is dropped
 
 
 # (phase, "open"|"close", channel) -> next phase
@@ -115,10 +118,13 @@ def call_id(name: str, position: int) -> str:
 class K3StreamParser:
     """Feed text (markers kept, `skip_special_tokens=False`), get `Delta`s; `finish` at the end of output."""
 
-    def __init__(self, prefix: str = "", *, tools: bool = True, strip_strings: bool = False) -> None:
+    def __init__(self, prefix: str = "", *, tools: bool = True, strip_strings: bool = False,
+                 parallel_calls: bool = True) -> None:
         """`strip_strings`: string values lose surrounding whitespace, which the forcing grammar (xgrammar's
-        kimi_k3) allows around every value as formatting; K3's own markup writes strings raw."""
+        kimi_k3) allows around every value as formatting; K3's own markup writes strings raw. `parallel_calls`
+        off: at most one call, the text after it dropped."""
         self._tools = tools
+        self._parallel = parallel_calls
         self._strip = strip_strings
         self._phase = Phase.START
         self._buf = ""
@@ -151,6 +157,9 @@ class K3StreamParser:
 
     def _run(self, final: bool) -> None:
         while self._buf:
+            if self._phase is Phase.CUT:
+                self._buf = ""
+                return
             if self._phase is Phase.PLAIN:
                 self._out.content += self._buf
                 self._buf = ""
@@ -247,7 +256,7 @@ class K3StreamParser:
             self.reasoning_ended = True
         if is_open or name != "call":  # all markup but a released call's end stays pending
             self._pending += raw
-        self._phase = nxt
+        self._phase = Phase.CUT if name == "call" and not is_open and not self._parallel else nxt
 
     @staticmethod
     def _attrs(text: str) -> dict[str, str]:

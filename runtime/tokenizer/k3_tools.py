@@ -1,14 +1,19 @@
-"""K3 chat rendering with tools and thinking, and the one-shot parse of an assistant reply.
+"""K3 chat rendering with tools and thinking (`runtime.tokenizer.k3_reply` assembles the replies).
 
-Messages keep Kimi's role framing (`<|im_user|>user<|im_middle|>...<|im_end|>`); what K3 adds is XTML inside:
+Messages keep Kimi's role framing (`radixk3.tokenizer.chat_turn`); what K3 adds is XTML inside:
 
 - the tool declaration: a `tool_declare` system message holding the OpenAI function tools as JSON (Kimi's);
 - assistant turns: `[<|open|>think<|sep|>R<|close|>think<|sep|>]<|open|>response<|sep|>C<|close|>response<|sep|>`
   then the calls (`runtime.tokenizer.k3_stream_parser` has the grammar) and `<|close|>message<|sep|><|end_of_msg|>`;
   argument values are raw strings or JSON, attributes escape `&` and `"`, indices are 1-based;
-- tool results: one `tool` message per result, `<|open|>result tool="NAME" index="I"<|sep|>...<|close|>result<|sep|>`,
-  reordered to the order of the assistant's calls and annotated with the call's name and 1-based index;
+- tool results: one `tool` message per result, a system turn named `tool` holding
+  `<|open|>result tool="NAME" index="I"<|sep|>...<|close|>result<|sep|>`, reordered to the order of the
+  assistant's calls and annotated with the call's name and 1-based index;
 - the generation prefix ends at `<|open|>think<|sep|>` when thinking, else `<|open|>response<|sep|>`.
+
+The prompt is a `ChatPrompt`: the markers are the renderer's, everything it was given (contents, names, tool
+definitions, call names, argument keys and values, results, reasoning) is text, so a marker typed there never
+becomes a special id.
 
 Forced tool calls (`tool_choice` "required" or named) are constrained by xgrammar's `kimi_k3` structural tag
 (the grammar of the whole rest of the reply), handed to the grammar backend as EBNF.
@@ -17,30 +22,22 @@ Forced tool calls (`tool_choice` "required" or named) are constrained by xgramma
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from radixk3.tokenizer import (
-    _ROLE_MARKERS,
-    END_OF_MSG,
-    IM_ASSISTANT,
-    IM_END,
-    IM_MIDDLE,
-    IM_SYSTEM,
-    XTML_CLOSE,
-    XTML_OPEN,
-    XTML_SEP,
-)
-from runtime.tokenizer.k3_stream_parser import K3StreamParser
+from radixk3.chat_prompt import ChatPrompt
+from radixk3.tokenizer import END_OF_MSG, XTML_CLOSE, XTML_OPEN, XTML_SEP, chat_turn, turn_start
 
-_ROLES = {**_ROLE_MARKERS, "tool": IM_SYSTEM}  # the tokenizer's chat roles; tool results are system turns
-THINK_PREFIX = f"{XTML_OPEN}think{XTML_SEP}"
-RESPONSE_PREFIX = f"{XTML_OPEN}response{XTML_SEP}"
-MESSAGE_END = f"{XTML_CLOSE}message{XTML_SEP}{END_OF_MSG}"
+_OPEN, _CLOSE, _SEP = ChatPrompt.marker(XTML_OPEN), ChatPrompt.marker(XTML_CLOSE), ChatPrompt.marker(XTML_SEP)
+_THINK_START = _OPEN + "think" + _SEP
+_RESPONSE_START = _OPEN + "response" + _SEP
 # A forced reply without thinking is its calls: the prompt closes the (empty) response itself.
-FORCED_PREFIX = f"{RESPONSE_PREFIX}{XTML_CLOSE}response{XTML_SEP}"
+_FORCED_START = _RESPONSE_START + _CLOSE + "response" + _SEP
+_MESSAGE_END = _CLOSE + "message" + _SEP + ChatPrompt.marker(END_OF_MSG)
+# The generation prefixes as the reply parser reads them (the reply's text, markers written out).
+THINK_PREFIX, RESPONSE_PREFIX, FORCED_PREFIX = _THINK_START.text, _RESPONSE_START.text, _FORCED_START.text
 
 
 class RenderError(ValueError):
@@ -48,40 +45,30 @@ class RenderError(ValueError):
 
 
 @dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # a JSON object, as OpenAI sends it
-
-
-@dataclass
-class ParsedReply:
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCall] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
 class K3Prompt:
-    text: str
+    prompt: ChatPrompt
     prefix: str  # the markup the prompt ends with, inside the reply: the parser starts from it
     thinking: bool
     forced: str | None  # "required" or the forced tool's name
+
+    @property
+    def text(self) -> str:
+        return self.prompt.text
 
 
 def escape_attr(value: str) -> str:
     return value.replace("&", "&amp;").replace('"', "&quot;")
 
 
-def _open(name: str, **attrs: str) -> str:
-    return XTML_OPEN + name + "".join(f' {k}="{escape_attr(v)}"' for k, v in attrs.items()) + XTML_SEP
+def _open(name: str, **attrs: str) -> ChatPrompt:
+    return _OPEN + name + "".join(f' {k}="{escape_attr(v)}"' for k, v in attrs.items()) + _SEP
 
 
-def _close(name: str) -> str:
-    return f"{XTML_CLOSE}{name}{XTML_SEP}"
+def _close(name: str) -> ChatPrompt:
+    return _CLOSE + name + _SEP
 
 
-def _block(name: str, body: str, **attrs: str) -> str:
+def _block(name: str, body: ChatPrompt | str, **attrs: str) -> ChatPrompt:
     return _open(name, **attrs) + body + _close(name)
 
 
@@ -101,25 +88,26 @@ def _arg_type(v: Any) -> str:
     raise RenderError(f"tool call argument of type {type(v).__name__} is not JSON")
 
 
-def render_call(name: str, arguments: Mapping[str, Any], index: int) -> str:
+def _call(name: str, arguments: Mapping[str, Any], index: int) -> ChatPrompt:
     """One call: typed `argument` elements, strings raw, other values JSON; `index` is 1-based."""
-    args = "".join(_block("argument", v if isinstance(v, str) else orjson.dumps(v).decode(), key=k, type=_arg_type(v))
-                   for k, v in arguments.items())
+    args = ChatPrompt.join(_block("argument", v if isinstance(v, str) else orjson.dumps(v).decode(), key=k,
+                                  type=_arg_type(v)) for k, v in arguments.items())
     return _block("call", args, tool=name, index=str(index))
+
+
+def _reply(content: str | None, calls: Sequence[tuple[str, Mapping[str, Any]]], reasoning: str | None
+           ) -> ChatPrompt:
+    out = _block("think", reasoning) if reasoning is not None else ChatPrompt()
+    out += _block("response", content or "")
+    if calls:
+        out += _block("tools", ChatPrompt.join(_call(n, a, i + 1) for i, (n, a) in enumerate(calls)))
+    return out + _MESSAGE_END
 
 
 def render_reply(content: str | None, calls: Sequence[tuple[str, Mapping[str, Any]]] = (),
                  reasoning: str | None = None) -> str:
     """An assistant reply as the model writes it, from the first channel to the end of the message."""
-    out = _block("think", reasoning) if reasoning is not None else ""
-    out += _block("response", content or "")
-    if calls:
-        out += _block("tools", "".join(render_call(n, a, i + 1) for i, (n, a) in enumerate(calls)))
-    return out + MESSAGE_END
-
-
-def _turn(role: str, name: str, body: str, end: str = IM_END) -> str:
-    return f"{_ROLES[role]}{name}{IM_MIDDLE}{body}{end}"
+    return _reply(content, calls, reasoning).text
 
 
 def _arguments(call: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
@@ -134,7 +122,7 @@ def _arguments(call: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
     return str(call.get("id", "")), str(fn.get("name", "")), args
 
 
-def _tool_results(calls: list[tuple[str, str, dict[str, Any]]], results: list[Mapping[str, Any]]) -> str:
+def _tool_results(calls: list[tuple[str, str, dict[str, Any]]], results: list[Mapping[str, Any]]) -> ChatPrompt:
     """Tool messages in the order of the calls they answer, each annotated with its call's name and index."""
     order = {cid: k for k, (cid, _, _) in enumerate(calls)}
     placed: dict[int, Mapping[str, Any]] = {}
@@ -145,8 +133,8 @@ def _tool_results(calls: list[tuple[str, str, dict[str, Any]]], results: list[Ma
         if k in placed:
             raise RenderError(f"two tool messages answer the call {r.get('tool_call_id')!r}")
         placed[k] = r
-    return "".join(_turn("tool", "tool", _block("result", _text(placed[k]), tool=calls[k][1], index=str(k + 1)))
-                   for k in sorted(placed))
+    return ChatPrompt.join(chat_turn("system", _block("result", _text(placed[k]), tool=calls[k][1],
+                                                      index=str(k + 1)), name="tool") for k in sorted(placed))
 
 
 def _text(m: Mapping[str, Any]) -> str:
@@ -160,11 +148,11 @@ def _text(m: Mapping[str, Any]) -> str:
 
 def render_k3_chat(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                    thinking: bool = False, forced: str | None = None) -> K3Prompt:
-    """The prompt text (markers as text; `Tokenizer.encode` gives them their single ids) and the prefix the
+    """The prompt (`K3Prompt.prompt.ids` gives its markers, and only them, their special ids) and the prefix the
     reply continues. `tools` are OpenAI function tools, already filtered by `tool_choice` ("none": no tools)."""
-    out: list[str] = []
+    out: list[ChatPrompt] = []
     if tools:
-        out.append(_turn("system", "tool_declare", orjson.dumps(list(tools)).decode()))
+        out.append(chat_turn("system", orjson.dumps(list(tools)).decode(), name="tool_declare"))
     calls: list[tuple[str, str, dict[str, Any]]] = []
     results: list[Mapping[str, Any]] = []
     for m in [*messages, None]:
@@ -180,35 +168,15 @@ def render_k3_chat(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mappin
             results.append(m)
         elif role == "assistant":
             calls = [_arguments(c) for c in m.get("tool_calls") or []]
-            body = render_reply(_text(m), [(n, a) for _, n, a in calls], m.get("reasoning_content"))
-            out.append(_turn("assistant", m.get("name") or "assistant", body, end=""))
+            body = _reply(_text(m), [(n, a) for _, n, a in calls], m.get("reasoning_content"))
+            out.append(turn_start("assistant", m.get("name")) + body)  # the reply's markup ends it
         elif role in ("system", "user"):
-            out.append(_turn(role, m.get("name") or role, _text(m)))
+            out.append(chat_turn(role, _text(m), m.get("name")))
         else:
             raise RenderError(f"unsupported chat role {role!r}")
-    prefix = THINK_PREFIX if thinking else FORCED_PREFIX if forced else RESPONSE_PREFIX
-    out.append(f"{IM_ASSISTANT}assistant{IM_MIDDLE}{prefix}")
-    return K3Prompt("".join(out), prefix, thinking, forced)
-
-
-def parse_reply(text: str, prefix: str = RESPONSE_PREFIX, *, tools: bool = True, forced: bool = False
-                ) -> ParsedReply:
-    """The reply `text` (markers kept) that continues `prefix`, as OpenAI's message fields; `forced`: it was
-    written under `forcing_grammar`."""
-    parser = K3StreamParser(prefix, tools=tools, strip_strings=forced)
-    d1, d2 = parser.feed(text), parser.finish()
-    reasoning, content = d1.reasoning + d2.reasoning, d1.content + d2.content
-    calls: dict[int, list[str]] = {}
-    names: dict[int, tuple[str, str]] = {}
-    for d in (*d1.tool_calls, *d2.tool_calls):
-        if d.name is not None:
-            names[d.index] = (d.id or "", d.name)
-        calls.setdefault(d.index, []).append(d.arguments)
-    return ParsedReply(
-        content=content or None,
-        reasoning_content=reasoning if reasoning or prefix == THINK_PREFIX else None,
-        tool_calls=[ToolCall(names[i][0], names[i][1], "".join(calls[i])) for i in sorted(calls)],
-    )
+    start = _THINK_START if thinking else _FORCED_START if forced else _RESPONSE_START
+    out.append(turn_start("assistant") + start)
+    return K3Prompt(ChatPrompt.join(out), start.text, thinking, forced)
 
 
 def forcing_grammar(tools: Sequence[Mapping[str, Any]], tool_choice: str | Mapping[str, Any],

@@ -13,6 +13,10 @@ radix cache, and one PUSH socket to each; their replies share one PULL. A `DPRou
 replica (`--load-balance-method`); an abort goes to the request's replica; metrics are gathered from every
 replica and added up; a flush goes to all. One replica behaves exactly as an engine without DP.
 
+With `--watchdog-timeout` a watch task fails the requests pending on a scheduler that has fallen silent and
+aborts them there; what is stuck (that, or a step the scheduler reports stuck) refuses new requests until it
+recovers (`stuck`, which /health reports; `runtime.tokenizer.scheduler_watch`).
+
 `submit`, `abort`, `get_metrics`, `flush_cache` and `close` are called on the manager's loop; `abort` may be
 called from any thread.
 """
@@ -25,22 +29,23 @@ import itertools
 import math
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from runtime.dp_router import DPRouter
+from runtime.dp_router import CacheAwareConfig, DPRouter
 from runtime.engine_processes import EngineProcesses
-from runtime.errors import EngineError, EngineOverloaded
+from runtime.errors import EngineError, EngineOverloaded, InvalidRequest
 from runtime.grammar import GrammarKey, check_grammar
 from runtime.messages import (
     AbortReq,
     FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
+    Heartbeat,
     MetricsOut,
     MetricsReq,
     TokenOut,
@@ -50,14 +55,14 @@ from runtime.messages import (
 from runtime.pool_layout import pool_layout, serving_dtype
 from runtime.sampling_params import (
     INT64_MAX,
-    InvalidRequest,
     SamplingParams,
     check_bool,
-    check_int,
-    check_token_ids,
+    check_output_options,
+    check_prompt_ids,
 )
 from runtime.server_args import ServerArgs
-from runtime.tokenizer.request_stream import Sample, SampleStream, StreamChunk
+from runtime.tokenizer.request_stream import Sample, SampleStream, StreamChunk, StreamCursor
+from runtime.tokenizer.scheduler_watch import SchedulerWatch
 
 SHUT_DOWN = "the engine is shut down"
 CHECKED_GRAMMARS = 1024  # grammars remembered as valid, so a repeated one is not parsed again
@@ -154,9 +159,10 @@ class RequestHandle:
         """One dict per sample, in the shape `Engine.generate` (and `/generate`) returns."""
         return [self.result_of(s) for s in await self.samples()]
 
-    def result_of(self, sample: Sample) -> dict[str, Any]:
+    def result_of(self, sample: Sample, cursor: StreamCursor | None = None) -> dict[str, Any]:
+        """The sample's result; with a stream's `cursor`, only what follows it (`Sample.result`)."""
         return sample.result(self.prompt_ids, self._tm.tokenizer, return_logprob=self.return_logprob,
-                             text_in_logprobs=self.text_in_logprobs)
+                             text_in_logprobs=self.text_in_logprobs, cursor=cursor)
 
     def __del__(self) -> None:
         # Dropped without being consumed to the end: nobody will read the output, so free the memory.
@@ -191,13 +197,15 @@ class TokenizerManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: int | None = None
         self._task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
         self._closed = False
         self.dead: EngineError | None = None
+        self._refusal: EngineError | None = None  # set by fail_pending: new requests are refused with it
         # Chunks for consumers on other event loops, handed over once per burst of replies (one wake-up).
         self._foreign: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, StreamChunk | BaseException]]] = {}
         self._grammars_ok: collections.OrderedDict[GrammarKey, None] = collections.OrderedDict()
         self.num_replicas: int = procs.num_replicas
-        self.router = DPRouter(self.num_replicas, args.load_balance_method)
+        self.router = DPRouter(self.num_replicas, args.load_balance_method, CacheAwareConfig.from_args(args))
 
     # --- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -216,6 +224,9 @@ class TokenizerManager:
             push.connect(self.procs.endpoint(f"sched_in_{i}"))
             self._push.append(push)
         self._task = asyncio.create_task(self._receive(), name="radixk3-tokenizer-manager")
+        self.watch = SchedulerWatch(self.num_replicas, self.args.watchdog_timeout, self._loop.time())
+        if self.watch.enabled:
+            self._watch_task = asyncio.create_task(self._watch_schedulers(), name="radixk3-scheduler-watch")
         self.procs.on_death(self._on_death)
 
     async def close(self) -> None:
@@ -224,12 +235,13 @@ class TokenizerManager:
         if self._closed:
             return
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._task, self._watch_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         self._fail_all(EngineError(SHUT_DOWN))
         self._pull.close(linger=0)
         for push in self._push:
@@ -312,6 +324,53 @@ class TokenizerManager:
             self._resolve(msg.req_id, msg.metrics)
         elif isinstance(msg, FlushCacheOut):
             self._resolve(msg.req_id, msg.flushed)
+        elif isinstance(msg, Heartbeat):
+            self.watch.heard(msg.replica, msg.stuck, self._loop.time())  # type: ignore[union-attr]
+
+    # --- the schedulers' watchdog ----------------------------------------------------------------------
+    @property
+    def stuck(self) -> str | None:
+        """What the watchdogs find stuck (a scheduler silent with requests pending, or a step its ranks do not
+        finish), until it recovers; None: nothing."""
+        return self.watch.stuck if hasattr(self, "watch") else None
+
+    def _check_not_stuck(self) -> None:
+        if (why := self.stuck) is not None:
+            raise EngineError(f"the engine is stuck: {why}")
+
+    async def _watch_schedulers(self) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.args.heartbeat_interval
+        skipped = False
+        while True:
+            slept_from = loop.time()
+            await asyncio.sleep(interval)
+            if loop.time() - slept_from > 2 * interval and not skipped:
+                skipped = True  # this loop itself was held up: let the receiver read the heartbeats waiting first
+                continue
+            skipped = False
+            pending = collections.Counter(e.replica for e in self._reqs.values())
+            for i in self.watch.check(pending, loop.time(), self.procs.describe_scheduler):
+                self._fail_replica(i, EngineError(self.watch.silent[i]))
+
+    def _fail_replica(self, replica: int, err: EngineError) -> None:
+        """Fail the requests pending on one replica, and abort them there: if its scheduler comes back, it
+        drops them and frees their memory."""
+        for rid in [r for r, e in self._reqs.items() if e.replica == replica]:
+            entry = self._reqs.pop(rid)
+            self.router.finished(rid)
+            self._deliver(entry.sink, err)
+            self._send(AbortReq(rid), replica)
+
+    def fail_pending(self, err: EngineError) -> None:
+        """Fail every pending request and waiter with `err`, abort the requests on their schedulers (which frees
+        their memory), and refuse new ones with it: the server's shutdown grace period is over."""
+        if self._closed:
+            return
+        self._refusal = err
+        for replica in range(self.num_replicas):
+            self._fail_replica(replica, err)
+        self._fail_all(err)  # what is left: the waiters for metrics or a flush
 
     def _resolve(self, req_id: str, value: Any) -> None:
         fut = self._waiters.pop(req_id, None)
@@ -322,16 +381,18 @@ class TokenizerManager:
         self._push[replica].send_multipart(encode(msg), flags=zmq.NOBLOCK)
 
     # --- requests --------------------------------------------------------------------------------------
-    async def check_grammars(self, sampling_params: list[Any]) -> None:
-        """Parse the grammars (regex / json_schema / ebnf) of these sampling params in a thread, never on
-        this loop; raises InvalidRequest for a bad one. Valid ones are remembered: `submit` then skips them.
-        Params that are invalid otherwise are left for `submit` to refuse."""
-        for sp in sampling_params:
-            try:
-                grammar = SamplingParams.from_dict(sp, self.vocab_size).grammar
-            except (InvalidRequest, TypeError):
-                continue
-            if grammar is not None and (key := GrammarKey(*grammar)) not in self._grammars_ok:
+    def parse_sampling(self, sampling_params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+        """A request's sampling parameters parsed and validated against the model: the door, once per request
+        (a `SamplingParams` is one this method returned)."""
+        if isinstance(sampling_params, SamplingParams):
+            return sampling_params
+        return SamplingParams.from_dict(sampling_params, self.vocab_size)
+
+    async def check_grammars(self, params: Iterable[SamplingParams]) -> None:
+        """Parse the grammars (regex / json_schema / ebnf) of these parsed sampling params in a thread, never on
+        this loop; raises InvalidRequest for a bad one. Valid ones are remembered: `submit` then skips them."""
+        for p in params:
+            if p.grammar is not None and (key := GrammarKey(*p.grammar)) not in self._grammars_ok:
                 await asyncio.to_thread(check_grammar, key)
                 self._grammar_ok(key)
 
@@ -341,34 +402,30 @@ class TokenizerManager:
         while len(self._grammars_ok) > CHECKED_GRAMMARS:
             self._grammars_ok.popitem(last=False)
 
-    def submit(self, prompt: str | list[int], sampling_params: dict[str, Any] | None = None, *,
-               rid: str | None = None, return_logprob: bool = False, logprob_start_len: int = -1,
-               top_logprobs_num: int = 0, return_text_in_logprobs: bool = False, timeout: float | None = None,
-               deadline: float | None = None) -> RequestHandle:
+    def submit(self, prompt: str | list[int], sampling_params: SamplingParams | dict[str, Any] | None = None, *,
+               consumer: asyncio.AbstractEventLoop | None = None, rid: str | None = None,
+               return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+               return_text_in_logprobs: bool = False, timeout: float | None = None, deadline: float | None = None,
+               ) -> RequestHandle:
         """Validate, register and send the request (n samples = n requests, ids `rid` or `f"{rid}-{i}"`);
-        returns at once. `timeout`: seconds the consumer waits for each chunk; `deadline`: seconds from now
-        the whole request may take. Either expiring aborts the request and raises TimeoutError in the
-        consumer. Raises InvalidRequest (bad input), EngineOverloaded (queue full), EngineError (shut down)."""
-        return self._submit(prompt, sampling_params, asyncio.get_running_loop(), rid=rid,
-                            return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                            top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
-                            timeout=timeout, deadline=deadline)
-
-    def _submit(self, prompt: str | list[int], sampling_params: dict[str, Any] | None,
-                consumer: asyncio.AbstractEventLoop, *, rid: str | None, return_logprob: bool,
-                logprob_start_len: int, top_logprobs_num: int, return_text_in_logprobs: bool,
-                timeout: float | None, deadline: float | None) -> RequestHandle:
+        returns at once. `sampling_params`: a dict (parsed here) or what `parse_sampling` returned. `consumer`:
+        the event loop that reads the handle (default: this one). `timeout`: seconds the consumer waits for each
+        chunk; `deadline`: seconds from now the whole request may take. Either expiring aborts the request and
+        raises TimeoutError in the consumer. Raises InvalidRequest (bad input), EngineOverloaded (queue full),
+        EngineError (shut down)."""
         self._check_thread()
         self._check_alive()
+        if self._refusal is not None:
+            raise self._refusal
+        self._check_not_stuck()
+        consumer = consumer if consumer is not None else asyncio.get_running_loop()
         ids = self._prompt_ids(prompt)
-        params = SamplingParams.from_dict(sampling_params, self.vocab_size)
+        params = self.parse_sampling(sampling_params)
         if params.grammar is not None and (key := GrammarKey(*params.grammar)) not in self._grammars_ok:
             # Not checked by `check_grammars` (a direct caller): parse it here; no tokenizer, so it is cheap.
             check_grammar(key)
             self._grammar_ok(key)
-        check_bool("return_logprob", return_logprob)
-        check_int("logprob_start_len", logprob_start_len, -1)
-        check_int("top_logprobs_num", top_logprobs_num, 0, self.vocab_size)
+        check_output_options(return_logprob, logprob_start_len, top_logprobs_num, self.vocab_size)
         check_bool("return_text_in_logprobs", return_text_in_logprobs)
         _check_seconds("timeout", timeout)
         _check_seconds("deadline", deadline)
@@ -390,15 +447,14 @@ class TokenizerManager:
                                    f"{self.args.max_queued_requests}); try again later")
         sink = _Sink(consumer)
         samples: dict[str, SampleStream] = {}
-        base = params.to_dict() | {"n": 1}
         msgs = []
         for i, r in enumerate(rids):
-            sp = base | ({"seed": params.seed + i} if params.seed is not None else {})
             samples[r] = SampleStream(r, i, self.tokenizer, params.stop, params.skip_special_tokens)
-            msgs.append(GenerateReq(r, ids, sp, return_logprob, logprob_start_len, top_logprobs_num, stream=True))
+            msgs.append(GenerateReq(r, ids, params.for_sample(i), return_logprob, logprob_start_len,
+                                    top_logprobs_num, stream=True))
         frames = [encode(m) for m in msgs]  # encoded before anything is registered: a failure leaves nothing
         for r, f in zip(rids, frames, strict=True):
-            replica = self.router.route(r, ids)
+            replica = self.router.route(r, ids, params.max_new_tokens)
             self._reqs[r] = _Entry(samples[r], sink, replica)
             self._push[replica].send_multipart(f, flags=zmq.NOBLOCK)
         deadline_at = None
@@ -422,9 +478,7 @@ class TokenizerManager:
                 raise InvalidRequest("the prompt is empty", param="prompt")
             return self.tokenizer.encode(prompt, add_bos=True)
         if isinstance(prompt, list | tuple):
-            if not prompt:
-                raise InvalidRequest("the prompt is empty", param="input_ids")
-            return check_token_ids("input_ids", list(prompt), self.vocab_size, allow_empty=False)
+            return check_prompt_ids(list(prompt), self.vocab_size)
         raise InvalidRequest(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}",
                              param="prompt")
 

@@ -2,6 +2,9 @@
 incremental text (`SampleStream`), which accumulate into a `Sample`: the one result type every API returns, with
 the one `meta_info` builder.
 
+A stream of results sends only what is new: a `StreamCursor` remembers how much of a sample's output its
+stream has sent, and `Sample.result(..., cursor=)` returns the rest (the native API's incremental streaming).
+
 Text is produced by the tokenizer's incremental decoder. Stop strings are trimmed as they are found: text
 that could be the start of a stop string is held back until the next token shows whether it is, so no
 streamed chunk ever holds a part of the matched stop string.
@@ -96,6 +99,16 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
 
 
 @dataclass
+class StreamCursor:
+    """How much of one sample's output ids and logprobs its stream has sent; the next event carries the rest."""
+
+    output_ids: int = 0
+    output_logprobs: int = 0
+    top_logprobs: int = 0
+    input_logprobs: int = 0
+
+
+@dataclass
 class Sample:
     """Everything one sample produced so far, accumulated from its chunks: the one result type of the engine API,
     the native API and the OpenAI API (streamed or not)."""
@@ -126,9 +139,11 @@ class Sample:
             self.finished, self.matched_stop, self.error = c.finished, c.matched_stop, c.error
 
     def meta_info(self, prompt_ids: list[int], tokenizer: Tokenizer, *, return_logprob: bool,
-                  text_in_logprobs: bool = False) -> dict[str, Any]:
+                  text_in_logprobs: bool = False, cursor: StreamCursor | None = None) -> dict[str, Any]:
         """SGLang's `meta_info`; with `return_logprob`, the logprobs as SGLang's (logprob, token id, text) triples
-        (text None unless `text_in_logprobs`), the input ones for the prompt positions from the first asked."""
+        (text None unless `text_in_logprobs`), the input ones for the prompt positions from the first asked.
+        With a `cursor`, the logprob lists hold only what follows it (advanced past them); the counts are the
+        sample's so far."""
         meta: dict[str, Any] = {
             "id": self.rid,
             "finish_reason": None if self.finished is None else {"type": self.finished, "matched": self.matched_stop},
@@ -138,19 +153,40 @@ class Sample:
             "error": self.error,
         }
         if return_logprob:
-
-            def triples(pairs: Iterable[tuple[float | None, int]]) -> list[tuple[float | None, int, str | None]]:
-                return [(lp, t, token_text(tokenizer, t) if text_in_logprobs else None) for lp, t in pairs]
-
-            first = len(prompt_ids) - len(self.input_logprobs)
-            meta["input_token_logprobs"] = triples(zip(self.input_logprobs, prompt_ids[first:], strict=True))
-            meta["output_token_logprobs"] = triples(zip(self.logprobs, self.output_ids, strict=False))
-            meta["output_top_logprobs"] = [triples((lp, t) for t, lp in row) for row in self.top_logprobs]
+            meta |= self._logprobs(prompt_ids, tokenizer, text_in_logprobs, cursor)
         return meta
 
+    def _logprobs(self, prompt_ids: list[int], tokenizer: Tokenizer, text_in_logprobs: bool,
+                  cursor: StreamCursor | None) -> dict[str, Any]:
+        def triples(pairs: Iterable[tuple[float | None, int]]) -> list[tuple[float | None, int, str | None]]:
+            return [(lp, t, token_text(tokenizer, t) if text_in_logprobs else None) for lp, t in pairs]
+
+        c = cursor or StreamCursor()
+        # The prompt's logprobs have all come by the first output token (or the end): sent then, as they are
+        # placed from the prompt's end.
+        n_in = len(self.input_logprobs) if cursor is None or self.output_ids or self.finished else c.input_logprobs
+        first = len(prompt_ids) - len(self.input_logprobs)
+        out = {
+            "input_token_logprobs": triples(zip(self.input_logprobs[c.input_logprobs:n_in],
+                                                prompt_ids[first + c.input_logprobs:first + n_in], strict=True)),
+            "output_token_logprobs": triples(zip(self.logprobs[c.output_logprobs:],
+                                                 self.output_ids[c.output_logprobs:], strict=False)),
+            "output_top_logprobs": [triples((lp, t) for t, lp in row) for row in self.top_logprobs[c.top_logprobs:]],
+        }
+        if cursor is not None:
+            cursor.input_logprobs = n_in
+            cursor.output_logprobs += len(out["output_token_logprobs"])
+            cursor.top_logprobs = len(self.top_logprobs)
+        return out
+
     def result(self, prompt_ids: list[int], tokenizer: Tokenizer, *, return_logprob: bool,
-               text_in_logprobs: bool = False) -> dict[str, Any]:
-        """The sample as `/generate` and `Engine.generate` return it: text, output ids and meta_info."""
-        return {"text": self.text, "output_ids": list(self.output_ids),
+               text_in_logprobs: bool = False, cursor: StreamCursor | None = None) -> dict[str, Any]:
+        """The sample as `/generate` and `Engine.generate` return it: text, output ids and meta_info. With a
+        `cursor` (a stream's event): the text so far, but only the output ids and logprobs that follow it."""
+        if cursor is None:
+            ids = list(self.output_ids)
+        else:
+            ids, cursor.output_ids = self.output_ids[cursor.output_ids:], len(self.output_ids)
+        return {"text": self.text, "output_ids": ids,
                 "meta_info": self.meta_info(prompt_ids, tokenizer, return_logprob=return_logprob,
-                                            text_in_logprobs=text_in_logprobs)}
+                                            text_in_logprobs=text_in_logprobs, cursor=cursor)}

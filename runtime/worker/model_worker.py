@@ -8,9 +8,9 @@ import traceback
 import numpy as np
 import torch
 
-from kernels.sampling import SampleResult, SamplingRow, TokenMask, sample
+from kernels.sampling import TokenMask
+from kernels.sampling_tensors import SamplingTensors
 from kernels.spec_layout import pad, window_layout
-from kernels.spec_sampling import VerifyResult, verify_drafts
 from kernels.state_checkpoints import StateCheckpoints
 from radixk3.config import BUILTIN_PRESET, preset
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
@@ -20,11 +20,11 @@ from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
 from runtime.messages import StepPlan, StepResult
 from runtime.pool_layout import CopyCommand, pool_budget, pool_layout, serving_dtype
 from runtime.server_args import ServerArgs
-from runtime.spec.mtp import MTPProposer
-from runtime.spec.proposers import build_proposer
+from runtime.spec.proposers import build_proposer, lockstep_proposer
 from runtime.worker.page_table import WorkerPageTable
 from runtime.worker.pool_buffer import PoolBuffer
 from runtime.worker.pool_memory import pool_memory_bytes
+from runtime.worker.sampler import WorkerSampler
 
 
 def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
@@ -54,6 +54,7 @@ class ModelWorker:
             latent=[self.buffer.kv(i) for i in range(cfg.num_mla_layers)],
         )
         self.tables = WorkerPageTable(self.model.device, rows=max(args.max_running_requests, 1))
+        self.sampler = WorkerSampler()
         self.window: SpecWindow | None = None
         if args.speculative_algorithm is not None:
             self.window = SpecWindow.allocate(
@@ -61,9 +62,8 @@ class ModelWorker:
                 self.layout.kv_dtype, self.model.device, record_inputs=args.debug_spec_state)
         # A model proposer (draft model) fills the verify windows' drafts; its cache lives in the same pool.
         self.proposer = build_proposer(args, self.model, self.buffer)
-        # DP attention with MTP: the proposer joins the other groups' MTP layer calls (see MTPProposer.idle_drafts).
-        self.lockstep_mtp = self.proposer if self.model.dp_attention and isinstance(self.proposer, MTPProposer) \
-            else None
+        # DP attention with MTP or a draft model: the proposer joins the other groups' calls (LockstepProposer).
+        self.lockstep = lockstep_proposer(self.proposer, self.model.dp_attention)
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.array(a, dtype=np.int64)).to(self.model.device)
@@ -73,8 +73,19 @@ class ModelWorker:
         self.buffer.apply_copies(CopyCommand(*c) for c in plan.copies)
         self.tables.move_pages(plan.page_moves)
         self.tables.write(plan.table_rows, plan.table_cols, plan.table_pages)
-        for row, history in plan.reset_rows:
-            self.tables.reset(row, history)
+        self.sampler.reset(plan.reset_rows)
+
+    def _params(self, plan: StepPlan) -> SamplingTensors:
+        """The plan's sampling columns as the sampler's tensors (one row per sampled row)."""
+        return SamplingTensors.from_columns(plan.sampling, self.model.device)
+
+    @staticmethod
+    def _grammar_mask(plan: StepPlan, rows: np.ndarray) -> TokenMask | None:
+        """The grammar mask of the plan's constrained rows, each at its row `rows[j]` of the logits sampled."""
+        if not len(plan.grammar_rows):
+            return None
+        bitmask = torch.from_numpy(np.array(plan.grammar_mask, dtype=np.int32).reshape(len(rows), -1))
+        return TokenMask(torch.from_numpy(np.array(rows, dtype=np.int64)), bitmask)
 
     def forward_batch(self, plan: StepPlan) -> ForwardBatch:
         """The plan's sequences as a ForwardBatch over the worker's page table."""
@@ -112,27 +123,27 @@ class ModelWorker:
         self.apply_plan_changes(plan)
         if plan.mode == ForwardMode.IDLE.value:
             if self.model.dp_attention:  # DP attention, nothing for this group: join the others' FFN collectives
-                if self.lockstep_mtp is not None:
-                    self.lockstep_mtp.idle_drafts(1, plan.dp_draft_steps)
+                if self.lockstep is not None:
+                    self.lockstep.idle_drafts(1, self.lockstep.draft_calls(plan.dp_window_width))
                 self.model.idle_step()
-                if self.lockstep_mtp is not None:
-                    self.lockstep_mtp.idle_observe()
+                self._join_observations(plan)
             return StepResult(step=plan.step, tokens=[], logprobs=[], top_ids=[], top_logprobs=[], input_logprobs=[])
         if plan.mode == ForwardMode.VERIFY.value:
             return self._verify(plan)
         batch = self.forward_batch(plan)
-        if self.lockstep_mtp is not None:
-            self.lockstep_mtp.idle_drafts(1, plan.dp_draft_steps)
+        if self.lockstep is not None:
+            self.lockstep.idle_drafts(1, self.lockstep.draft_calls(plan.dp_window_width))
         pre: list[torch.Tensor] | None = [] if self.proposer is not None and self.proposer.needs_hidden else None
         logits = self._forward(batch, pre)
-        n = len(plan.sample_params)
+        n = plan.num_sampled
         # Table row of each sampled logits row: sampled rows come first, one per sampled sequence.
         sampled_seqs = np.searchsorted(np.asarray(plan.cu_seqlens), np.asarray(plan.logits_index[:n]), "right") - 1
         sampled_rows = [int(plan.rows[s]) for s in sampled_seqs]
-        histories = [self.tables.histories.get(r, []) for r in sampled_rows]
-        res, row_errors = self._sample(logits[:n], plan, histories)
+        res, row_errors = self.sampler.sample(logits[:n], self._params(plan), sampled_rows, plan.banned,
+                                              plan.top_logprobs_num,
+                                              self._grammar_mask(plan, np.asarray(plan.grammar_rows)))
         tokens = res.tokens.tolist()
-        self.tables.record_samples(sampled_rows, res.tokens, tokens)
+        self.tables.set_last(sampled_rows, res.tokens)
         if self.proposer is not None:  # after sampling: an MTP proposer reads each sequence's sampled token
             next_last = torch.full((len(plan.rows),), -1, dtype=torch.int64, device=res.tokens.device)
             next_last[torch.from_numpy(sampled_seqs).to(next_last.device)] = res.tokens
@@ -148,6 +159,13 @@ class ModelWorker:
             top_ids=res.top_ids.tolist(), top_logprobs=res.top_logprobs.tolist(), input_logprobs=input_lp,
             row_errors=row_errors,
         )
+
+    def _join_observations(self, plan: StepPlan) -> None:
+        """DP attention, a group that observed nothing this step (idle, or a verify the proposer does not observe):
+        join the observation calls of the groups that did."""
+        lock = self.lockstep
+        if lock is not None and (plan.dp_extends or (lock.observes_verify and plan.dp_window_width > 0)):
+            lock.idle_observe()
 
     def _forward(self, batch: ForwardBatch, prenorm: list[torch.Tensor] | None) -> torch.Tensor:
         """The target's step; the pre-norm hiddens (or a DSpark proposer's aux states: the target's states after
@@ -172,14 +190,14 @@ class ModelWorker:
         cu = np.asarray(plan.cu_seqlens, dtype=np.int64)
         lens = np.diff(cu)
         n, width = len(lens), int(lens.max())
-        params = [SamplingRow(**p) for p in plan.sample_params]
         starts = cu[:-1]
-        rows_of = [params[starts[i] : starts[i] + lens[i]] for i in range(n)]
+        params = self._params(plan)  # one row per window position, packed as the windows' tokens
         draft_probs = None
         if self.proposer is not None:  # before the target reads the window: its drafts replace the placeholders
-            draft_probs = self.proposer.propose(batch, rows, rows_of)
-        if self.lockstep_mtp is not None:  # the MTP chain made calls 1 .. width - 2 itself
-            self.lockstep_mtp.idle_drafts(max(width - 1, 1), plan.dp_draft_steps)
+            draft_probs = self.proposer.propose(batch, rows, params)
+        if self.lockstep is not None:  # propose made this group's own calls: join the widest window's others
+            lock = self.lockstep
+            lock.idle_drafts(lock.draft_calls(width) + 1, lock.draft_calls(plan.dp_window_width))
         lay = window_layout(batch.cu_seqlens, int(batch.input_ids.numel()))  # once: the backend reuses it
         batch.spec = WindowRows(self.window, rows, lay)
         cache = self.cache
@@ -193,16 +211,16 @@ class ModelWorker:
         padded = pad(logits[: lay.total], lay)
         drafts = pad(batch.input_ids, lay)[:, 1:]  # zeros past a window's drafts (ignored)
         banned = [plan.banned[starts[i] : starts[i] + lens[i]] for i in range(n)]
-        histories = [self.tables.histories.get(int(r), []) for r in plan.rows]
-        mask = None
-        if len(plan.grammar_rows):  # constrained requests never draft: their one position is masked as in decode
-            g = np.asarray(plan.grammar_rows, dtype=np.int64)
-            bitmask = torch.from_numpy(np.array(plan.grammar_mask, dtype=np.int32).reshape(len(g), -1))
-            seq = np.repeat(np.arange(n), lens)
-            pos = np.arange(int(cu[-1])) - cu[:-1][seq]
-            mask = TokenMask(torch.from_numpy(seq[g] * width + pos[g]), bitmask)
-        res, row_errors = self._accept(padded, drafts, torch.from_numpy(lens - 1), rows_of, histories, banned,
-                                       plan.top_logprobs_num, mask, draft_probs)
+        # Padded position j of window i: its own row, or (past the window) the window's last, never emitted.
+        positions = starts[:, None] + np.minimum(np.arange(width)[None], lens[:, None] - 1)
+        padded_params = params.take(self._tensor(positions.reshape(-1)))
+        # Constrained requests never draft: their one position is masked as in decode, at its padded row.
+        g = np.asarray(plan.grammar_rows, dtype=np.int64)
+        seq = np.repeat(np.arange(n), lens)
+        mask = self._grammar_mask(plan, seq[g] * width + (g - starts[seq[g]]))
+        res, row_errors = self.sampler.verify(padded, drafts, torch.from_numpy(lens - 1), padded_params,
+                                              [int(r) for r in plan.rows], banned, plan.top_logprobs_num, mask,
+                                              draft_probs)
         num_accepted = res.num_accepted
         self.window.commit(cache.recurrent, cache.conv, batch.state_slots, rows, num_accepted + 1)
         if self.proposer is not None:
@@ -222,78 +240,12 @@ class ModelWorker:
             logprobs += all_lps[i][:c]
             top_ids += all_top[i][:c]
             top_lps += all_top_lps[i][:c]
-            row = int(plan.rows[i])
-            self.tables.histories.setdefault(row, []).extend(all_tokens[i][:c])
         last = torch.tensor([t[c - 1] for t, c in zip(all_tokens, counts, strict=True)], device=rows.device)
         self.tables.last_token[rows] = last
         if pre:  # the MTP proposer catches up over the committed positions with the target's hiddens there
             assert self.proposer is not None
             self.proposer.after_verify(batch, pre[0], num_accepted.to(rows.device) + 1, last, rows)
+        if self.lockstep is not None and not self.lockstep.observes_verify:
+            self._join_observations(plan)
         return StepResult(step=plan.step, tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lps,
                           input_logprobs=[], row_errors=row_errors, num_accepted=num_accepted.tolist())
-
-    def _accept(self, logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
-                rows: list[list[SamplingRow]], histories: list[list[int]], banned: list[list[list[int]]], k: int,
-                mask: TokenMask | None = None, draft_probs: torch.Tensor | None = None,
-                ) -> tuple[VerifyResult, list[tuple[int, str]]]:
-        """Acceptance for every window at once; if that fails, window by window, so that a window that cannot
-        be sampled fails alone (it then commits only its last sampled token, which the scheduler discards)."""
-        try:
-            return verify_drafts(logits, drafts, num_drafts, rows, histories, banned, draft_probs, mask=mask,
-                                 top_logprobs_num=k), []
-        except Exception:
-            if not rows:
-                raise
-        parts: list[VerifyResult] = []
-        errors: list[tuple[int, str]] = []
-        for i in range(len(rows)):
-            try:
-                w = logits.shape[1]
-                one_mask = None
-                if mask is not None:
-                    mine = (mask.rows >= i * w) & (mask.rows < (i + 1) * w)
-                    one_mask = TokenMask(mask.rows[mine] - i * w, mask.bitmask[mine])
-                parts.append(verify_drafts(logits[i : i + 1], drafts[i : i + 1], num_drafts[i : i + 1],
-                                           rows[i : i + 1], histories[i : i + 1], banned[i : i + 1],
-                                           None if draft_probs is None else draft_probs[i : i + 1], mask=one_mask,
-                                           top_logprobs_num=k))
-            except Exception as e:
-                errors.append((i, f"sampling failed: {type(e).__name__}: {e}"))
-                zero = torch.zeros(1, w, k, device=logits.device)
-                parts.append(VerifyResult(torch.zeros(1, dtype=torch.int64), torch.zeros(1, w, dtype=torch.int64),
-                                          torch.zeros(1, w), zero.long(), zero))
-        return VerifyResult(*(torch.cat(p) for p in zip(*parts, strict=True))), errors
-
-    def _sample(self, logits: torch.Tensor, plan: StepPlan, histories: list[list[int]]
-                ) -> tuple[SampleResult, list[tuple[int, str]]]:
-        """Sample every row at once; if that fails, row by row, so that a row that cannot be sampled fails
-        alone (its token is a placeholder, 0, that the scheduler discards) and its batch-mates keep theirs."""
-        k = plan.top_logprobs_num
-        masked = [int(r) for r in plan.grammar_rows]
-        mask = bitmask = None
-        if masked:
-            bitmask = torch.from_numpy(np.array(plan.grammar_mask, dtype=np.int32).reshape(len(masked), -1))
-            mask = TokenMask(torch.tensor(masked, dtype=torch.int64), bitmask)
-        try:
-            params = [SamplingRow(**p) for p in plan.sample_params]
-            return sample(logits, params, histories, k, plan.banned, mask), []
-        except Exception:
-            if not plan.sample_params:
-                raise
-        rows: list[SampleResult] = []
-        errors: list[tuple[int, str]] = []
-        for i, p in enumerate(plan.sample_params):
-            one_mask = None
-            if bitmask is not None and i in masked:
-                j = masked.index(i)
-                one_mask = TokenMask(torch.zeros(1, dtype=torch.int64), bitmask[j : j + 1])
-            try:
-                one = sample(logits[i : i + 1], [SamplingRow(**p)], histories[i : i + 1], k, plan.banned[i : i + 1],
-                             one_mask)
-                rows.append(one)
-            except Exception as e:
-                errors.append((i, f"sampling failed: {type(e).__name__}: {e}"))
-                zero = torch.zeros(1, k, device=logits.device)
-                rows.append(SampleResult(torch.zeros(1, dtype=torch.int64, device=logits.device),
-                                         torch.zeros(1, device=logits.device), zero.long(), zero))
-        return SampleResult(*(torch.cat(parts) for parts in zip(*rows, strict=True))), errors

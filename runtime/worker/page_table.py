@@ -2,7 +2,8 @@
 request the scheduler gave row r, so a plan carries only what changed (new pages, moved pages, new rows).
 
 Beside it, per row: the token last sampled (the overlap scheduler plans a decode before it knows that token and
-sends -1 for it) and the generated tokens (frequency / presence / repetition penalties).
+sends -1 for it). The rows' generated tokens, which the penalties count, are the sampler's
+(`runtime.worker.sampler`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ class WorkerPageTable:
     def __init__(self, device: torch.device | str, rows: int = 64, width: int = 64) -> None:
         self.table = torch.zeros(rows, width, dtype=torch.int64, device=device)
         self.last_token = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.histories: dict[int, list[int]] = {}
 
     @property
     def device(self) -> torch.device:
@@ -53,25 +53,17 @@ class WorkerPageTable:
         r, c, p = (torch.from_numpy(np.array(a, dtype=np.int64)).to(self.device) for a in (rows, cols, pages))
         self.table[r, c] = p
 
-    def reset(self, row: int, history: list[int]) -> None:
-        """Row `row` now belongs to a request that has generated `history` so far."""
-        self._fit(row + 1, 1)
-        self.histories[row] = list(history)
-
     def block_table(self, rows: np.ndarray, num_pages: int) -> torch.Tensor:
         """The first `num_pages` pages of each row in `rows` (host ints: sizing reads no device tensor)."""
         self._fit(int(rows.max()) + 1 if len(rows) else 0, num_pages)
         return self.table[torch.from_numpy(np.array(rows, dtype=np.int64)).to(self.device), :num_pages]
 
-    def record_samples(self, rows: list[int], tokens: torch.Tensor, token_list: list[int]) -> None:
-        """The tokens just sampled for `rows`: the next -1 input of each row, and its history."""
+    def set_last(self, rows: list[int], tokens: torch.Tensor) -> None:
+        """The tokens just sampled for `rows`: the next -1 input of each row."""
         if not rows:
             return
         self.last_token[torch.tensor(rows, device=self.device)] = tokens
-        for row, tok in zip(rows, token_list, strict=True):
-            self.histories.setdefault(row, []).append(tok)
 
     def check_integrity(self) -> None:
         assert self.table.shape[0] == self.last_token.shape[0], "rows of the table and of last_token differ"
         assert bool((self.table >= 0).all()), "negative page id in the table"
-        assert all(0 <= r < self.table.shape[0] for r in self.histories), "history of a row outside the table"

@@ -9,6 +9,7 @@ import sys
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -95,3 +96,29 @@ def test_decode_gap_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["settings"]["enable_mixed_chunk"] is True
     assert out["extend_steps_during"] >= 400 // 64 and out["mixed_steps_during"] > 0  # the stream rode along
     assert 0 < out["prefill_tokens_per_extend_step"] <= 64
+
+# --- spec ----------------------------------------------------------------------------------------------
+def test_spec_warm_up_leaves_no_trace(tmp_path: Path) -> None:
+    """The timed run after the warm-up (on its own first prompt) sees what a cold engine sees: no radix hit
+    and no n-gram drafts from the warm-up's tokens (the corpus holds finished requests)."""
+    from radixk3.checkpoint import write_random_checkpoint
+    from radixk3.config import preset
+    from runtime.tokenizer.engine import Engine
+
+    m = bench("spec")
+    ckpt = write_random_checkpoint(preset("k3-tiny"), tmp_path / "k3-tiny", seed=0)
+    prompt = list(range(100, 124))  # distinct ids: no n-gram of its own repeats
+    sampling = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    spec = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 3}
+    keys = ("spec_windows", "draft_tokens", "accepted_tokens")
+
+    def timed(eng: Any) -> tuple[Any, ...]:  # noqa: ANN401
+        before = eng.get_metrics()
+        out = eng.generate(prompt, sampling)
+        after = eng.get_metrics()
+        return out["output_ids"], out["meta_info"]["cached_tokens"], *(after[k] - before[k] for k in keys)
+
+    with Engine(str(ckpt), mem_bytes=256 << 20, **spec) as cold:
+        want = timed(cold)
+    with m.warmed_engine(ckpt, prompt, 1, **spec) as warm:
+        assert timed(warm) == want

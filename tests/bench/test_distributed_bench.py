@@ -4,6 +4,8 @@ promised keys. The greedy tokens of every configuration equal tp 1's; no timing 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from bench import distributed
@@ -19,6 +21,8 @@ def test_distributed_bench_tiny_json(capsys: pytest.CaptureFixture[str]) -> None
         assert out[key] is not None, key
     assert set(out["tok_s"]) == set(distributed.CONFIGS) and all(v > 0 for v in out["tok_s"].values())
     assert 0 < out["comm_share"] < 1 and out["comm"]["steps"] > 0
+    # The tp 2 ranks share the cores, as the engine's ranks do: no oversubscription in the communication share.
+    assert out["comm"]["rank_threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
     assert all(out["outputs_equal_tp1"].values()), out["outputs_equal_tp1"]
     # The two prompts share the one-shot prefix: cache-aware keeps them together, round robin splits them.
     assert out["runs"]["dp2_cache_aware"]["replica_prompt_tokens"][1] == 0
@@ -27,3 +31,16 @@ def test_distributed_bench_tiny_json(capsys: pytest.CaptureFixture[str]) -> None
     # DP attention routes inside its one replica, per DP rank, the same way.
     assert out["runs"]["tp2_dp2_attention"]["replica_prompt_tokens"][1] == 0
     assert out["hit_rate_dp2_cache_aware"] == out["runs"]["tp2_dp2_attention"]["hit_rate"]
+
+
+def test_distributed_bench_spreads_the_burst_past_a_full_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    """One request running per replica: the cache-aware router sends the burst to both replicas, with tp 1's
+    tokens; the figures are reported as for the full batch."""
+    assert distributed.main(["--num-questions", "4", "--num-shots", "1", "--max-new-tokens", "2", "--mem-mib", "32",
+                             "--max-running-requests", "1", "--configs", "tp1,dp2_cache_aware", "--no-comm-share",
+                             "--json"]) == 0
+    out = last_json(capsys)
+    assert out["workload"]["max_running_requests"] == 1
+    assert min(out["runs"]["dp2_cache_aware"]["replica_prompt_tokens"]) > 0
+    assert out["hit_rate_dp2_cache_aware"] is not None and out["tok_s"]["dp2_cache_aware"] > 0
+    assert out["outputs_equal_tp1"] == {"dp2_cache_aware": True}

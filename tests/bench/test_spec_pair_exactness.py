@@ -1,10 +1,11 @@
-"""Speculation on a trained model pair: `bench/train_spec_pair.py`'s trainer at a small recipe (~4 s here: a
-K3-format target with an MTP layer, a draft model and a DSpark drafter, trained on the shipped gsm8k train set)
-instead of the bench's cached artifact, so that it runs everywhere. For every proposer at k = 1, 3 and 6, greedy
-outputs equal the plain no-cache greedy loop token for token over gsm8k prompts sharing a few-shot prefix (one
-of them twice), with the state-parity hook checking every verify step; at k = 3 also with the radix cache off,
-with page size 16 and chunked prefill, and (on short question openings) with a pool small enough to force
-retraction. The pair is trained, so drafts are accepted: commits replay real runs of accepted tokens."""
+"""Speculation on a trained model pair (the session's `spec_pair`, tests/conftest.py: `bench/train_spec_pair.py`'s
+trainer at a small recipe, a K3-format target with an MTP layer, a draft model and a DSpark drafter, trained on
+the shipped gsm8k train set) instead of the bench's cached artifact, so that it runs everywhere. For every
+proposer at k = 1, 3 and 6, greedy outputs equal the plain no-cache greedy loop token for token over gsm8k
+prompts sharing a few-shot prefix (one of them twice), with the state-parity hook checking every verify step; at
+k = 3 also with the radix cache off, with page size 16 and chunked prefill, and (on short question openings)
+with a pool small enough to force retraction. The pair is trained, so drafts are accepted: commits replay real
+runs of accepted tokens."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from bench.gsm8k import DATA, few_shot_prefix, one_example, read_jsonl
-from bench.train_spec_pair import Recipe, SpecPair, Stage, ensure_spec_pair, k3_config
+from bench.train_spec_pair import SpecPair
 from radixk3.checkpoint import load_model
 from radixk3.model import KimiForCausalLM
 from radixk3.tokenizer import load_tokenizer
@@ -22,32 +23,14 @@ from runtime.pool_layout import pool_budget, pool_layout
 from runtime.server_args import ServerArgs
 from tests.greedy import greedy_reference
 
-SMALL = Recipe(
-    target=k3_config(64, 2, [2], 1, 32, 128, mtp=1),
-    draft=k3_config(32, 2, [2], 1, 16, 64, mtp=0),
-    target_stage=Stage(steps=40, lr=1e-2, batch=4),
-    mtp_stage=Stage(steps=30, lr=1e-2, batch=4),
-    draft_stage=Stage(steps=30, lr=1e-2, batch=4),
-    dspark_steps=20,
-    dspark_texts=16,
-    seq_len=64,
-    num_examples=200,
-)
 MAX_NEW = 24
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
 PROPOSERS = ("ngram", "mtp", "draft", "dspark")
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> SpecPair:
-    got = ensure_spec_pair(recipe=SMALL, cache_dir=tmp_path_factory.mktemp("spec_pair"))
-    assert got.dspark is not None
-    return got
-
-
-@pytest.fixture(scope="module")
-def target(pair: SpecPair) -> KimiForCausalLM:
-    return load_model(pair.target)
+def target(spec_pair: SpecPair) -> KimiForCausalLM:
+    return load_model(spec_pair.target)
 
 
 @pytest.fixture(scope="module")
@@ -76,29 +59,30 @@ def _check(eng: LocalEngine, workload: tuple[list[list[int]], list[list[int]]]) 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
 @pytest.mark.parametrize("alg", PROPOSERS)
-def test_greedy_equals_plain(pair: SpecPair, target: KimiForCausalLM, workload, alg: str, k: int) -> None:  # noqa: ANN001
-    _check(LocalEngine(_args(pair, alg, k), target, check=True), workload)
+def test_greedy_equals_plain(spec_pair: SpecPair, target: KimiForCausalLM, workload, alg: str,  # noqa: ANN001
+                             k: int) -> None:
+    _check(LocalEngine(_args(spec_pair, alg, k), target, check=True), workload)
 
 
 @pytest.mark.parametrize("config", ["no_radix", "page16_chunked"])
 @pytest.mark.parametrize("alg", PROPOSERS)
-def test_greedy_equals_plain_across_cache_settings(pair: SpecPair, target: KimiForCausalLM, workload,  # noqa: ANN001
-                                                   alg: str, config: str) -> None:
+def test_greedy_equals_plain_across_cache_settings(spec_pair: SpecPair, target: KimiForCausalLM,
+                                                   workload, alg: str, config: str) -> None:  # noqa: ANN001
     kw = {"no_radix": dict(disable_radix_cache=True), "page16_chunked": dict(page_size=16, chunked_prefill_size=48)}
-    _check(LocalEngine(_args(pair, alg, 3, **kw[config]), target, check=True), workload)
+    _check(LocalEngine(_args(spec_pair, alg, 3, **kw[config]), target, check=True), workload)
 
 
 @pytest.mark.parametrize("alg", PROPOSERS)
-def test_retraction_under_a_small_pool(pair: SpecPair, target: KimiForCausalLM, alg: str) -> None:
+def test_retraction_under_a_small_pool(spec_pair: SpecPair, target: KimiForCausalLM, alg: str) -> None:
     """Eight short question openings that all fit at admission, then outgrow the pool while decoding:
     retraction frees the target's and the proposer's parts together, and re-admission recomputes them."""
     tok = load_tokenizer()
     prompts = [tok.encode("Question: " + e["question"])[:10] for e in read_jsonl(DATA / "test.jsonl")[5:13]]
     refs = [greedy_reference(target, p, MAX_NEW) for p in prompts]
-    base = _args(pair, alg, 3, max_running_requests=8)
+    base = _args(spec_pair, alg, 3, max_running_requests=8)
     lay = pool_layout(target.config, base)
     scratch = base.mem_bytes - pool_budget(lay, base)  # the draft window (and drafting state), outside the pool
-    eng = LocalEngine(_args(pair, alg, 3, max_running_requests=8, chunked_prefill_size=40,
+    eng = LocalEngine(_args(spec_pair, alg, 3, max_running_requests=8, chunked_prefill_size=40,
                             schedule_conservativeness=0.0,
                             mem_bytes=scratch + 9 * lay.state_block_bytes + 120 * lay.kv_token_bytes),
                       target, check=True)

@@ -101,3 +101,17 @@ def check_constrained(backend: sgl.Backend) -> None:
             else:
                 jsonschema.validate(json.loads(st["out"]), json.loads(a["json_schema"]))
             assert re.fullmatch("[0-9]+", st["n"]), st["n"]
+
+
+@sgl.function
+def typed_markup(s, typed: str):  # noqa: ANN001, ANN201
+    """Roles whose contents carry marker strings, then a fork whose branches append more and are joined."""
+    s += sgl.system("Be brief." + typed)
+    with s.user():
+        s += typed
+        forks = s.fork(2)
+        forks += [typed, "x" + typed]
+        forks.join("concate_and_append")
+    s += sgl.assistant(sgl.gen("answer", max_tokens=2, return_logprob=True, logprob_start_len=0))
+    s += sgl.user(typed + "?")
+    s += sgl.assistant(sgl.select("pick", choices=[typed, "no"]))

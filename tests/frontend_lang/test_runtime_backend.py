@@ -22,6 +22,7 @@ from tests.frontend_lang.programs import (
     numbered,
     pick,
     plain_gen,
+    typed_markup,
     with_regex,
 )
 
@@ -51,6 +52,26 @@ def test_roles_follow_the_models_chat_template(runtime: sgl.Runtime) -> None:
     assert state.text() == runtime.tokenizer.apply_chat_template(raw, add_generation_prompt=False)
     with pytest.raises(ValueError, match="do not nest"):
         nested_roles.run(backend=runtime)
+
+
+def test_text_of_a_program_never_becomes_markup(runtime: sgl.Runtime) -> None:
+    """Marker strings in a program's text (its strings, forked branches, choices) are encoded as text: the
+    prompt's special ids are the role markup's alone."""
+    tok = runtime.tokenizer
+    typed = "".join(tok.id_to_piece(i) for i in sorted(tok.special_ids))
+    state = typed_markup.run(typed=typed, temperature=0, backend=runtime)
+    turns = [{"role": "system", "content": "Be brief." + typed}, {"role": "user", "content": typed * 2 + "x" + typed}]
+    want = tok.chat_prompt(turns).ids(tok)
+    got = [t for _, t, _ in state.get_meta_info("answer")["input_token_logprobs"]]
+    assert got == want
+    markers = ["<|im_system|>", "<|im_middle|>", "<|im_end|>", "<|im_user|>", "<|im_middle|>", "<|im_end|>",
+               "<|im_assistant|>", "<|im_middle|>"]
+    assert [i for i in got if i in tok.special_ids] == [tok.bos_id, *map(tok.piece_to_id, markers)]  # the roles'
+    turns += [{"role": "assistant", "content": state["answer"]}, {"role": "user", "content": typed + "?"},
+              {"role": "assistant", "content": state["pick"]}]
+    assert state.text() == tok.apply_chat_template(turns, add_generation_prompt=False)
+    scored = state.get_meta_info("pick")["input_token_logprobs"][0]  # the choice `typed`, after the role's marker
+    assert [t for _, t in scored] == tok.encode_ordinary(typed)
 
 
 @pytest.mark.parametrize(("prefix", "choices"), [(PREFIX, CHOICES), (MERGING_PREFIX, MERGING_CHOICES)])

@@ -76,8 +76,7 @@ def test_imports_stay_lazy() -> None:
     from runtime.tokenizer.engine import Engine
 
     assert radixk3.Engine is Engine and "Engine" in radixk3.__all__
-    from runtime.errors import EngineError, EngineOverloaded
-    from runtime.sampling_params import InvalidRequest
+    from runtime.errors import EngineError, EngineOverloaded, InvalidRequest
 
     assert (radixk3.EngineError, radixk3.EngineOverloaded, radixk3.InvalidRequest) == (
         EngineError, EngineOverloaded, InvalidRequest)

@@ -123,6 +123,58 @@ def test_markers_encode_to_single_ids(marker: str) -> None:
     assert t.decode(ids, skip_special_tokens=False) == f"a {marker}\nb"
 
 
+def special_pieces(t: Tokenizer) -> list[str]:
+    """The text of every special token (control pieces and markers): what a user could type."""
+    return [t.id_to_piece(i) for i in sorted(t.special_ids)]
+
+
+def test_encode_ordinary_keeps_every_special_token_text() -> None:
+    t = tok()
+    for piece in special_pieces(t):
+        for s in (piece, f"a {piece}\nb", piece * 3, f"<{piece}|>", piece[:-1] + piece):
+            ids = t.encode_ordinary(s)
+            assert not t.special_ids & set(ids), (s, ids)
+            assert t.decode(ids) == s == t.decode(ids, skip_special_tokens=False)  # visible, even skipping specials
+    everything = "".join(special_pieces(t)) + SEPARATOR
+    assert t.decode(t.encode_ordinary(everything)) == everything
+    # <|separator|> is text in this tokenizer (decode keeps it, stop strings see it): it keeps its one id.
+    assert t.encode_ordinary(SEPARATOR) == [t.separator_id]
+
+
+@HYP
+@given(st.lists(st.sampled_from(["a", " ", "\n", "7", "\u2581", "\U0001f600", "<", "|", ">", "<|", "|>", "im_end",
+                                 *CHAT_MARKERS, *XTML_MARKERS, SEPARATOR, "<s>", "</s>"]), max_size=30))
+def test_encode_ordinary_never_gives_a_special_id(parts: list[str]) -> None:
+    t = tok()
+    s = "".join(parts)
+    ids = t.encode_ordinary(s)
+    assert not t.special_ids & set(ids)
+    assert t.decode(ids) == s
+    if not any(m in s for m in (*CHAT_MARKERS, *XTML_MARKERS)):
+        assert ids == t.encode(s)  # without marker strings, the two encodings agree
+
+
+def test_encode_ordinary_equals_encode_on_gsm8k() -> None:
+    t = tok()
+    for s in gsm8k_test_texts()[:400]:
+        assert t.encode_ordinary(s) == t.encode(s)
+
+
+marker_free = st.lists(st.sampled_from(["a", "b", " ", "  ", "\n", "\t", "7", "<", "|", ">", "=", '"', "_", "x",
+                                        "\u00e9", "\u2581", "\U0001f600", "the", " the", "im", "end", "user"]),
+                       max_size=12).map("".join).filter(
+    lambda s: not any(m in s for m in (*CHAT_MARKERS, *XTML_MARKERS, SEPARATOR)))
+
+
+@HYP
+@given(before=marker_free, marker=st.sampled_from([*CHAT_MARKERS, *XTML_MARKERS, SEPARATOR]), after=marker_free)
+def test_markers_cut_the_encoding(before: str, marker: str, after: str) -> None:
+    """sentencepiece never merges across a marker, so encoding the text between markers piece by piece (as chat
+    prompts do) gives the ids of the whole string."""
+    t = tok()
+    assert t.encode(before + marker + after) == t.encode(before) + t.encode(marker) + t.encode(after)
+
+
 def test_skip_special_tokens() -> None:
     t = tok()
     ids = t.encode("<|im_user|>hi<|im_end|>x<|separator|>y", add_bos=True) + [t.eos_id, t.pad_id]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -56,6 +57,14 @@ class Server:
             assert time.monotonic() < deadline, f"not idle after {timeout}s: {m}"
             time.sleep(0.1)
 
+    def child_pid(self, name: str) -> int:
+        """The pid of the engine process the server runs under `name`, as `ps` shows it (the names of
+        runtime.process_info: `radixk3-sched0`, `radixk3-w0-0`, ...)."""
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-x", name], capture_output=True, text=True,
+                             check=False).stdout.split()
+        assert len(out) == 1, f"{len(out)} child processes named {name!r}"
+        return int(out[0])
+
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -67,13 +76,16 @@ class Server:
             raise
 
 
-def start_server(*flags: str, api_key: str | None = None, startup_timeout: float = 180.0) -> Server:
+def start_server(*flags: str, api_key: str | None = None, startup_timeout: float = 180.0,
+                 stderr: Path | None = None) -> Server:
+    """The server on a free port, once /health answers; its stderr goes to the file `stderr` if given."""
     port = free_port()
     argv = [sys.executable, "-m", "radixk3.launch_server", "--port", str(port), *flags]
     if api_key is not None:
         argv += ["--api-key", api_key]
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env)
+    with open(stderr, "wb") if stderr is not None else contextlib.nullcontext() as err:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=err)
     server = Server(f"http://127.0.0.1:{port}", proc, api_key)
     deadline = time.monotonic() + startup_timeout
     while True:
@@ -91,8 +103,8 @@ def start_server(*flags: str, api_key: str | None = None, startup_timeout: float
 
 
 @contextmanager
-def running_server(*flags: str, api_key: str | None = None) -> Iterator[Server]:
-    server = start_server(*flags, api_key=api_key)
+def running_server(*flags: str, api_key: str | None = None, stderr: Path | None = None) -> Iterator[Server]:
+    server = start_server(*flags, api_key=api_key, stderr=stderr)
     try:
         yield server
     finally:

@@ -12,6 +12,7 @@ import pytest
 from radixk3.config import preset
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, decode, encode
 from runtime.pool_layout import pool_layout
+from runtime.sampling_params import SamplingParams
 from runtime.scheduler.dp_attention import DPAttentionScheduler
 from runtime.scheduler.step_loop import StepLoop
 from runtime.server_args import ServerArgs
@@ -25,7 +26,7 @@ class Harness:
     def __init__(self, **kw: object) -> None:
         self.args = ServerArgs(tp_size=DP, dp_size=DP, enable_dp_attention=True, **kw)  # type: ignore[arg-type]
         layout = pool_layout(preset("k3-tiny"), self.args)
-        self.sched = DPAttentionScheduler(self.args, layout, frozenset({VOCAB - 1}), detokenize, VOCAB, lambda: None)
+        self.sched = DPAttentionScheduler(self.args, layout, frozenset({VOCAB - 1}), detokenize, lambda: None)
         self.workers = [TokenWorker(layout, self.args.mem_bytes, VOCAB, self.args.max_running_requests)
                         for _ in range(DP)]
         self._sent: deque[list[StepPlan]] = deque()
@@ -42,7 +43,7 @@ class Harness:
     def submit(self, prompt: list[int], sampling: dict | None = None) -> str:
         rid = f"r{self._n}"
         self._n += 1
-        self.sched.add(GenerateReq(rid, list(prompt), dict(sampling or GREEDY)))
+        self.sched.add(GenerateReq(rid, list(prompt), SamplingParams.from_dict(sampling or GREEDY, VOCAB)))
         return rid
 
     def run(self) -> dict[str, list[TokenOut]]:

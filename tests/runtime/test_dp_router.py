@@ -181,3 +181,70 @@ def test_single_replica_is_always_zero() -> None:
     for m in ("round_robin", "shortest_queue", "cache_aware"):
         r = DPRouter(1, m)
         assert {r.route(f"r{i}", [i]) for i in range(5)} == {0}
+
+
+def _burst(r: DPRouter, prefix: list[int], n: int, max_new: int) -> list[int]:
+    placed = []
+    for i in range(n):
+        placed.append(r.route(f"b{i}", prefix + [5000 + i, i], max_new))
+        r.check_integrity()
+    return placed
+
+
+def test_cache_aware_spreads_a_one_prefix_burst_past_a_full_batch() -> None:
+    # Each replica runs 8 at once: the 9th would wait a whole batch (16 decode steps) on replica 0, where one
+    # prefill step of the 102-token prompt on the idle replica 1 is far sooner.
+    r = DPRouter(2, "cache_aware", CacheAwareConfig(max_running_requests=8, chunked_prefill_size=512))
+    placed = _burst(r, list(range(100)), 64, max_new=16)
+    assert placed[:8] == [0] * 8  # the replica that cached the prefix, while it has room
+    assert placed[8] == 1
+    assert r.loads == [32, 32]  # from there the two take a batch each in turn
+    assert all(r.loads[p] for p in placed)
+    assert r.stats.by_tree_size == 1 and r.stats.by_wait > 0 and r.stats.by_load == 0
+    # Both hold the prefix now: the next request waits where the queue is shorter by whole batches.
+    r.finished("b0")
+    assert r.wait_cost(0, 102, 100) == (3, 16, 1) and r.wait_cost(1, 102, 100) == (4, 16, 1)
+    assert r.route("next", list(range(100)) + [1, 2], 16) == 0
+
+
+def test_cache_aware_keeps_a_burst_that_fits_one_batch() -> None:
+    r = DPRouter(2, "cache_aware", CacheAwareConfig(max_running_requests=64))
+    assert _burst(r, list(range(100)), 64, max_new=16) == [0] * 64
+    assert r.stats.by_cache == 63 and r.stats.by_wait == 0
+
+
+def test_cache_aware_waits_while_the_prefix_costs_more_than_a_batch() -> None:
+    # A 2,048-token prefix is 5 prefill steps anywhere else, a batch 2 decode steps: waiting one or two
+    # batches on replica 0 (2 + 1, then 4 + 1 steps) is no later than computing the prefix again (5 steps).
+    r = DPRouter(2, "cache_aware", CacheAwareConfig(max_running_requests=4, chunked_prefill_size=512))
+    placed = _burst(r, list(range(2048)), 13, max_new=2)
+    assert placed == [0] * 12 + [1]
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 30), st.integers(0, 2), st.integers(0, 40)),
+                    max_size=120),
+       n=st.integers(2, 3), batch=st.integers(1, 6), chunk=st.integers(1, 16))
+def test_cache_aware_leaves_the_best_match_only_when_it_starts_sooner_elsewhere(
+        ops: list[tuple[bool, int, int, int]], n: int, batch: int, chunk: int) -> None:
+    prefixes = [[p] * 12 for p in range(3)]
+    r = DPRouter(n, "cache_aware", CacheAwareConfig(max_running_requests=batch, chunked_prefill_size=chunk))
+    held: list[list[tuple[int, ...]]] = [[] for _ in range(n)]  # what each tree holds (no eviction at this size)
+    for add, k, p, max_new in ops:
+        rid = f"r{k}"
+        if not add or r.replica_of(rid) is not None:
+            r.finished(rid)
+            r.check_integrity()
+            continue
+        toks = prefixes[p] + [100 + k]
+        matched = [max((_lcp(toks, s) for s in seqs), default=0) for seqs in held]
+        costs = [r.wait_cost(i, len(toks), matched[i]).steps for i in range(n)]
+        best = matched.index(max(matched))
+        stats, loads = r.stats, list(r.loads)
+        i = r.route(rid, toks, max_new)
+        held[i].append(tuple(toks))
+        if r.stats.by_wait > stats.by_wait:  # left the best match: its batch was full, and elsewhere is sooner
+            assert loads[best] >= batch and costs[i] < costs[best]
+        elif r.stats.by_cache > stats.by_cache:  # the best match, which starts no later than any other
+            assert i == best and costs[i] == min(costs)
+        r.check_integrity()

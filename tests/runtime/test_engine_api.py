@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from runtime.sampling_params import InvalidRequest
+from runtime.errors import InvalidRequest
 from runtime.tokenizer.engine import Engine, EngineError, EngineOverloaded
 from runtime.tokenizer.manager import TokenizerManager
 

@@ -10,7 +10,7 @@ import pytest
 from bench.gsm8k import DATA, workload
 from radixk3.config import preset
 from radixk3.model import build_model
-from runtime.dp_router import DPRouter
+from runtime.dp_router import CacheAwareConfig, DPRouter
 from runtime.tokenizer.engine import Engine
 from tests.runtime.test_engine_exactness import GREEDY, _waves
 
@@ -41,10 +41,10 @@ def exactness(dp1: Engine) -> tuple[list[list[list[int]]], list[list[list[int]]]
     return waves, refs
 
 
-def _use(eng: Engine, method: str) -> DPRouter:
+def _use(eng: Engine, method: str, config: CacheAwareConfig | None = None) -> DPRouter:
     """A fresh router of `method` (the engine is idle: nothing is outstanding) and empty replica caches."""
     assert eng.get_metrics()["pending_requests"] == 0 and eng.flush_cache()
-    eng.tm.router = DPRouter(eng.tm.num_replicas, method)
+    eng.tm.router = DPRouter(eng.tm.num_replicas, method, config or CacheAwareConfig.from_args(eng.args))
     return eng.tm.router
 
 
@@ -106,6 +106,24 @@ def test_gsm8k_cache_aware_hit_rate_matches_one_replica(dp1: Engine, dp2: Engine
     assert aware >= one - 0.02
     # Round robin computes the few-shot prefix once on each replica: robustly below one replica's rate.
     assert rr < aware - 0.01
+
+
+def test_gsm8k_one_prefix_burst_spreads_past_a_full_batch(dp1: Engine, dp2: Engine) -> None:
+    """The cache-aware router told each replica runs 4 requests at once (the replicas admit more: that only
+    changes how long they take): 16 prompts sharing the 5-shot prefix go to both replicas, a batch each in turn,
+    with the tokens of one replica."""
+    assert dp2.tm.router.config.max_running_requests == dp2.args.max_running_requests  # built from the flags
+    w = workload(DATA / "test.jsonl", DATA / "train.jsonl", 5, 16)
+    prompts = [w.prefix + q for q in w.questions]
+    greedy = GREEDY | {"max_new_tokens": 2}
+    ref = [o["output_ids"] for o in dp1.generate(prompts, greedy)]
+    router = _use(dp2, "cache_aware", CacheAwareConfig(max_running_requests=4))
+    before = _replica_prompt_tokens(dp2)
+    assert [o["output_ids"] for o in dp2.generate(prompts, greedy)] == ref
+    served = [a - b for a, b in zip(_replica_prompt_tokens(dp2), before, strict=True)]
+    assert min(served) >= sum(served) // 3, served  # a share in proportion, not a straggler or two
+    assert router.stats.by_wait > 0 and router.loads == [0, 0]
+    router.check_integrity()
 
 
 def test_dp2_with_ngram_speculation_equals_dp1(exactness) -> None:  # noqa: ANN001

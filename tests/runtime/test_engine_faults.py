@@ -19,7 +19,7 @@ import pytest
 
 from radixk3.config import preset
 from radixk3.model import build_model
-from runtime.sampling_params import InvalidRequest
+from runtime.errors import InvalidRequest
 from runtime.tokenizer.engine import Engine, EngineError
 from tests.greedy import greedy_reference
 

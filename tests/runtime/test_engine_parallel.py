@@ -1,8 +1,9 @@
 """The multi-process Engine past one rank: greedy tokens with --tp 2 (radix on), --tp 2 --ep 2, --tp 2 --dp 2
 --enable-dp-attention and two loopback "nodes" (node 1 a `radixk3 serve --node-rank 1` subprocess), each also
-with n-gram and with MTP speculation (MTP also over --dp 2 replicas), and --tp 4 --dp 2 --enable-dp-attention
-(attention groups of two ranks), are identical, token for token, to --tp 1 over the exactness prompt set. The
---tp 1 side is the same runtime in one process (LocalEngine, itself checked against the no-cache greedy loop in
+with n-gram and with MTP speculation (MTP also over --dp 2 replicas), --tp 4 --dp 2 --enable-dp-attention
+(attention groups of two ranks), and DP attention with the draft-model and DSpark proposers, are identical, token
+for token, to --tp 1 over the exactness prompt set. The --tp 1 side is the same runtime in one process (LocalEngine,
+itself checked against the no-cache greedy loop in
 test_engine_exactness)."""
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from radixk3.checkpoint import load_model, write_random_checkpoint
+from radixk3.checkpoint import load_model, write_checkpoint, write_random_checkpoint
 from radixk3.config import BUILTIN_PRESET, BUILTIN_SEED, preset
+from radixk3.dspark_checkpoint import write_random_dspark
 from radixk3.model import KimiForCausalLM, build_model
 from runtime.local_engine import LocalEngine
 from runtime.server_args import ServerArgs
@@ -232,7 +234,39 @@ def test_node1_exits_when_node0_goes_away() -> None:
             node1.wait(timeout=10)
 
 
-def test_dp_attention_with_a_draft_model_is_refused_clearly() -> None:
-    with pytest.raises(ValueError, match="draft does not run with --enable-dp-attention"):
-        Engine(mem_bytes=MEM, tp_size=2, dp_size=2, enable_dp_attention=True, speculative_algorithm="draft",
-               speculative_draft_model="unused")
+def _drafter(alg: str, root: Path) -> Path:
+    """A random draft model (k3-tiny, another seed) or DSpark drafter for the built-in target."""
+    if alg == "draft":
+        return write_checkpoint(build_model(preset("k3-tiny"), seed=5), root / "draft")
+    return write_random_dspark(root / "dspark", build_model(preset(BUILTIN_PRESET), seed=BUILTIN_SEED), seed=2)
+
+
+@pytest.mark.parametrize("alg", ["draft", "dspark"])
+def test_dp_attention_with_a_draft_model_or_dspark_equals_tp1(alg: str, builtin: tuple[Waves, Waves],
+                                                              tmp_path: Path) -> None:
+    """Each DP rank drafts for its own windows. The draft model's forwards run the shared FFN's collectives: every
+    step each rank runs as many (joining on zero rows) whatever its mode; DSpark's drafter runs none across ranks.
+    Besides the waves, a long request decodes on rank 0 while a later one prefills, decodes and ends on rank 1, so
+    ranks verify, extend and idle against each other."""
+    waves, refs = builtin
+    target = build_model(preset(BUILTIN_PRESET), seed=BUILTIN_SEED)
+    longer = dict(GREEDY, max_new_tokens=40)
+    g = random.Random(9)
+    first, later = [g.randrange(target.config.vocab_size) for _ in range(30)], [3, 1, 4, 1, 5, 9, 2, 6]
+    ref = LocalEngine(ServerArgs(mem_bytes=MEM), target)
+    want = ref.generate([first], longer)[0], ref.generate([later], GREEDY)[0]
+    engine = Engine(mem_bytes=MEM, tp_size=2, dp_size=2, enable_dp_attention=True, load_balance_method="round_robin",
+                    speculative_algorithm=alg, speculative_draft_model=str(_drafter(alg, tmp_path)))
+    try:
+        assert _run(engine, waves) == refs
+        got, after = [], None
+        for n, chunk in enumerate(engine.stream(first, longer, timeout=120)):
+            got += chunk.token_ids
+            if n == 2:  # round robin: the next request goes to the other DP rank
+                after = engine.generate([later], GREEDY, timeout=120)[0]["output_ids"]
+        assert (got, after) == want
+        m = engine.get_metrics()
+        assert m["verify_steps"] > 0 and m["draft_tokens"] > 0
+        assert all(d["verify_steps"] > 0 for d in m["dp_ranks"])  # both DP ranks drafted
+    finally:
+        _all_gone(engine)

@@ -13,11 +13,13 @@ import jsonschema
 import pytest
 import torch
 
-from kernels.sampling import SamplingRow, TokenMask, masked_logits, sample
+from kernels.sampling import TokenMask, masked_logits, sample
+from kernels.sampling_columns import SamplingColumns
+from kernels.sampling_tensors import SamplingTensors
 from radixk3.tokenizer import load_tokenizer
+from runtime.errors import InvalidRequest
 from runtime.grammar import GrammarBackend, GrammarKey, fill_masks
 from runtime.local_engine import LocalEngine
-from runtime.sampling_params import InvalidRequest
 from runtime.server_args import ServerArgs
 from runtime.tokenizer.engine import Engine
 from tests.runtime.grammar_cases import EBNF, EBNF_AS_REGEX, MAX_NEW_TOKENS, REGEXES, SCHEMAS
@@ -197,8 +199,8 @@ def test_sampler_mask_is_xgrammars_and_leaves_logprobs_alone() -> None:
     xgr.apply_token_bitmask_inplace(theirs, full, indices=[1, 3])
     assert torch.equal(ours, theirs)
     for temperature in (0.0, 1.0):
-        params = [SamplingRow(temperature=temperature, seed=s, top_p=0.9) for s in range(4)]
-        res = sample(logits, params, mask=TokenMask(rows, bitmask))
+        params = SamplingColumns.of(4, temperature=temperature, seed=list(range(4)), top_p=0.9)
+        res = sample(logits, SamplingTensors.from_columns(params, "cpu"), mask=TokenMask(rows, bitmask))
         allowed = torch.isfinite(ours)
         assert all(bool(allowed[i, t]) for i, t in enumerate(res.tokens.tolist()))
         assert torch.allclose(res.logprobs, logits.log_softmax(-1).gather(1, res.tokens[:, None])[:, 0])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -56,6 +57,15 @@ def test_api_key(server: Server) -> None:
     good = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
     out = good.completions.create(model=MODEL, prompt="hello", max_tokens=3, temperature=0)
     assert out.usage.completion_tokens == 3
+
+
+def test_bearer_scheme_is_case_insensitive(server: Server) -> None:
+    """RFC 7235: the auth scheme is case-insensitive, and one or more spaces follow it."""
+    bare = httpx.Client(base_url=server.url, timeout=30)
+    for header in (f"bearer {KEY}", f"BEARER {KEY}", f"Bearer  {KEY}", f"bEaReR {KEY}"):
+        assert bare.get("/v1/models", headers={"Authorization": header}).status_code == 200, header
+    for header in (f"Basic {KEY}", f"Bearer{KEY}", "Bearer", f"Bearer {KEY}x", f"Bearer {KEY[:-1]}", f"{KEY} Bearer"):
+        assert bare.get("/v1/models", headers={"Authorization": header}).status_code == 401, header
 
 
 def test_body_limit(server: Server) -> None:
@@ -161,35 +171,84 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_sigterm_aborts_what_outlives_the_grace_period() -> None:
-    with running_server("--graceful-shutdown-timeout", "1") as server:
+def test_sigterm_aborts_what_outlives_the_grace_period(tmp_path: Path) -> None:
+    """Past the grace period the server ends what is left in the API's words: a stream gets an error event then
+    [DONE], a waiting client the JSON error (503); the requests are aborted and the process exits 0."""
+    log = tmp_path / "stderr.txt"
+    with running_server("--graceful-shutdown-timeout", "1", stderr=log) as server:
         got: dict[str, Any] = {}
+        endless = {"max_new_tokens": 100_000, "ignore_eos": True}
 
         def stream() -> None:
-            body = {"text": "endless", "stream": True, "sampling_params": {"max_new_tokens": 100_000,
-                                                                             "ignore_eos": True}}
-            try:
-                with server.client() as c, c.stream("POST", "/generate", json=body) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: {"):
-                            got["last"] = orjson.loads(line[6:])
-                            got.setdefault("t_first", time.monotonic())
-            except httpx.TransportError as e:  # the server closed the connection mid-stream
-                got["error"] = e
+            body = {"text": "endless", "stream": True, "sampling_params": endless}
+            with server.client() as c, c.stream("POST", "/generate", json=body) as r:
+                lines = []
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        got.setdefault("t_first", time.monotonic())
+                got["stream"] = lines
 
-        t = threading.Thread(target=stream)
-        t.start()
-        while "t_first" not in got:
+        def full() -> None:
+            with server.client() as c:
+                r = c.post("/generate", json={"text": "endless too", "sampling_params": endless})
+                got["full"] = (r.status_code, r.headers["content-type"], r.json())
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=full)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while "t_first" not in got or server.metrics()["radixk3_num_running_reqs"] < 2:
+            assert time.monotonic() < deadline
             time.sleep(0.05)
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
-        assert server.proc.wait(30) == 0
-        assert time.monotonic() - t0 < 20  # 1 s of grace, then the rest is aborted, not served
-        t.join(30)
-        # Cut short: the stream says so (an abort, or the engine shutting down under it), or the socket closed.
-        last = got["last"]
-        assert "error" in got or "shut down" in last.get("error", {}).get("message", "") or (
-            last["meta_info"]["finish_reason"]["type"] == "abort")
+        assert server.proc.wait(60) == 0
+        assert time.monotonic() - t0 < 30  # 1 s of grace, then the rest is aborted, not served
+        for t in threads:
+            t.join(30)
+        *events, last, done = got["stream"]
+        assert done == "data: [DONE]" and events and "error" not in orjson.loads(events[-1][6:])
+        error = orjson.loads(last[6:])["error"]
+        assert error["code"] == "shutting_down" and "grace period" in error["message"]
+        status, content_type, body = got["full"]
+        assert status == 503 and content_type == "application/json" and body["error"] == error
+    assert "Traceback" not in log.read_text()
+
+
+def test_slow_heads_are_closed_and_a_client_leaving_mid_body_is_no_error(tmp_path: Path) -> None:
+    """A connection gets --timeout-keep-alive seconds for each request's head (none are kept open by a client
+    that never finishes one); a client that leaves while its body is read leaves no traceback in the log."""
+    log = tmp_path / "stderr.txt"
+    with running_server("--timeout-keep-alive", "1", stderr=log) as server:
+        address = ("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+        half_heads = []
+        for _ in range(3):
+            sock = socket.create_connection(address, timeout=60)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            half_heads.append(sock)
+        idle = socket.create_connection(address, timeout=60)  # sends nothing at all
+        for sock in [*half_heads, idle]:
+            assert sock.recv(1024) == b""  # closed by the server (the socket timeout is far longer)
+            sock.close()
+        with socket.create_connection(address, timeout=60) as sock:  # a whole request, then half of the next
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            first = sock.recv(4096)
+            assert first.startswith(b"HTTP/1.1 200")
+            sock.sendall(b"GET /health HTTP/1.1\r\n")
+            while sock.recv(4096):
+                pass
+        for _ in range(3):  # half a body, then gone
+            with socket.create_connection(address, timeout=60) as sock:
+                sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 100\r\n\r\n{\"text\": ")
+                time.sleep(0.2)
+        with server.client() as c:  # still serving
+            r = c.post("/generate", json={"text": "still here", "sampling_params": {"max_new_tokens": 2}})
+            assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 2
+        assert server.stop() == 0
+    err = log.read_text()
+    assert "Traceback" not in err and "Exception in ASGI application" not in err, err
 
 
 def test_bad_model_dir_is_one_line_error(tmp_path: Path) -> None:

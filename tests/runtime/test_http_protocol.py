@@ -3,6 +3,7 @@ messages, and the metrics a request's chunks produce."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
@@ -11,6 +12,7 @@ from runtime.http.api_errors import validation_error
 from runtime.http.metrics import ServerMetrics
 from runtime.http.native_api import GenerateRequest
 from runtime.http.openai_protocol import ChatCompletionRequest, CompletionRequest
+from runtime.http.sse import event
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -70,3 +72,15 @@ def test_request_timer_metrics() -> None:
     assert samples["radixk3_requests_total[('finish_reason', 'length')]"] == 1
     assert samples["radixk3_num_running_reqs[]"] == 2 and samples["radixk3_cache_hit_rate[]"] == 0.25
     assert samples["radixk3_state_checkpoint_hits_total[]"] == 1
+
+
+def test_sse_events_escape_unicode_line_breaks() -> None:
+    """JSON leaves U+2028, U+2029 and U+0085 raw; line-splitting clients (str.splitlines, httpx's iter_lines)
+    would cut the event there. Escaped, the event is one line, and the same object to a JSON parser."""
+    obj = {"text": "a\u2028b\u2029c\x85d\ne\x0bf\x1cg", "ids": [1, 2], "nested": [["\u2028", None]]}
+    frame = event(obj)
+    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+    line, blank = frame.decode().splitlines()  # the event's line, and the empty one that ends it
+    assert blank == ""
+    assert orjson.loads(line.removeprefix("data: ")) == obj
+    assert b"\\u2028" in frame and b"\\u2029" in frame and b"\\u0085" in frame

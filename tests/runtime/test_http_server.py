@@ -3,6 +3,7 @@ streaming == full responses, greedy over HTTP == `Engine.generate`, abort on dis
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Any
@@ -13,6 +14,8 @@ import openai
 import orjson
 import pytest
 
+from frontend_lang.endpoint_backend import RuntimeEndpoint
+from radixk3.chat_prompt import ChatPrompt
 from radixk3.tokenizer import load_tokenizer
 from runtime.tokenizer.engine import Engine
 from tests.runtime.http_server_proc import Server, running_server
@@ -83,6 +86,105 @@ def test_batch_stream_native(server: Server, reference: list[dict[str, Any]]) ->
     last = {e["index"]: e for e in events[:-1]}
     assert [last[i]["text"] for i in range(3)] == [r["text"] for r in reference]
     assert all(last[i]["meta_info"]["finish_reason"]["type"] == "length" for i in range(3))
+
+
+LOGPROBS = {"return_logprob": True, "top_logprobs_num": 4, "logprob_start_len": 0, "return_text_in_logprobs": True}
+META_LISTS = ("input_token_logprobs", "output_token_logprobs", "output_top_logprobs")
+
+
+def test_native_stream_sends_only_what_is_new(server: Server) -> None:
+    """Each event holds the text so far but only the new ids and logprobs (the input ones once): the stream
+    grows linearly with the tokens, and its events put together are the full response."""
+    body = {"text": PROMPTS[1], "sampling_params": GREEDY | {"n": 2}} | LOGPROBS
+    with server.client() as c:
+        full = c.post("/generate", json=body).json()
+        with c.stream("POST", "/generate", json=body | {"stream": True}) as r:
+            events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    for i, want in enumerate(full):
+        mine = [e for e in events[:-1] if e["index"] == i]
+        meta = want["meta_info"]
+        assert meta["completion_tokens"] == 12 and len(mine) >= 2
+        # linear: every token's entries are sent once, the prompt's once
+        assert sum(len(e["output_ids"]) for e in mine) == 12
+        assert sum(len(e["meta_info"]["output_token_logprobs"]) for e in mine) == 12
+        assert sum(len(e["meta_info"]["output_top_logprobs"]) for e in mine) == 12
+        assert sum(len(e["meta_info"]["input_token_logprobs"]) for e in mine) == meta["prompt_tokens"]
+        assert [len(e["meta_info"]["input_token_logprobs"]) > 0 for e in mine] == [True] + [False] * (len(mine) - 1)
+        # the text so far, as SGLang's clients read it; the counts so far
+        assert all(mine[k + 1]["text"].startswith(mine[k]["text"]) for k in range(len(mine) - 1))
+        assert [e["meta_info"]["completion_tokens"] for e in mine] == list(
+            itertools.accumulate(len(e["output_ids"]) for e in mine))
+        # put together: the full response
+        last = mine[-1]
+        assert last["text"] == want["text"] and [t for e in mine for t in e["output_ids"]] == want["output_ids"]
+        counts = ("finish_reason", "prompt_tokens", "completion_tokens", "error")
+        assert [last["meta_info"][k] for k in counts] == [meta[k] for k in counts]
+        for key in META_LISTS:
+            joined = [x for e in mine for x in e["meta_info"][key]]
+            assert _ids_and_texts(joined) == _ids_and_texts(meta[key]), key
+            assert _values(joined) == pytest.approx(_values(meta[key]), abs=1e-4), key
+
+
+def _ids_and_texts(entries: list[Any]) -> list[Any]:
+    """(token id, text) of SGLang's (logprob, id, text) triples, or of each top-logprobs row's."""
+    return [_ids_and_texts(x) if x and isinstance(x[0], list) else x[1:] for x in entries]
+
+
+def _values(entries: list[Any]) -> list[float]:
+    """The logprobs of the triples (or rows of triples), flat; the first input token's None as NaN-free 0."""
+    flat = [t for x in entries for t in (x if x and isinstance(x[0], list) else [x])]
+    return [0.0 if t[0] is None else t[0] for t in flat]
+
+
+def test_frontend_endpoint_streams_the_whole_logprobs(server: Server) -> None:
+    """`frontend_lang`'s RuntimeEndpoint gathers the events' new logprobs into its meta_info so far."""
+    endpoint = RuntimeEndpoint(server.url)
+    sampling, options = {"max_new_tokens": 6, "temperature": 0}, {k: v for k, v in LOGPROBS.items()}
+    prompt = ChatPrompt.plain(PROMPTS[2])
+    text, meta = endpoint.generate(prompt, sampling, options)
+    pieces = list(endpoint.generate_stream(prompt, sampling, options))
+    endpoint.shutdown()
+    streamed = pieces[-1][1]
+    assert "".join(d for d, _ in pieces) == text and streamed["completion_tokens"] == 6
+    for key in META_LISTS:
+        assert _ids_and_texts(streamed[key]) == _ids_and_texts(meta[key]), key
+
+
+def test_openai_streams_send_each_token_logprobs_once(server: Server) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    kw = {"model": MODEL, "max_tokens": 10, "temperature": 0}
+    full = client.completions.create(prompt=PROMPTS[0], logprobs=3, **kw)
+    chunks = list(client.completions.create(prompt=PROMPTS[0], logprobs=3, stream=True, **kw))
+    tokens = [t for ch in chunks for c in ch.choices if c.logprobs for t in c.logprobs.tokens]
+    assert tokens == full.choices[0].logprobs.tokens and len(tokens) == full.usage.completion_tokens == 10
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    full_chat = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, **kw)
+    stream = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, stream=True, **kw)
+    content = [t.token for ch in stream for c in ch.choices if c.logprobs and c.logprobs.content
+               for t in c.logprobs.content]
+    assert content == [t.token for t in full_chat.choices[0].logprobs.content]
+    assert len(content) == full_chat.usage.completion_tokens
+
+
+def test_line_separators_are_escaped_in_events(server: Server) -> None:
+    """U+2028 / U+2029 in a stream (a prompt token's text in its logprobs, and generated text) are written as JSON
+    escapes: clients that split lines on Unicode line breaks (httpx's iter_lines) still get whole events."""
+    tok = load_tokenizer()
+    [sep] = tok.encode("\u2028", add_bos=False)  # the built-in tokenizer has a token for it
+    assert tok.decode([sep]) == "\u2028"
+    prompt = tok.encode("one", add_bos=True) + [sep] + tok.encode("two\u2029", add_bos=False)
+    body = {"input_ids": prompt, "stream": True, "sampling_params": {
+        "max_new_tokens": 16, "temperature": 0, "regex": "\u2028\u2029\u2028"}} | LOGPROBS
+    with server.client() as c, c.stream("POST", "/generate", json=body) as r:
+        raw = r.read()
+        lines = list(r.iter_lines())
+    assert "\u2028".encode() not in raw and "\u2029".encode() not in raw and b"\\u2028" in raw
+    data = [line for line in lines if line]
+    assert all(line.startswith("data: ") for line in data) and data[-1] == "data: [DONE]"
+    events = [orjson.loads(line[6:]) for line in data[:-1]]  # every line is whole JSON
+    assert events[-1]["text"] == "\u2028\u2029\u2028"
+    assert "\u2028" in [text for _, _, text in events[0]["meta_info"]["input_token_logprobs"]]
 
 
 def test_openai_client(server: Server, reference: list[dict[str, Any]]) -> None:

@@ -100,6 +100,37 @@ def test_streamed_deltas_equal_the_full_response(server: Server) -> None:
                                 "tool_calls": msg["tool_calls"], "finish_reason": full["finish_reason"]}, body
 
 
+def two_calls_grammar() -> str:
+    """EBNF of a reply that is two `noop` calls (the markup spelled out, as the grammar backend writes it): an
+    untrained model under it writes what a model calling tools in parallel would."""
+    call = '<|open|>call tool="noop" index="{}"<|sep|><|close|>call<|sep|>'
+    text = ("<|close|>response<|sep|><|open|>tools<|sep|>" + call.format(1) + call.format(2)
+            + "<|close|>tools<|sep|><|close|>message<|sep|>")
+    return "root ::= " + orjson.dumps(text).decode()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_keeps_one_call_under_auto(server: Server, stream: bool) -> None:
+    """`parallel_tool_calls: false` with tool_choice auto: a reply written with two calls comes back with the
+    first only, and a stream never sends the second (its text is dropped: it is not content either)."""
+    body = BASE | {"ebnf": two_calls_grammar(), "temperature": 0}
+    with server.client() as h:
+        both = h.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert [t["function"]["name"] for t in both["message"]["tool_calls"]] == ["noop", "noop"]  # the model wrote two
+    one = body | {"parallel_tool_calls": False}
+    if stream:
+        events = sse(server, one)
+        assert all(t["index"] == 0 for e in events for ch in e["choices"]
+                   for t in ch["delta"].get("tool_calls") or []), "a second call was streamed"
+        got = reassemble(events)
+    else:
+        with server.client() as h:
+            ch = h.post("/v1/chat/completions", json=one).json()["choices"][0]
+        got = ch["message"] | {"finish_reason": ch["finish_reason"]}
+    assert got["tool_calls"] == both["message"]["tool_calls"][:1]
+    assert got["content"] is None and got["finish_reason"] == "tool_calls"
+
+
 def test_reasoning_content_in_the_openai_client(server: Server) -> None:
     c = client(server)
     r = c.chat.completions.create(model=MODEL, messages=ASK, reasoning_effort="high", max_tokens=16, temperature=0)

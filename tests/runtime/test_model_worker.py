@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.sampling_columns import SamplingColumns
 from radixk3.config import preset
 from radixk3.model import build_model
 from runtime.messages import StepPlan, decode, encode
 from runtime.server_args import ServerArgs
 from runtime.worker.model_worker import ModelWorker
 
-GREEDY = {"temperature": 0.0}
 PS = 4
 
 
@@ -42,7 +42,8 @@ def plan(step: int, mode: str, seqs: list[tuple[int, int, int, list[int]]], *, w
         prefix_lens=_arr([s[1] for s in seqs]), cu_seqlens=_arr(cu), state_slots=_arr([s[2] for s in seqs]),
         input_ids=_arr([t for *_, ids in seqs for t in ids]), ckpt_seq=_arr([c[0] for c in ckpts]),
         ckpt_offset=_arr([c[1] for c in ckpts]), ckpt_slot=_arr([c[2] for c in ckpts]),
-        logits_index=_arr(logits_index), sample_params=[dict(GREEDY) for _ in seqs], banned=[[] for _ in seqs],
+        logits_index=_arr(logits_index), sampling=SamplingColumns.of(len(seqs), temperature=0.0),
+        banned=[[] for _ in seqs],
     )
     return decode(encode(p))  # as on the wire
 

@@ -60,7 +60,7 @@ def brute_corpus(docs: list[list[int]], ids: list[int], k: int, lo: int, hi: int
 
 
 def test_corpus_equals_brute_force_with_eviction() -> None:
-    from runtime.spec.ngram import SEPARATOR, NgramCorpus
+    from runtime.spec.ngram import NgramCorpus
 
     g = random.Random(1)
     for trial in range(20):
@@ -74,7 +74,7 @@ def test_corpus_equals_brute_force_with_eviction() -> None:
             while sum(map(len, kept)) > cap:  # oldest requests out first
                 kept.pop(0)
             corpus.check_integrity()
-            assert [t for t in corpus.tokens if t != SEPARATOR] == [t for d in kept for t in d]
+            assert corpus.held() == kept
             for _ in range(5):
                 ids = [g.randrange(5) for _ in range(g.randrange(1, 6))]
                 assert tuple(corpus.lookup(ids, 4)) == brute_corpus(kept, ids, 4, lo, hi), (kept, ids)
@@ -96,3 +96,60 @@ def test_a_request_drafts_from_an_earlier_one_where_its_own_context_matches_less
     corpus.clear()
     corpus.check_integrity()
     assert corpus.lookup(ids, 8) == (0, [])
+
+
+def test_corpus_with_running_requests_equals_brute_force() -> None:
+    """Requests commit tokens in turns (a prompt, then runs of outputs) while others run and end; the corpus
+    holds each one's tokens as a document in the order they began, the oldest out first (a request evicted while
+    it runs starts a new document with its next tokens), and a lookup equals the brute-force search."""
+    from runtime.spec.ngram import CorpusDoc, NgramCorpus
+
+    g = random.Random(2)
+    for trial in range(40):
+        lo, hi, cap = 1 + trial % 2, 2 + trial % 3, 8 + 9 * (trial % 5)
+        corpus = NgramCorpus(lo, hi, cap)
+        kept: list[list[int]] = []  # the documents held, oldest first (the brute-force model)
+        # running request -> its corpus document, its document in `kept`, all its tokens
+        running: dict[int, tuple[CorpusDoc, list[int], list[int]]] = {}
+        for step in range(60):
+            if running and g.random() < 0.15:  # a request ends: its document stays
+                del running[g.choice(list(running))]
+                continue
+            if not running or g.random() < 0.25:  # a request is admitted: its prompt
+                r, doc, doc_ids, ids = step, None, None, []
+                new = [g.randrange(5) for _ in range(g.randrange(1, 12))]
+            else:  # a running request's accepted outputs
+                r = g.choice(list(running))
+                doc, doc_ids, ids = running[r]
+                new = [g.randrange(5) for _ in range(g.randrange(1, 4))]
+            doc = corpus.extend(doc, new)
+            if doc_ids is None or all(d is not doc_ids for d in kept):  # a new document, or the old one evicted
+                doc_ids = []
+                kept.append(doc_ids)
+            doc_ids += new
+            del doc_ids[: max(0, len(doc_ids) - cap)]  # alone past the capacity: its latest tokens
+            while sum(map(len, kept)) > cap:
+                kept.pop(0)
+            ids = ids + new
+            running[r] = (doc, doc_ids, ids)
+            corpus.check_integrity()
+            assert corpus.held() == kept
+            assert doc.seen == len(ids) and (doc.evicted or doc.tokens == ids[doc.base :])
+            for _ in range(4):
+                q = [g.randrange(5) for _ in range(g.randrange(1, 6))]
+                assert tuple(corpus.lookup(q, 4)) == brute_corpus(kept, q, 4, lo, hi), (kept, q)
+
+
+def test_running_requests_draft_from_each_other() -> None:
+    """Two requests running at once: each drafts from what the other committed so far, up to its last token."""
+    from runtime.spec.ngram import NgramCorpus, propose_drafts
+
+    corpus = NgramCorpus(1, 4, 1000)
+    a = corpus.extend(None, [1, 2, 3, 40, 41, 42, 43])  # admitted: its prompt
+    b = corpus.extend(None, [9, 8, 7])
+    b = corpus.extend(b, [40, 41])  # b's first outputs continue a's prompt
+    assert propose_drafts(NgramIndex(1, 4), corpus, [9, 8, 7, 40, 41], 8) == [42, 43]
+    a = corpus.extend(a, [44, 45, 46])  # a's outputs, as they are accepted
+    assert propose_drafts(NgramIndex(1, 4), corpus, [9, 8, 7, 40, 41, 42, 43], 8) == [44, 45, 46]
+    assert corpus.extend(a, []) is a and corpus.extend(b, []) is b and len(corpus.docs) == 2
+    corpus.check_integrity()

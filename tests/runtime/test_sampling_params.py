@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
-from runtime.sampling_params import InvalidRequest, SamplingParams
+from runtime.errors import InvalidRequest
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler.plan_builder import sampling_columns
 
 VOCAB = 4096
 
@@ -71,18 +74,19 @@ def test_good_parameters_pass_and_normalise() -> None:
             "top_p": 1}
     p = SamplingParams.from_dict(good, VOCAB)
     assert p.stop == ["x"] and p.n == 3 and p.stop_token_ids == [0, VOCAB - 1]
-    assert isinstance(p.row(0).temperature, float)
+    cols = sampling_columns([p], [0])
+    assert cols.temperature.dtype == np.float32 and cols.temperature.tolist() == [0.0]
+    assert [q.seed for q in (p.for_sample(i) for i in range(3))] == [2**63 - 3, 2**63 - 2, 2**63 - 1]
+    assert p.for_sample(2).n == 1 and SamplingParams().for_sample(5).seed is None
     with pytest.raises(InvalidRequest):
         SamplingParams.from_dict([], VOCAB)  # type: ignore[arg-type]
 
 
-def test_the_row_type_is_the_kernels_and_costs_the_scheduler_no_torch() -> None:
+def test_the_parameters_and_their_columns_cost_the_scheduler_no_torch() -> None:
     import subprocess
     import sys
 
-    from kernels.sampling import SamplingRow
-
-    assert isinstance(SamplingParams().row(3), SamplingRow) and SamplingParams().row(3).step == 3
-    code = "import sys, runtime.sampling_params; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = ("import sys, runtime.sampling_params, kernels.sampling_columns, runtime.messages; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -9,7 +9,10 @@ import torch
 
 from radixk3.config import preset
 from radixk3.model import build_model
+from runtime.errors import InvalidRequest
 from runtime.local_engine import LocalEngine
+from runtime.messages import GenerateReq, decode, encode
+from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 from tests.greedy import greedy_reference
 
@@ -76,10 +79,10 @@ def test_stops_errors_and_abort(model) -> None:  # noqa: ANN001
     assert out[-1].matched_stop == ref[2]
     out = _one(eng, prompt, {**GREEDY, "stop_token_ids": [ref[0]], "min_new_tokens": 2})
     assert len([t for o in out for t in o.token_ids]) >= 2
-    bad = _one(eng, prompt, {"temperature": -1})
-    assert bad[-1].finished == "error" and "temperature" in bad[-1].error
-    unknown = _one(eng, prompt, {"max_tokens_typo": 3})
-    assert unknown[-1].finished == "error" and "max_tokens_typo" in unknown[-1].error
+    with pytest.raises(InvalidRequest, match="temperature"):  # refused at the door, never queued
+        eng.submit(prompt, {"temperature": -1})
+    with pytest.raises(InvalidRequest, match="max_tokens_typo"):
+        eng.submit(prompt, {"max_tokens_typo": 3})
     rid = eng.submit(prompt, {**GREEDY, "max_new_tokens": 50})
     plan = eng.scheduler.schedule()  # admitted, and its first step in flight when the abort arrives
     eng.scheduler.abort(rid)
@@ -97,15 +100,18 @@ def test_oversized_request_is_refused_not_spun_on(model) -> None:  # noqa: ANN00
 
 
 def test_bad_inputs_fail_alone(model) -> None:  # noqa: ANN001
+    """Refused at the door (LocalEngine.submit, as the tokenizer manager's): the good request runs as if alone."""
     eng = LocalEngine(ServerArgs(), model, check=True)
     good = eng.submit(list(range(20)), GREEDY)
-    bad_ids = eng.submit([1, 10**6], GREEDY)
-    bad_seed = eng.submit([1, 2], {**GREEDY, "seed": "abc"})
-    bad_top = eng.submit([1, 2], GREEDY, return_logprob=True, top_logprobs_num=10**6)
+    with pytest.raises(InvalidRequest, match="token ids"):
+        eng.submit([1, 10**6], GREEDY)
+    with pytest.raises(InvalidRequest, match="seed"):
+        eng.submit([1, 2], {**GREEDY, "seed": "abc"})
+    with pytest.raises(InvalidRequest, match="top_logprobs_num"):
+        eng.submit([1, 2], GREEDY, return_logprob=True, top_logprobs_num=10**6)
     outs = eng.run()
+    assert list(outs) == [good]
     assert [t for o in outs[good] for t in o.token_ids] == greedy_reference(model, list(range(20)), 6)
-    for rid, word in ((bad_ids, "token ids"), (bad_seed, "seed"), (bad_top, "top_logprobs_num")):
-        assert outs[rid][-1].finished == "error" and word in outs[rid][-1].error
 
 
 def test_a_failed_step_caches_nothing(model) -> None:  # noqa: ANN001
@@ -149,3 +155,23 @@ def test_logprob_bookkeeping_under_retraction_and_min_new_tokens(model) -> None:
                {**GREEDY, "stop_token_ids": [first], "min_new_tokens": 3})
     toks = [t for o in out for t in o.token_ids]
     assert len(toks) >= 3 and first not in toks[:3]
+
+
+def test_past_the_door_nothing_parses_or_validates_the_parameters(model, monkeypatch) -> None:  # noqa: ANN001
+    """The door's typed parameters cross the wire as they are; the scheduler and the worker never parse or
+    validate them again (parsing refused from here on), and the request runs as usual."""
+    eng = LocalEngine(ServerArgs(), model, check=True)
+    prompt = list(range(600, 630))
+    params = SamplingParams.from_dict({**GREEDY, "stop": "never", "seed": 9}, model.config.vocab_size)
+    msg = decode(encode(GenerateReq("typed", prompt, params.for_sample(0), return_logprob=True, top_logprobs_num=2)))
+    assert msg.sampling == params and isinstance(msg.sampling, SamplingParams)
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("sampling parameters parsed again past the door")
+
+    monkeypatch.setattr(SamplingParams, "from_dict", classmethod(refuse))
+    monkeypatch.setattr(SamplingParams, "validate", refuse)
+    eng.scheduler.add(msg)
+    outs = eng.run()["typed"]
+    assert outs[-1].finished == "length" and outs[-1].error is None
+    assert [t for o in outs for t in o.token_ids] == greedy_reference(model, prompt, 6)

@@ -6,11 +6,14 @@ from __future__ import annotations
 import random
 from collections import deque
 
+import numpy as np
 import pytest
 
+from kernels.sampling_columns import NEUTRAL, PARAMETERS, SamplingColumns
 from radixk3.config import preset
-from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
+from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, decode, encode
 from runtime.pool_layout import pool_layout
+from runtime.sampling_params import SamplingParams
 from runtime.scheduler.scheduler import Scheduler
 from runtime.scheduler.step_loop import StepLoop
 from runtime.server_args import ServerArgs
@@ -28,7 +31,7 @@ class Harness:
     def __init__(self, **kw: object) -> None:
         self.args = ServerArgs(**kw)  # type: ignore[arg-type]
         layout = pool_layout(preset("k3-tiny"), self.args)
-        self.sched = Scheduler(self.args, layout, frozenset({VOCAB - 1}), detokenize, VOCAB)
+        self.sched = Scheduler(self.args, layout, frozenset({VOCAB - 1}), detokenize)
         self.worker = TokenWorker(layout, self.args.mem_bytes, VOCAB, self.args.max_running_requests)
         self._sent: deque[StepPlan] = deque()
         self.loop = StepLoop(self.sched, self._sent.append, self._run, overlap=not self.args.disable_overlap_schedule)
@@ -40,7 +43,8 @@ class Harness:
     def submit(self, prompt: list[int], sampling: dict | None = None, **kw: object) -> str:
         rid = f"r{self._n}"
         self._n += 1
-        self.sched.add(GenerateReq(rid, list(prompt), dict(sampling or GREEDY), **kw))  # type: ignore[arg-type]
+        params = SamplingParams.from_dict(sampling or GREEDY, VOCAB)
+        self.sched.add(GenerateReq(rid, list(prompt), params, **kw))  # type: ignore[arg-type]
         return rid
 
     def run(self) -> dict[str, list[TokenOut]]:
@@ -266,3 +270,48 @@ def test_the_scheduler_process_imports_no_model_code() -> None:
             " print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_sampling_columns_cross_the_wire_as_each_request_set_them() -> None:
+    """Each sampled row's columns, after the wire, are its request's parameters as submitted (a row is matched to
+    its request through the page-table row), and its step is the index of the output it samples: 0, 1, ... for
+    each request, in order, across rows reused by the next requests."""
+    samplings = [
+        {**GREEDY, "max_new_tokens": 5},
+        {"max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9, "seed": -3, "ignore_eos": True},
+        {"max_new_tokens": 4, "top_k": 5, "min_p": 0.1, "seed": 2**63 - 1, "ignore_eos": True},
+        {"max_new_tokens": 6, "temperature": 1.3, "frequency_penalty": -0.5, "presence_penalty": 1.5,
+         "repetition_penalty": 1.2, "ignore_eos": True},  # unseeded
+        {"max_new_tokens": 3, "temperature": 2, "top_p": 1, "seed": 0, "ignore_eos": True},  # ints for floats
+    ]
+    h = Harness(max_running_requests=2, disable_overlap_schedule=True)
+    rids = [h.submit(rand(random.Random(i), 10 + i), sp) for i, sp in enumerate(samplings)]
+    of_rid = dict(zip(rids, samplings, strict=True))
+    steps: dict[str, list[int]] = {r: [] for r in rids}
+    outs: dict[str, list[int]] = {r: [] for r in rids}
+    s = h.sched
+    while s.has_work:
+        plan = s.schedule()
+        if plan is None:
+            done = s.take_outputs()
+        else:
+            wire = decode(encode(plan))
+            cols = wire.sampling
+            assert {n: getattr(cols, n).dtype for n in SamplingColumns.DTYPES} == {
+                n: np.dtype(t) for n, t in SamplingColumns.DTYPES.items()}
+            owner = {r.row: r.rid for r in s.running}
+            seqs = np.searchsorted(wire.cu_seqlens, wire.logits_index[: wire.num_sampled], "right") - 1
+            for i, seq in enumerate(seqs.tolist()):
+                rid = owner[int(wire.rows[seq])]
+                sp = of_rid[rid]
+                for name in PARAMETERS:
+                    want = np.array(sp.get(name, NEUTRAL[name]), dtype=SamplingColumns.DTYPES[name])
+                    assert getattr(cols, name)[i] == want, (rid, name)
+                assert bool(cols.seeded[i]) == ("seed" in sp)
+                assert "seed" not in sp or int(cols.seed[i]) == sp["seed"]
+                steps[rid].append(int(cols.step[i]))
+            done = s.process(h.worker.execute(wire))
+        for o in done:
+            outs[o.rid] += o.token_ids
+    for rid, sp in of_rid.items():
+        assert len(outs[rid]) == sp["max_new_tokens"] and steps[rid] == list(range(sp["max_new_tokens"])), rid

@@ -57,9 +57,25 @@ def test_dp_attention_flags() -> None:
     args = ServerArgs.from_cli_args(p.parse_args(["--tp", "4", "--dp", "2", "--enable-dp-attention",
                                                   "--speculative-algorithm", "ngram"]))
     assert (args.tp_size, args.dp_size, args.enable_dp_attention) == (4, 2, True)
-    for bad, says in ((dict(tp_size=4, dp_size=3, enable_dp_attention=True), "must divide"),
-                      (dict(tp_size=2, dp_size=2, enable_dp_attention=True, speculative_algorithm="dspark",
-                             speculative_draft_model="d"), "dspark does not run with --enable-dp-attention")):
+    with pytest.raises(ValueError, match="must divide"):
+        ServerArgs(tp_size=4, dp_size=3, enable_dp_attention=True)
+    for alg in ("draft", "dspark"):  # every proposer runs with DP attention
+        ServerArgs(tp_size=2, dp_size=2, enable_dp_attention=True, speculative_algorithm=alg,
+                   speculative_draft_model="d")
+
+
+def test_http_timeouts() -> None:
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    args = ServerArgs.from_cli_args(p.parse_args(["--timeout-keep-alive", "2.5", "--graceful-shutdown-timeout", "0"]))
+    assert (args.timeout_keep_alive, args.graceful_shutdown_timeout) == (2.5, 0.0)
+    assert (ServerArgs().timeout_keep_alive, ServerArgs().graceful_shutdown_timeout) == (5.0, 10.0)
+    for bad, says in ((dict(timeout_keep_alive=0), "timeout-keep-alive"),
+                      (dict(timeout_keep_alive=-1), "timeout-keep-alive"),
+                      (dict(timeout_keep_alive=float("nan")), "timeout-keep-alive"),
+                      (dict(timeout_keep_alive=float("inf")), "timeout-keep-alive"),
+                      (dict(graceful_shutdown_timeout=-1), "graceful-shutdown-timeout"),
+                      (dict(graceful_shutdown_timeout=float("nan")), "graceful-shutdown-timeout")):
         with pytest.raises(ValueError, match=says):
             ServerArgs(**bad)
 

@@ -167,4 +167,27 @@ def test_a_prompt_run_again_drafts_from_its_first_run(model, workload) -> None: 
     assert accepted[0][0] < got and proposed >= MAX_NEW // 2, accepted
     if model.config.model_type != "kimi_k3":  # random weights: its own context matches nothing longer, so
         assert got == proposed, accepted  # every draft is the first run's output, and taken
-    assert eng.scheduler.flush_cache() and not eng.scheduler.ngram_corpus.tokens
+    assert eng.scheduler.flush_cache() and not eng.scheduler.ngram_corpus.held()
+
+
+def test_running_requests_draft_from_each_other() -> None:
+    """The corpus holds running requests' tokens: a request whose greedy answer another request's prompt spells
+    out drafts it from there while both run (greedy repeats it, so the drafts are taken); with the corpus off it
+    has only its own context. The other request runs longer and drafts nothing itself."""
+    model = build_model(preset("k3-tiny"), seed=11)
+    g = random.Random(5)
+    vocab = model.config.vocab_size
+    cue = g.sample(range(vocab), 8)  # distinct tokens: its own context has nothing to look up at first
+    answer = greedy_reference(model, cue, MAX_NEW)
+    teacher = [g.randrange(vocab) for _ in range(20)] + cue + answer
+    longer = dict(GREEDY, max_new_tokens=3 * MAX_NEW, speculative=False)
+    teacher_out = greedy_reference(model, teacher, 3 * MAX_NEW)
+    accepted = {}
+    for cap in (0, 1 << 16):
+        eng = _engine(model, speculative_num_draft_tokens=6, speculative_ngram_capacity=cap)
+        t, s = eng.submit(teacher, longer), eng.submit(cue, GREEDY)
+        outs = eng.run()
+        assert [[x for o in outs[r] for x in o.token_ids] for r in (t, s)] == [teacher_out, answer]
+        accepted[cap] = eng.scheduler.metrics.accepted_tokens
+        eng.scheduler.check_integrity()
+    assert accepted[1 << 16] >= MAX_NEW // 2 and accepted[0] < accepted[1 << 16], accepted

@@ -185,21 +185,17 @@ def test_drafts_are_the_no_cache_mtp_chain(model, model2, workload, workload2, l
         torch.testing.assert_close(outs, torch.stack(ref_outs), atol=1e-4, rtol=1e-4)
 
 
-def test_trained_mtp_layer_accepts_drafts_on_gsm8k() -> None:
-    """The trained spec pair's target (`bench/train_spec_pair.py`, when cached: never trained here) drafts with
-    its own trained MTP layer: a good share of its drafts is accepted on gsm8k questions (~0.7 at k = 1)."""
+def test_trained_mtp_layer_accepts_drafts_on_gsm8k(spec_pair) -> None:  # noqa: ANN001
+    """The trained spec pair's target (the session's `spec_pair`, tests/conftest.py) drafts with its own trained
+    MTP layer: a good share of its drafts is accepted on gsm8k questions (a random MTP layer: ~0)."""
     import json
 
-    from bench.train_spec_pair import DATA, cache_root
+    from bench.train_spec_pair import DATA
     from radixk3.checkpoint import load_model
     from radixk3.tokenizer import load_tokenizer
 
-    targets = sorted(p.parent / "target" for p in cache_root().glob("*/report.json"))
-    if not targets or not (targets[0] / "config.json").is_file():
-        pytest.skip("no cached spec pair (bench/train_spec_pair.py builds it)")
-    target = load_model(targets[0])
-    if target.config.num_nextn_predict_layers < 1:
-        pytest.skip("the cached spec pair's target has no MTP layer")
+    target = load_model(spec_pair.target)
+    assert target.config.num_nextn_predict_layers >= 1
     tok = load_tokenizer()
     rows = [json.loads(line) for line in (DATA / "test.jsonl").read_text().splitlines()[:3]]
     prompts = [tok.encode(f"Question: {r['question']}\nAnswer:") for r in rows]
@@ -210,7 +206,7 @@ def test_trained_mtp_layer_accepts_drafts_on_gsm8k() -> None:
     m = eng.scheduler.metrics
     rate = m.accepted_tokens / m.draft_tokens
     print(f"trained MTP acceptance at k=1: {m.accepted_tokens}/{m.draft_tokens} = {rate:.2f}")
-    assert rate > 0.2
+    assert rate > 0.2  # the small pair: ~0.9 on its repetitive greedy replies (the bench's recipe: ~0.7); random: 0
 
 
 def test_retraction_under_a_small_pool(model) -> None:  # noqa: ANN001

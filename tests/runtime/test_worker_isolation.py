@@ -59,8 +59,10 @@ def test_a_row_that_cannot_be_sampled_fails_alone(model) -> None:  # noqa: ANN00
     eng = LocalEngine(ServerArgs(), model, check=True)
     good = _prompts()
     rids = [eng.submit(p, GREEDY) for p in good]
-    # Past the door's checks (as a bug would be): the worker's int64 parameter tensor overflows on this row.
-    next(r for r in eng.scheduler.waiting if r.rid == rids[1]).params.top_k = 2**63
+    # Past the door's checks (as a bug would be): a stop token outside the vocabulary, which the worker is told
+    # to ban on this row while it is below min_new_tokens.
+    params = next(r for r in eng.scheduler.waiting if r.rid == rids[1]).params
+    params.stop_token_ids, params.min_new_tokens = [10**6], 2
     outs = eng.run()
     assert outs[rids[1]][-1].finished == "error" and "sampling failed" in outs[rids[1]][-1].error
     for i in (0, 2):

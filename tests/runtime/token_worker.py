@@ -105,7 +105,7 @@ class TokenWorker:
                 self.buf[self._state_word(ckpts[i, len(toks)]) : self._state_word(ckpts[i, len(toks)]) + 2] = (
                     prefix + len(toks), h)
             self.buf[self._state_word(slot) : self._state_word(slot) + 2] = (prefix + len(toks), h)
-        n = len(plan.sample_params)
+        n = plan.num_sampled
         sample_rows = plan.logits_index[:n].tolist()
         seq_of_row = np.searchsorted(plan.cu_seqlens, np.array(sample_rows), side="right") - 1
         tokens, lps = [], []

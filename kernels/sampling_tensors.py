@@ -1,0 +1,88 @@
+"""The sampler's per-row parameter tensors, and what both sampling backends compute the same way from them: the
+counter-based hash's constants and the top-k / top-p cut-offs. A leaf shared by the dispatcher and torch
+reference (`kernels/sampling.py`) and the Triton kernels (`kernels/sampling_triton.py`): neither imports the
+other's types."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kernels.sampling_columns import SamplingColumns
+
+MASK32 = 0xFFFFFFFF
+HASH_MUL1 = 0x7FEB352D  # both < 2**31: a 32-bit value times either fits an int64 exactly
+HASH_MUL2 = 0x68E31DA4
+SEED_MASK = 2**63 - 1  # a seed is taken modulo 2**63 (two's complement: its low 63 bits), the hash's input
+FRESH_SEEDS = 2**62  # an unseeded row draws its seed uniformly in [0, FRESH_SEEDS) each step
+
+
+def _tensor(a: np.ndarray) -> Tensor:
+    return torch.from_numpy(np.require(a, requirements="W"))  # arrays off the wire are read-only: copied
+
+
+class SamplingTensors(NamedTuple):
+    """The rows' parameters as [N] tensors on the logits' device."""
+
+    temperature: Tensor
+    top_k: Tensor  # int64, <= 0: off
+    top_p: Tensor
+    min_p: Tensor
+    frequency_penalty: Tensor
+    presence_penalty: Tensor
+    repetition_penalty: Tensor
+    greedy: Tensor  # bool
+    seed: Tensor  # int64 in [0, 2**63)
+    step: Tensor  # int64
+
+    @staticmethod
+    def from_columns(cols: SamplingColumns, device: torch.device | str) -> SamplingTensors:
+        """The columns as tensors on `device`; each unseeded row gets a fresh seed from torch's global
+        generator (a new one at every call: a new step draws new numbers)."""
+        temperature, top_k = _tensor(cols.temperature), _tensor(cols.top_k)
+        seed = _tensor(cols.seed) & SEED_MASK
+        unseeded = (~_tensor(cols.seeded)).nonzero().squeeze(1)
+        if unseeded.numel():
+            seed[unseeded] = torch.randint(0, FRESH_SEEDS, (unseeded.numel(),))
+        host = SamplingTensors(
+            temperature=temperature, top_k=top_k, top_p=_tensor(cols.top_p), min_p=_tensor(cols.min_p),
+            frequency_penalty=_tensor(cols.frequency_penalty), presence_penalty=_tensor(cols.presence_penalty),
+            repetition_penalty=_tensor(cols.repetition_penalty), greedy=(temperature <= 0.0) | (top_k == 1),
+            seed=seed, step=_tensor(cols.step),
+        )
+        return SamplingTensors(*(t.to(device) for t in host))
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.step.numel())
+
+    def take(self, index: Tensor) -> SamplingTensors:
+        """Rows `index` (an int64 tensor on their device), in that order."""
+        return SamplingTensors(*(t[index] for t in self))
+
+    def has_penalties(self) -> bool:
+        """Whether some row has a frequency, presence or repetition penalty."""
+        return bool(((self.frequency_penalty != 0) | (self.presence_penalty != 0)
+                     | (self.repetition_penalty != 1.0)).any())
+
+
+def cutoffs(z: Tensor, p: SamplingTensors) -> Tensor:
+    """Per-row z cut-off of top-k and top-p ([N] fp32, -inf where neither applies); rows need sorting only if
+    they use top-k or top-p."""
+    cut = torch.full((z.shape[0],), float("-inf"), device=z.device)
+    need = ((p.top_k > 0) | (p.top_p < 1.0)) & ~p.greedy
+    if not bool(need.any()):
+        return cut
+    rows = need.nonzero().squeeze(1)
+    zs, _ = z[rows].sort(dim=-1, descending=True)
+    vocab = z.shape[1]
+    k = torch.where(p.top_k[rows] > 0, p.top_k[rows].clamp(max=vocab), vocab)
+    probs = zs.softmax(-1)
+    before = probs.cumsum(-1) - probs  # mass strictly before each sorted position
+    in_p = (before < p.top_p[rows, None]).sum(-1).clamp(min=1)  # the first token always stays
+    last = torch.minimum(k, in_p) - 1
+    cut[rows] = zs.gather(1, last[:, None]).squeeze(1)
+    return cut
