@@ -3,6 +3,8 @@ proposal distribution q on the plain sampler's stream."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -21,6 +23,26 @@ def window_layout(cu_seqlens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def any_sampled(params: SamplingTensors) -> bool:
     """Whether some window position samples (then drafts are drawn and their q handed to the verifier)."""
     return not bool(params.greedy.all())
+
+
+class DraftWindows(NamedTuple):
+    """A verify step's windows as a proposer fills them: window i starts at packed position `starts[i]` and has
+    `lens[i]` positions (the last committed token, then `lens[i] - 1` drafts); `probs` [windows, width - 1, vocab]
+    receives each draft's q, or is None when every position is greedy (no q is needed)."""
+
+    starts: Tensor
+    lens: Tensor
+    width: int
+    probs: Tensor | None
+
+
+def draft_windows(cu_seqlens: Tensor, params: SamplingTensors, vocab_size: int) -> DraftWindows:
+    _, _, lens = window_layout(cu_seqlens)
+    width = int(lens.max())
+    probs = None
+    if any_sampled(params):
+        probs = torch.zeros(lens.numel(), width - 1, vocab_size, device=cu_seqlens.device)
+    return DraftWindows(cu_seqlens[:-1], lens, width, probs)
 
 
 def draw_drafts(logits: Tensor, p: SamplingTensors) -> tuple[Tensor, Tensor]:

@@ -28,7 +28,7 @@ from radixk3.dspark_checkpoint import load_dspark
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
 from radixk3.mtp import token_positions
-from runtime.spec.drafts import any_sampled, choose, window_layout
+from runtime.spec.drafts import choose, draft_windows, window_layout
 from runtime.worker.pool_buffer import PoolBuffer
 
 
@@ -58,11 +58,8 @@ class DSparkProposer:
 
     def propose(self, batch: ForwardBatch, rows: Tensor, params: SamplingTensors) -> Tensor | None:
         ids = batch.input_ids
-        _, _, lens = window_layout(batch.cu_seqlens)
-        starts = batch.cu_seqlens[:-1]
+        starts, lens, _, probs = draft_windows(batch.cu_seqlens, params, self.drafter.config.vocab_size)
         k = lens - 1
-        vocab = self.drafter.config.vocab_size
-        probs = torch.zeros(lens.numel(), int(k.max()), vocab, device=ids.device) if any_sampled(params) else None
         blocks = block_length(k, self.drafter.config.block_size)
         for b in torch.unique(blocks[k > 0]).tolist():  # one pass per block length (nearly always one)
             group = ((blocks == b) & (k > 0)).nonzero().squeeze(1)

@@ -27,7 +27,7 @@ from torch import Tensor
 from kernels.sampling_tensors import SamplingTensors
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
-from runtime.spec.drafts import any_sampled, choose, window_layout
+from runtime.spec.drafts import choose, draft_windows, window_layout
 from runtime.worker.pool_buffer import PoolBuffer
 
 
@@ -136,11 +136,7 @@ class MTPProposer:
 
     def propose(self, batch: ForwardBatch, rows: Tensor, params: SamplingTensors) -> Tensor | None:
         ids = batch.input_ids
-        _, _, lens = window_layout(batch.cu_seqlens)
-        starts = batch.cu_seqlens[:-1]
-        width = int(lens.max())
-        vocab = self.model.config.vocab_size
-        probs = torch.zeros(lens.numel(), width - 1, vocab, device=ids.device) if any_sampled(params) else None
+        starts, lens, width, probs = draft_windows(batch.cu_seqlens, params, self.model.config.vocab_size)
         # chain[:, s]: the chain's output at position L-1+s (s = 0: layer 0's at the last committed position).
         chain = self.last_out.new_zeros(lens.numel(), width, self.last_out.shape[-1])
         chain[:, 0] = self.last_out[0, rows]

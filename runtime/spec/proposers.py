@@ -45,7 +45,7 @@ from radixk3.model import KimiForCausalLM
 from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
 from runtime.pool_layout import check_draft_config, serving_dtype
 from runtime.server_args import ServerArgs
-from runtime.spec.drafts import any_sampled, choose, window_layout
+from runtime.spec.drafts import choose, draft_windows
 from runtime.spec.dspark import load_dspark_proposer
 from runtime.spec.mtp import MTPProposer
 from runtime.worker.pool_buffer import PoolBuffer
@@ -122,11 +122,7 @@ class DraftModelProposer:
 
     def propose(self, batch: ForwardBatch, rows: Tensor, params: SamplingTensors) -> Tensor | None:
         ids = batch.input_ids
-        _, _, lens = window_layout(batch.cu_seqlens)
-        starts = batch.cu_seqlens[:-1]
-        width = int(lens.max())
-        vocab = self.model.config.vocab_size
-        probs = torch.zeros(lens.numel(), width - 1, vocab, device=ids.device) if any_sampled(params) else None
+        starts, lens, width, probs = draft_windows(batch.cu_seqlens, params, self.model.config.vocab_size)
         # The running state starts as the live one; the live state itself is never written while drafting.
         for run, live in zip(self.running.recurrent + self.running.conv, self.cache.recurrent + self.cache.conv,
                              strict=True):
