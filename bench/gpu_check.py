@@ -11,6 +11,9 @@
   gather exchanges its row counts on the GPU), greedy == `--tp 1` on CUDA.
 - mem_fraction_cuda: `--mem-fraction` on CUDA: the pool the worker sized after loading its weights is the
   scheduler's (`pool_bytes` in its metrics), greedy == `--tp 1` on CUDA.
+- row_fallback_cuda: a row that cannot be sampled fails alone on CUDA, in a decode step and in a verify step
+  (n-gram speculation): the sampler's row-by-row fallback builds its placeholders on the logits' device, so its
+  batch-mates finish with their `--tp 1` greedy tokens.
 
 Each check prints PASS, FAIL or SKIP with its reason; the last line is a one-line JSON summary. Exit status 1 if
 a check failed. Without a CUDA device it says so, prints the summary and exits 0.
@@ -117,8 +120,48 @@ def mem_fraction_cuda() -> Outcome:
                            f"{free / 2**30:.1f} GiB free once the engine stopped), greedy == tp 1")
 
 
+def _bad_row_fails_alone(mode: str, want: tuple[tuple[int, ...], ...], **spec: Any) -> str | None:
+    """Why a row poisoned after its first token did not fail alone on CUDA (None: it did)."""
+    from runtime.local_engine import LocalEngine
+    from runtime.server_args import ServerArgs
+
+    rids: list[str] = []
+    poisoned: list[int] = []
+
+    def poison(sched: Any) -> None:  # noqa: ANN401
+        # Once the row has its first token (the extend step's; later ones come from decode or verify steps),
+        # past the door's checks as a bug would be: a stop token outside the vocabulary, which the worker is told
+        # to ban on this row while it is below min_new_tokens.
+        req = next((r for r in sched.running if r.rid == rids[1] and r.output_ids), None)
+        if req is not None and not poisoned:
+            req.params.stop_token_ids, req.params.min_new_tokens = [10**6], len(req.output_ids) + 2
+            poisoned.append(len(req.output_ids))
+
+    eng = LocalEngine(ServerArgs(device="cuda", mem_bytes=MEM, **spec), check=True, on_step=poison)
+    rids += [eng.submit(p, GREEDY) for p in PROMPTS]
+    outs = eng.run()
+    last = outs[rids[1]][-1]
+    if not poisoned or last.finished != "error" or "sampling failed" not in (last.error or ""):
+        return f"{mode}: the bad row ended {last.finished!r} ({last.error})"
+    for i in (0, 2, 3):
+        got = tuple(t for o in outs[rids[i]] for t in o.token_ids)
+        if got != want[i]:
+            return f"{mode}: batch-mate {i} got {got}, tp 1 alone {want[i]}"
+    eng.scheduler.check_integrity()
+    return None
+
+
+def row_fallback_cuda() -> Outcome:
+    want = _reference("cuda")
+    why = _bad_row_fails_alone("decode", want) or _bad_row_fails_alone(
+        "verify", want, speculative_algorithm="ngram", speculative_num_draft_tokens=3)
+    if why:
+        return Outcome("FAIL", why)
+    return Outcome("PASS", "a bad row failed alone in a decode and in a verify step; batch-mates == tp 1")
+
+
 CHECKS: tuple[Callable[[], Outcome], ...] = (backend_choice, cpu_ranks_on_gpu_machine, cuda_tp2, dp_attention_nccl,
-                                             mem_fraction_cuda)
+                                             mem_fraction_cuda, row_fallback_cuda)
 
 
 def main(argv: list[str] | None = None) -> int:
