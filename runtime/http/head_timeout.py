@@ -5,24 +5,41 @@ connection that never completes its first request's head, or trickles it a byte 
 ever, and a few hundred of them (slowloris) hold the server's sockets. Its h11 protocol is no better here: its
 `h11_max_incomplete_event_size` bounds the size of an incomplete head, not its time. So this protocol gives a
 connection `head_timeout` seconds, from its opening or from its previous response, to deliver the next
-request's complete head, and closes it otherwise. Bodies and responses are not timed here: a request that is
-being served is the app's.
+request's complete head, and closes it otherwise; and it bounds the head's size (`MAX_HEAD_BYTES`, as h11's
+`h11_max_incomplete_event_size` and Node's 16 KiB header limit do): within its 5 s a client could otherwise send
+gigabytes of headers, which httptools hands to uvicorn to keep. A head over the bound gets a 431 and the connection
+is closed. Bodies and responses are not timed here: a request that is being served is the app's.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from runtime.http.api_errors import error_body
+
+MAX_HEAD_BYTES = 64 << 10  # a request line and headers larger than this get 431 (nginx's default allows 32 KiB)
 
 
 class HeadTimeoutProtocol(HttpToolsProtocol):
     head_timeout: float = 5.0
+    max_head_bytes: int = MAX_HEAD_BYTES
     _head_timer: asyncio.TimerHandle | None = None
+    _head_bytes: int = 0  # received since the head was awaited, while it is incomplete
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._await_head()
+
+    def data_received(self, data: bytes) -> None:
+        awaiting = self._head_timer is not None
+        super().data_received(data)
+        if awaiting and self._head_timer is not None:  # the head is still incomplete after this data
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_head_bytes and not self.transport.is_closing():
+                self._head_too_large()
 
     def on_headers_complete(self) -> None:
         self._head_arrived()
@@ -40,6 +57,7 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
 
     def _await_head(self) -> None:
         self._head_arrived()
+        self._head_bytes = 0
         self._head_timer = self.loop.call_later(self.head_timeout, self._head_late)
 
     def _head_arrived(self) -> None:
@@ -51,6 +69,15 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         self._head_timer = None
         if not self.transport.is_closing():
             self.transport.close()
+
+
+    def _head_too_large(self) -> None:
+        self._head_arrived()
+        body = orjson.dumps(error_body(f"the request line and headers exceed {self.max_head_bytes} bytes",
+                                       "invalid_request_error", "headers"))
+        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
 
 
 def head_timeout_protocol(seconds: float) -> type[HeadTimeoutProtocol]:

@@ -218,7 +218,8 @@ def test_sigterm_aborts_what_outlives_the_grace_period(tmp_path: Path) -> None:
 
 def test_slow_heads_are_closed_and_a_client_leaving_mid_body_is_no_error(tmp_path: Path) -> None:
     """A connection gets --timeout-keep-alive seconds for each request's head (none are kept open by a client
-    that never finishes one); a client that leaves while its body is read leaves no traceback in the log."""
+    that never finishes one) and 64 KiB for it (a 431 beyond); a client that leaves while its body is read leaves
+    no traceback in the log."""
     log = tmp_path / "stderr.txt"
     with running_server("--timeout-keep-alive", "1", stderr=log) as server:
         address = ("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
@@ -238,6 +239,17 @@ def test_slow_heads_are_closed_and_a_client_leaving_mid_body_is_no_error(tmp_pat
             sock.sendall(b"GET /health HTTP/1.1\r\n")
             while sock.recv(4096):
                 pass
+        with socket.create_connection(address, timeout=60) as sock:  # a head that never ends, fast: 431, closed
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            reply = b""
+            try:
+                for i in range(10_000):  # 80 MB, if nothing stopped it
+                    sock.sendall(b"X-Pad-%d: %s\r\n" % (i, b"a" * 8000))
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            while chunk := sock.recv(4096):
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 431") and b'"param":"headers"' in reply, reply[:200]
         for _ in range(3):  # half a body, then gone
             with socket.create_connection(address, timeout=60) as sock:
                 sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
