@@ -13,7 +13,9 @@ only, never for the step loop's interpreter, and is known to end in about the ti
 is compiling a grammar twice on its first use; the scheduler's cache (`runtime.grammar`) spares repeats both.
 
 The pool is driven by one thread in the scheduler process that waits on the workers' pipes (no GIL held while
-it waits) and resolves each request's Future.
+it waits) and resolves each request's Future. Workers are plain subprocesses (`python -m runtime.grammar_pool`)
+talking over a multiprocessing pipe: the scheduler is a daemonic multiprocessing child, which multiprocessing
+forbids to have children of its own.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from runtime.errors import InvalidRequest
 
@@ -66,32 +70,31 @@ class _Reply(NamedTuple):
 _READY = "ready"
 
 
-def _serve(conn: mpc.Connection, setup: CompilerSetup) -> None:
-    """A worker: build the compiler, then probe the grammars sent until the pipe closes."""
+def _serve(conn: mpc.Connection) -> None:
+    """A worker: read the setup, build the compiler, then probe the grammars sent until the pipe closes."""
+    setup: CompilerSetup = conn.recv()  # first, before the slow imports: the pool's thread waits on this send
     with contextlib.suppress(OSError):
         os.nice(WORKER_NICE)
     # Imported here: runtime.grammar imports this module (the pool), and a worker needs xgrammar anyway.
     from runtime.grammar import build_compiler, probe
 
     compiler = build_compiler(setup, threads=1)
-    conn.send(_READY)
-    while True:
-        try:
+    with contextlib.suppress(EOFError, OSError):  # the pipe closed: the scheduler is gone, so is this worker
+        conn.send(_READY)
+        while True:
             key = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            reply = _Reply(probe(compiler, key))
-        except InvalidRequest as e:
-            reply = _Reply(None, e.message, e.param)
-        except Exception as e:  # the compiler failing on a grammar it accepted
-            reply = _Reply(None, f"{type(e).__name__}: {e}", key.kind, invalid=False)
-        conn.send(reply)
+            try:
+                reply = _Reply(probe(compiler, key))
+            except InvalidRequest as e:
+                reply = _Reply(None, e.message, e.param)
+            except Exception as e:  # the compiler failing on a grammar it accepted
+                reply = _Reply(None, f"{type(e).__name__}: {e}", key.kind, invalid=False)
+            conn.send(reply)
 
 
 @dataclass
 class _Worker:
-    proc: Any  # multiprocessing's SpawnProcess
+    proc: subprocess.Popen[bytes]
     conn: mpc.Connection
     ready: bool = False
     job: tuple[GrammarKey, Future[Probed]] | None = None
@@ -141,6 +144,18 @@ class CompilePool:
 
     # --- the pool's thread --------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve_jobs()
+        except Exception as e:  # a bug here must fail the grammars waiting, never leave them pending
+            self._broken = f"the grammar compiler failed: {type(e).__name__}: {e}"
+        with self._lock:
+            jobs, self._jobs = list(self._jobs), deque()
+        jobs += [w.job for w in self._workers if w.job is not None]
+        for _, fut in jobs:
+            if not fut.done():
+                fut.set_exception(RuntimeError(self._broken or "the grammar compiler is shut down"))
+
+    def _serve_jobs(self) -> None:
         self._workers = [self._spawn() for _ in range(self._n)]
         while not self._closed and self._broken is None:
             self._dispatch()
@@ -153,18 +168,13 @@ class CompilePool:
                 else:
                     self._receive(next(w for w in self._workers if w.conn is conn))
             self._expire()
-        with self._lock:
-            jobs, self._jobs = list(self._jobs), deque()
-        jobs += [w.job for w in self._workers if w.job is not None]
-        for _, fut in jobs:
-            fut.set_exception(RuntimeError(self._broken or "the grammar compiler is shut down"))
 
     def _spawn(self) -> _Worker:
         ours, theirs = mp.Pipe()
-        proc = mp.get_context("spawn").Process(target=_serve, args=(theirs, self._setup), name="grammar-compiler",
-                                               daemon=True)
-        proc.start()
+        proc = subprocess.Popen([sys.executable, "-m", "runtime.grammar_pool", str(theirs.fileno())],
+                                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         theirs.close()
+        ours.send(self._setup)
         return _Worker(proc, ours)
 
     def _dispatch(self) -> None:
@@ -185,9 +195,9 @@ class CompilePool:
             msg = w.conn.recv()
         except (EOFError, OSError):  # the worker died: a grammar that crashed it, or killed from outside
             if not w.ready:  # it never started: starting another would fail alike, forever
-                self._broken = f"the grammar compiler process failed to start (exit code {w.proc.exitcode})"
+                self._broken = f"the grammar compiler process failed to start (exit code {w.proc.poll()})"
                 return
-            self._replace(w, f"could not be compiled: the compiler process exited (code {w.proc.exitcode})")
+            self._replace(w, f"could not be compiled: the compiler process exited (code {w.proc.poll()})")
             return
         if msg == _READY:
             w.ready = True
@@ -220,5 +230,13 @@ class CompilePool:
     @staticmethod
     def _stop(w: _Worker) -> None:
         w.proc.kill()
-        w.proc.join(5)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            w.proc.wait(5)
         w.conn.close()
+
+
+if __name__ == "__main__":  # a worker: argv[1] is its end of the pipe
+    # The module's own copy, not this __main__ one: what it sends must unpickle as runtime.grammar_pool's types.
+    from runtime.grammar_pool import _serve as serve
+
+    serve(mpc.Connection(int(sys.argv[1])))
