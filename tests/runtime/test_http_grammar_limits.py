@@ -28,7 +28,7 @@ def server() -> Server:
 
 
 def generate(server: Server, grammar: dict[str, Any], max_new_tokens: int = 16) -> httpx.Response:
-    with server.client(timeout=120) as c:
+    with server.client() as c:
         return c.post("/generate", json={"text": PROMPT, "sampling_params": {
             "max_new_tokens": max_new_tokens, "temperature": 0} | grammar})
 
@@ -72,8 +72,8 @@ def test_a_grammar_that_matches_nothing_is_a_400(server: Server) -> None:
 
 @pytest.mark.parametrize("as_text", [False, True])
 def test_a_schema_nested_too_deeply_says_so_without_internals(server: Server, as_text: bool) -> None:
-    depth = 10_000 if as_text else 300  # as an object in the body, as deep as the body's JSON parser takes
-    schema = '{"type":"array","items":' * depth + "{}" + "}" * depth
+    depth = 5_000 if as_text else 300  # as an object in the body, as deep as the body's JSON parser takes
+    schema = '{"items":' * depth + "{}" + "}" * depth  # 50,002 bytes: within the size limit
     r = generate(server, {"json_schema": schema if as_text else json.loads(schema)})
     refused(r, "json_schema", "nested too deeply", "64 levels")
 
