@@ -1,12 +1,18 @@
 """Structured output through xgrammar (SGLang's and vLLM's default grammar backend): requests carrying a
 `regex`, `json_schema` or `ebnf` are decoded under a per-request token mask.
 
-The grammar is compiled once per distinct source against the tokenizer (`GrammarCompiler`, with its cache),
-in a thread pool, never on the scheduler's step loop: a constrained request waits for its grammar before it
-is queued. Each request then owns a `GrammarMatcher` that fills its row of the step's packed token bitmask
-(bit t % 32 of word t // 32 set: token t allowed) and accepts every token sampled for it; it can roll back
-(xgrammar keeps the whole history) for speculative decoding. `check_grammar` is the syntax check at the
-door (no tokenizer, so it is cheap); its message is xgrammar's, without the C++ source location.
+At the door (`check_grammar`, in the tokenizer process, no tokenizer needed so it is cheap): the grammar's size
+(`--max-grammar-bytes`), a json_schema's depth and unsupported features (`runtime.grammar_schema`), then
+xgrammar's parse; messages are xgrammar's, without the C++ source location.
+
+In the scheduler (`GrammarBackend`): each distinct grammar is compiled once against the tokenizer, never on the
+step loop, under a time budget (`runtime.grammar_pool` says how: a killable worker process first, then a thread
+here). A grammar that admits no token at all is refused there. Compiled grammars stay in an LRU cache bounded
+in bytes (`--grammar-cache-bytes`, xgrammar's own estimate of each), emptied by `clear_cache` (the scheduler's
+flush); refusals are remembered by digest, so a grammar that timed out is not compiled again. A constrained
+request waits for its grammar before it is queued. Each request then owns a `GrammarMatcher` that fills its row
+of the step's packed token bitmask (bit t % 32 of word t // 32 set: token t allowed) and accepts every token
+sampled for it; it can roll back (xgrammar keeps the whole history) for speculative decoding.
 
 xgrammar (and torch with it) is imported on first use only: engines that never see a grammar do not pay for
 it at startup.
@@ -14,8 +20,13 @@ it at startup.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import hashlib
+import os
 import re
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,6 +35,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from runtime.errors import InvalidRequest
+from runtime.grammar_pool import CompilePool, CompilerSetup, Probed
+from runtime.grammar_schema import vet_json_schema
+from runtime.server_args import ServerArgs
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -32,12 +46,16 @@ if TYPE_CHECKING:
 
 ANY_JSON = "$$ANY$$"  # json_schema value meaning any JSON value (OpenAI json_object), as SGLang spells it
 _CPP_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+REMEMBERED_REFUSALS = 4096  # digests of grammars refused at compile (a timeout would cost a worker again)
 
 
 @dataclass(frozen=True)
 class GrammarKey:
     kind: str  # "regex" | "json_schema" | "ebnf"
     source: str
+
+    def digest(self) -> bytes:
+        return hashlib.sha256(f"{self.kind}\0{self.source}".encode()).digest()
 
 
 def _xgr() -> Any:
@@ -55,10 +73,16 @@ def _refuse(key: GrammarKey, e: Exception) -> InvalidRequest:
     return InvalidRequest(f"invalid {key.kind}: {_message(e)}", param=key.kind)
 
 
-def check_grammar(key: GrammarKey) -> None:
-    """Parse the grammar without a tokenizer; InvalidRequest naming the field and xgrammar's message."""
+def check_grammar(key: GrammarKey, max_bytes: int = ServerArgs.max_grammar_bytes) -> None:
+    """Check the grammar without a tokenizer: its size, a schema's depth and features, xgrammar's parse;
+    InvalidRequest naming the field and the problem."""
+    size = len(key.source.encode())
+    if size > max_bytes:
+        raise InvalidRequest(f"{key.kind} is {size} bytes, over the limit of {max_bytes} bytes", param=key.kind)
     if key.kind == "json_schema" and key.source == ANY_JSON:
         return
+    if key.kind == "json_schema":
+        vet_json_schema(key.source)
     xgr = _xgr()
     parse = {"regex": xgr.Grammar.from_regex, "ebnf": xgr.Grammar.from_ebnf,
              "json_schema": lambda s: xgr.Grammar.from_json_schema(s, any_whitespace=False)}[key.kind]
@@ -123,52 +147,175 @@ def fill_masks(matchers: Sequence[GrammarMatcher]) -> np.ndarray:
     return mask.numpy()
 
 
-class GrammarBackend:
-    """The compiler (built on first use from the tokenizer) and the thread pool that runs it."""
+def build_compiler(setup: CompilerSetup, threads: int) -> xgr.GrammarCompiler:
+    """xgrammar's compiler for the setup's vocabulary, its own cache off (the backend keeps one, in bytes)."""
+    xgr = _xgr()
+    info = xgr.TokenizerInfo(setup.vocab, xgr.VocabType.RAW, vocab_size=setup.vocab_size,
+                             stop_token_ids=setup.stop_ids)
+    return xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_ids: Sequence[int], threads: int = 2) -> None:
+
+def _compile(compiler: xgr.GrammarCompiler, method: str, text: str) -> xgr.CompiledGrammar:
+    if method == "regex":
+        return compiler.compile_regex(text)
+    if method == "ebnf":
+        return compiler.compile_grammar(text)
+    return compiler.compile_builtin_json_grammar()
+
+
+def probe(compiler: xgr.GrammarCompiler, key: GrammarKey) -> Probed:
+    """Compile `key` (in a pool worker) and say what the scheduler is to compile; InvalidRequest if the grammar
+    is refused, or admits no token at all (its first mask is empty: no output could ever match it)."""
+    start = time.monotonic()
+    try:
+        if key.kind == "json_schema":
+            method, text = ("builtin_json", "") if key.source == ANY_JSON else ("ebnf", json_schema_grammar(key.source))
+        else:
+            method, text = key.kind, key.source
+        compiled = _compile(compiler, method, text)
+    except Exception as e:
+        raise _refuse(key, e) from None
+    xgr = _xgr()
+    mask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+    if not bool(mask.any()):
+        raise InvalidRequest(f"the {key.kind} matches no output at all", param=key.kind)
+    return Probed(method, text, time.monotonic() - start)
+
+
+class CompiledCache:
+    """Compiled grammars by key, least recently used first out, bounded by xgrammar's estimate of their bytes."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: collections.OrderedDict[GrammarKey, tuple[xgr.CompiledGrammar, int]] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: GrammarKey) -> xgr.CompiledGrammar | None:
+        hit = self._items.get(key)
+        if hit is None:
+            return None
+        self._items.move_to_end(key)
+        return hit[0]
+
+    def put(self, key: GrammarKey, compiled: xgr.CompiledGrammar) -> None:
+        size = int(compiled.memory_size_bytes) + len(key.source)
+        if key in self._items or size > self.max_bytes:  # one larger than the whole cache is used, not kept
+            return
+        self._items[key] = (compiled, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, old) = self._items.popitem(last=False)
+            self.bytes -= old
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.bytes = 0
+
+
+def _background_thread() -> None:
+    """The compile thread yields its core to the step loop (Linux: a thread's nice value is its own)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
+class GrammarBackend:
+    """Compiled grammars for the scheduler: the cache, the worker pool that probes a new grammar under the time
+    budget, and the thread that then compiles it here."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_ids: Sequence[int],
+                 args: ServerArgs | None = None) -> None:
+        """`args`: the --grammar-* settings (default: their defaults)."""
+        args = args if args is not None else ServerArgs()
         if vocab_size < tokenizer.vocab_size:
             raise ValueError(f"model vocab {vocab_size} < tokenizer vocab {tokenizer.vocab_size}")
         self.vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._stop_ids = sorted(stop_ids)
-        self._threads = threads
-        self._compiler: xgr.GrammarCompiler | None = None
+        self.compile_timeout = args.grammar_compile_timeout
+        self._workers = args.grammar_compile_workers
+        self.cache = CompiledCache(args.grammar_cache_bytes)
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        self._setup: CompilerSetup | None = None
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._pool: CompilePool | None = None
+        self._threads = ThreadPoolExecutor(1, thread_name_prefix="grammar", initializer=_background_thread)
+        self._pending: dict[GrammarKey, Future[xgr.CompiledGrammar]] = {}
+        self._refused: collections.OrderedDict[bytes, InvalidRequest] = collections.OrderedDict()
 
-    def _compiler_now(self) -> xgr.GrammarCompiler:
-        with self._lock:
-            if self._compiler is None:
-                xgr = _xgr()
-                tok = self._tokenizer
-                # Each id's bytes as the project decodes them; special ids decode to nothing, which xgrammar
-                # takes as "special": never allowed, except the stop ids once the grammar is complete. Ids
-                # past the tokenizer's vocabulary (the model's padding) are never allowed either.
-                vocab = [tok.token_bytes(i, skip_special_tokens=True) for i in range(tok.vocab_size)]
-                info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size,
-                                         stop_token_ids=self._stop_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self._threads, cache_enabled=True)
-            return self._compiler
-
-    def compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
-        c = self._compiler_now()
-        try:
-            if key.kind == "regex":
-                return c.compile_regex(key.source)
-            if key.kind == "ebnf":
-                return c.compile_grammar(key.source)
-            if key.source == ANY_JSON:
-                return c.compile_builtin_json_grammar()
-            return c.compile_grammar(json_schema_grammar(key.source))
-        except Exception as e:
-            raise _refuse(key, e) from None
+    def _started(self) -> CompilePool:
+        """The compiler and the pool, built at the first grammar (with the lock held)."""
+        if self._pool is None:
+            tok = self._tokenizer
+            # Each id's bytes as the project decodes them; special ids decode to nothing, which xgrammar
+            # takes as "special": never allowed, except the stop ids once the grammar is complete. Ids
+            # past the tokenizer's vocabulary (the model's padding) are never allowed either.
+            vocab = [tok.token_bytes(i, skip_special_tokens=True) for i in range(tok.vocab_size)]
+            self._setup = CompilerSetup(vocab, self.vocab_size, self._stop_ids)
+            self._compiler = build_compiler(self._setup, threads=1)
+            self._pool = CompilePool(self._setup, self._workers, self.compile_timeout)
+        return self._pool
 
     def submit(self, key: GrammarKey) -> Future[xgr.CompiledGrammar]:
-        return self._pool.submit(self.compile, key)
+        """The compiled grammar (at once if cached), or InvalidRequest: refused, or not compiled in time."""
+        with self._lock:
+            out: Future[xgr.CompiledGrammar] = Future()
+            if (hit := self.cache.get(key)) is not None:
+                out.set_result(hit)
+                return out
+            if (refusal := self._refused.get(key.digest())) is not None:
+                out.set_exception(InvalidRequest(refusal.message, param=refusal.param))
+                return out
+            if (pending := self._pending.get(key)) is not None:
+                return pending
+            self._pending[key] = out
+            pool = self._started()
+        pool.submit(key).add_done_callback(lambda probed: self._on_probed(key, probed, out))
+        return out
+
+    def _on_probed(self, key: GrammarKey, probed: Future[Probed], out: Future[xgr.CompiledGrammar]) -> None:
+        e = probed.exception()
+        if e is None:
+            self._threads.submit(self._compile_here, key, probed.result(), out)
+            return
+        with self._lock:
+            self._pending.pop(key, None)
+            if isinstance(e, InvalidRequest):
+                self._refused[key.digest()] = e
+                while len(self._refused) > REMEMBERED_REFUSALS:
+                    self._refused.popitem(last=False)
+        out.set_exception(e)
+
+    def _compile_here(self, key: GrammarKey, probed: Probed, out: Future[xgr.CompiledGrammar]) -> None:
+        try:
+            assert self._compiler is not None
+            compiled = _compile(self._compiler, probed.method, probed.text)  # releases the GIL
+        except Exception as e:  # the same source compiled in the worker: not the grammar's fault
+            with self._lock:
+                self._pending.pop(key, None)
+            out.set_exception(RuntimeError(f"the {key.kind} failed to compile: {_message(e)}"))
+            return
+        with self._lock:
+            self._pending.pop(key, None)
+            self.cache.put(key, compiled)
+        out.set_result(compiled)
+
+    def compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
+        return self.submit(key).result()
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> GrammarMatcher:
         return GrammarMatcher(compiled, self.vocab_size)
 
+    def clear_cache(self) -> None:
+        """Forget every compiled grammar and refusal (requests holding a matcher keep theirs alive)."""
+        with self._lock:
+            self.cache.clear()
+            self._refused.clear()
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.close()

@@ -33,8 +33,9 @@ class LocalEngine:
         cfg = model_config(args) if model is None else model.config
         stop_ids = frozenset(tok.stop_ids) | {cfg.eos_token_id}
         self.vocab_size = cfg.vocab_size
-        self.scheduler = Scheduler(args, self.worker.layout, stop_ids, tok.decode,
-                                   GrammarBackend(tok, cfg.vocab_size, stop_ids), pool_bytes=self.worker.pool_bytes)
+        grammar = GrammarBackend(tok, cfg.vocab_size, stop_ids, args)
+        self.scheduler = Scheduler(args, self.worker.layout, stop_ids, tok.decode, grammar,
+                                   pool_bytes=self.worker.pool_bytes)
         self.wire, self.check, self.on_step = wire, check, on_step
         self._n = 0
         self._sent: deque[StepPlan] = deque()

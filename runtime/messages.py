@@ -55,6 +55,8 @@ class TokenOut:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    invalid: bool = False  # the error is the request's own (HTTP 400), found after the door: a grammar refused
+    error_param: str | None = None  # ... and the field it names
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from runtime.errors import InvalidRequest
+from runtime.grammar_schema import schema_too_deep
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
@@ -157,7 +158,10 @@ class SamplingParams:
     def _validate_grammar(self) -> None:
         """Types and exclusivity only; the grammar itself is parsed by runtime.grammar.check_grammar."""
         if isinstance(self.json_schema, dict):
-            self.json_schema = orjson.dumps(self.json_schema).decode()
+            try:
+                self.json_schema = orjson.dumps(self.json_schema).decode()
+            except orjson.JSONEncodeError:  # nested past orjson's 255 levels, far past the schema limit
+                raise schema_too_deep() from None
         given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         for name in given:
             value = getattr(self, name)

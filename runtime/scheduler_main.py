@@ -319,12 +319,11 @@ def scheduler_main(args: ServerArgs, topo: Topology, replica: int) -> None:
             ctx.destroy(linger=LINGER_MS)
             return
         pool_bytes = agreed_pool_bytes(readies, replica)
+        grammar = GrammarBackend(tok, cfg.vocab_size, stop_ids, args)  # one compile pool for the process
         if topo.attention_groups > 1:
-            sched = DPAttentionScheduler(args, layout, stop_ids, tok.decode,
-                                         lambda: GrammarBackend(tok, cfg.vocab_size, stop_ids), pool_bytes=pool_bytes)
+            sched = DPAttentionScheduler(args, layout, stop_ids, tok.decode, lambda: grammar, pool_bytes=pool_bytes)
         else:
-            sched = Scheduler(args, layout, stop_ids, tok.decode, GrammarBackend(tok, cfg.vocab_size, stop_ids),
-                              pool_bytes=pool_bytes)
+            sched = Scheduler(args, layout, stop_ids, tok.decode, grammar, pool_bytes=pool_bytes)
     except Exception as e:
         ready_out.send_multipart(encode(WorkerReady(-1, error=f"scheduler {replica}: {type(e).__name__}: {e}")))
         ctx.destroy(linger=LINGER_MS)

@@ -61,6 +61,16 @@ class ServerArgs:
     speculative_ngram_capacity: int = 1 << 16  # requests' tokens (running, finished) n-gram drafts come from (0: off)
     spec_state: str = "replay"  # how the KDA state of the draft window is recovered: replay | snapshot
     debug_spec_state: bool = False  # after every verify, check the live KDA state against plain decode (tests)
+    # Structured output (runtime.grammar): what a grammar may cost the server.
+    max_grammar_bytes: int = field(default=128 << 10, metadata={"help": (
+        "the largest regex / json_schema / ebnf a request may carry, in bytes (UTF-8); larger ones get 400")})
+    grammar_compile_timeout: float = field(default=30.0, metadata={"help": (
+        "seconds a new grammar may take to compile (in a worker process, killed past it); then the request "
+        "gets 400 and the grammar is refused at once if it comes again")})
+    grammar_cache_bytes: int = field(default=256 << 20, metadata={"help": (
+        "bytes of compiled grammars the scheduler keeps (least recently used out; /flush_cache empties it)")})
+    grammar_compile_workers: int = field(default=2, metadata={"help": (
+        "worker processes compiling new grammars, started at the first one (each ~300 MB: they import torch)")})
     # Parallelism past one device (torch.distributed: gloo on CPU, NCCL on CUDA), spelled as SGLang spells it.
     tp_size: int = 1  # tensor-parallel ranks per engine replica (--tp)
     ep_size: int = 1  # expert-parallel ranks for the MoE, inside the TP group (--ep; divides --tp)
@@ -123,6 +133,11 @@ class ServerArgs:
             raise ValueError("--speculative-ngram-capacity must be >= 0")
         if self.spec_state not in ("replay", "snapshot"):
             raise ValueError("--spec-state must be 'replay' or 'snapshot'")
+        if self.max_grammar_bytes < 1 or self.grammar_cache_bytes < 0 or self.grammar_compile_workers < 1:
+            raise ValueError("--max-grammar-bytes and --grammar-compile-workers must be >= 1, "
+                             "--grammar-cache-bytes >= 0")
+        if not self.grammar_compile_timeout > 0:  # also refuses NaN
+            raise ValueError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
         for name in ("tp_size", "ep_size", "dp_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from runtime.errors import ShuttingDown
+from runtime.tokenizer.request_stream import Sample, StreamChunk
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -61,9 +62,11 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def request_failed(rid: str, error: str | None) -> APIError:
-    """A sample the engine finished with an error."""
-    return APIError(500, f"request {rid} failed: {error or 'unknown error'}", "server_error")
+def request_failed(s: Sample | StreamChunk) -> APIError:
+    """A sample the engine finished with an error: the request's own (a grammar refused at compile) is a 400."""
+    if s.invalid:
+        return APIError(400, s.error or "invalid request", "invalid_request_error", param=s.error_param)
+    return APIError(500, f"request {s.rid} failed: {s.error or 'unknown error'}", "server_error")
 
 
 def stream_failed(e: BaseException) -> APIError:

@@ -24,7 +24,7 @@ T = TypeVar("T")
 def failed(samples: Iterable[Sample]) -> APIError | None:
     """The error of the first sample that failed, if one did."""
     bad = next((s for s in samples if s.finished == "error"), None)
-    return None if bad is None else request_failed(bad.rid, bad.error)
+    return None if bad is None else request_failed(bad)
 
 
 async def metered(handle: RequestHandle, timer: RequestTimer) -> AsyncIterator[StreamChunk]:

@@ -127,7 +127,7 @@ async def _stream(st: ServerState, req: GenerateRequest, prompt_ids: list[list[i
             s = samples[i][chunk.index]
             s.add(chunk)
             if chunk.finished == "error":
-                yield event(request_failed(s.rid, s.error).body())
+                yield event(request_failed(s).body())
                 continue
             yield event(handles[i].result_of(s, cursors[i][chunk.index]) | {"index": offsets[i] + chunk.index})
     except Exception as e:  # the engine went away mid-stream: say so in the stream, the status is sent already

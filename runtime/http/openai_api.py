@@ -137,7 +137,7 @@ def _stream_error(e: BaseException) -> bytes:
 
 
 def _chunk_error(c: StreamChunk) -> bytes:
-    return event(request_failed(c.rid, c.error).body())
+    return event(request_failed(c).body())
 
 
 # --- routes --------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from runtime.errors import InvalidRequest
 from runtime.messages import TokenOut
 from runtime.scheduler.request import Req
 
@@ -66,6 +67,12 @@ class OutputProcessor:
     def finish(self, req: Req, reason: str, error: str | None = None) -> None:
         req.finished = reason
         self.emit(req, error)
+
+    def refuse(self, req: Req, e: InvalidRequest) -> None:
+        """Finish a request whose input the scheduler found invalid (its grammar): an HTTP 400."""
+        req.finished = "error"
+        self.emit(req, e.message)
+        self.outbox[-1].invalid, self.outbox[-1].error_param = True, e.param
 
     def emit(self, req: Req, error: str | None = None) -> None:
         new = req.output_ids[req.sent_tokens :]

@@ -12,10 +12,12 @@ Results may come one step late (the overlap scheduler plans step N+1 while the w
 decode planned before its input token is known feeds -1, and a request is released (its memory donated
 to the tree) only once no step in flight includes it.
 
-Structured output (SGLang's grammar queue): a request with a grammar waits in `grammar_wait` while a
-thread compiles it, then joins the waiting queue with its matcher. Its token mask needs its previous token,
-so its decode is never planned while a sample of it is in flight (`grammar_blocked` tells the step loop to
-resolve the step in flight first); a step's sampled tokens advance the matchers as they are processed.
+Structured output (SGLang's grammar queue): a request with a grammar waits in `grammar_wait` while it
+compiles (runtime.grammar: in a worker process under a time budget, then in a thread), then joins the waiting
+queue with its matcher; a grammar refused there fails its request as invalid (a 400). Its token mask needs its
+previous token, so its decode is never planned while a sample of it is in flight (`grammar_blocked` tells the
+step loop to resolve the step in flight first); a step's sampled tokens advance the matchers as they are
+processed.
 """
 
 from __future__ import annotations
@@ -195,7 +197,10 @@ class Scheduler:
                 continue
             try:
                 req.grammar = self.grammar.matcher(fut.result())  # type: ignore[union-attr]
-            except Exception as e:  # InvalidRequest with xgrammar's message, or the compiler failing
+            except InvalidRequest as e:  # refused by xgrammar, past the time budget, or matching nothing: a 400
+                self.outputs.refuse(req, e)
+                continue
+            except Exception as e:  # the compiler failing
                 self.outputs.finish(req, "error", str(e))
                 continue
             self.waiting.append(req)
@@ -673,7 +678,8 @@ class Scheduler:
         return self.metrics
 
     def flush_cache(self) -> bool:
-        """Empty the radix cache if nothing is running, queued or in flight; return whether it was flushed."""
+        """Empty the radix cache (and the compiled grammars) if nothing is running, queued or in flight; return
+        whether it was flushed."""
         if self.waiting or self.running or self._inflight or self.grammar_wait:
             return False
         if self.cache is not None:
@@ -681,6 +687,8 @@ class Scheduler:
             self.cache.evict(Kind.STATE, self.pool.states_used + 1)
         if self.ngram_corpus is not None:
             self.ngram_corpus.clear()
+        if self.grammar is not None:
+            self.grammar.clear_cache()
         self._refresh_metrics()
         return True
 

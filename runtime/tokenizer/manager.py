@@ -393,7 +393,7 @@ class TokenizerManager:
         this loop; raises InvalidRequest for a bad one. Valid ones are remembered: `submit` then skips them."""
         for p in params:
             if p.grammar is not None and (key := GrammarKey(*p.grammar)) not in self._grammars_ok:
-                await asyncio.to_thread(check_grammar, key)
+                await asyncio.to_thread(check_grammar, key, self.args.max_grammar_bytes)
                 self._grammar_ok(key)
 
     def _grammar_ok(self, key: GrammarKey) -> None:
@@ -423,7 +423,7 @@ class TokenizerManager:
         params = self.parse_sampling(sampling_params)
         if params.grammar is not None and (key := GrammarKey(*params.grammar)) not in self._grammars_ok:
             # Not checked by `check_grammars` (a direct caller): parse it here; no tokenizer, so it is cheap.
-            check_grammar(key)
+            check_grammar(key, self.args.max_grammar_bytes)
             self._grammar_ok(key)
         check_output_options(return_logprob, logprob_start_len, top_logprobs_num, self.vocab_size)
         check_bool("return_text_in_logprobs", return_text_in_logprobs)

@@ -37,6 +37,8 @@ class StreamChunk:
     completion_tokens: int = 0  # so far, this chunk included
     cached_tokens: int = 0
     error: str | None = None
+    invalid: bool = False  # the error is the request's fault (HTTP 400), naming `error_param`
+    error_param: str | None = None
 
 
 def _held_suffix(text: str, stops: list[str]) -> int:
@@ -89,7 +91,7 @@ class SampleStream:
             rid=self.rid, index=self.index, text=text, token_ids=list(out.token_ids), logprobs=list(out.logprobs),
             top_logprobs=top, input_logprobs=list(out.input_logprobs), finished=out.finished,
             matched_stop=out.matched_stop, prompt_tokens=out.prompt_tokens, completion_tokens=self._completion_tokens,
-            cached_tokens=out.cached_tokens, error=out.error,
+            cached_tokens=out.cached_tokens, error=out.error, invalid=out.invalid, error_param=out.error_param,
         )
 
 
@@ -125,6 +127,8 @@ class Sample:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    invalid: bool = False
+    error_param: str | None = None
 
     def add(self, c: StreamChunk) -> None:
         self.rid = c.rid
@@ -137,6 +141,7 @@ class Sample:
         self.cached_tokens = c.cached_tokens or self.cached_tokens
         if c.finished is not None:
             self.finished, self.matched_stop, self.error = c.finished, c.matched_stop, c.error
+            self.invalid, self.error_param = c.invalid, c.error_param
 
     def meta_info(self, prompt_ids: list[int], tokenizer: Tokenizer, *, return_logprob: bool,
                   text_in_logprobs: bool = False, cursor: StreamCursor | None = None) -> dict[str, Any]:
