@@ -75,7 +75,7 @@ CLIENT_TIMEOUT = 300.0  # generous: a 2-core machine shared with other work; nev
 MAX_CONNECTIONS = 512  # a scaled-up storm queues for connections beyond this (the default size runs all at once)
 RSS_TOLERANCE = 0.10
 # A small pool: per-request capacity about 3,000 tokens, about 40 requests' states at once, so the storm runs
-# under memory pressure (admission waits, retraction, eviction) and a long prompt prefills in many chunks.
+# under memory pressure (admission waits for memory, the cache evicts) and a long prompt prefills in many chunks.
 SERVER_FLAGS = ("--mem-bytes", "1000000", "--chunked-prefill-size", "256")
 
 # Malformed requests beyond the bad-input suite's: (name, path, body, status, words the message must hold).
