@@ -187,6 +187,19 @@ class MetricsOut:
     req_id: str = ""
 
 
+# Scheduler metrics that are high-water marks: DP ranks and replicas combine them by max (the rest add up).
+PEAK_METRICS = frozenset({"decode_max_skipped_steps"})
+
+
+def combine_metrics(per: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several schedulers' metrics as one: counts and byte totals added up, the high-water marks' max."""
+    out: dict[str, Any] = {}
+    for m in per:
+        for k, v in m.items():
+            out[k] = max(out[k], v) if k in PEAK_METRICS and k in out else out.get(k, 0) + v
+    return out
+
+
 @dataclass
 class FlushCacheReq:
     req_id: str = ""

@@ -29,6 +29,9 @@ _GAUGES = (
     ("state_pool_bytes", "state_pool_used_bytes", "pool bytes held by KDA states (running and cached)"),
     ("kv_pool_bytes", "kv_pool_used_bytes", "pool bytes held by MLA KV (running and cached)"),
     ("pool_bytes", "pool_bytes", "bytes of the unified pool (KDA states and MLA KV), summed over DP ranks"),
+    ("decode_max_skipped_steps", "decode_max_skipped_steps",
+     "the most scheduler steps in a row that a decoding request got no token, since the start (0 while decodes ride "
+     "in every step; 1 where an extend step cannot carry them, e.g. speculation)"),
 )
 _COUNTERS = (
     ("steps", "scheduler_steps", "forward steps run"),

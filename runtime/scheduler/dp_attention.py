@@ -26,7 +26,7 @@ import numpy as np
 from kernels.sampling_columns import SamplingColumns
 from runtime.dp_router import CacheAwareConfig, DPRouter
 from runtime.grammar import GrammarBackend
-from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
+from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, combine_metrics
 from runtime.pool_layout import PoolLayout
 from runtime.scheduler.scheduler import Scheduler, SchedulerMetrics
 from runtime.server_args import ServerArgs
@@ -123,9 +123,8 @@ class DPAttentionScheduler:
         return [s.metrics_now() for s in self.groups]
 
     def metrics_now(self) -> SchedulerMetrics:
-        """Every group's counters added up (each is a count or a byte total)."""
-        per = [dataclasses.asdict(m) for m in self.group_metrics()]
-        return SchedulerMetrics(**{k: sum(m[k] for m in per) for k in per[0]})
+        """Every group's counters added up (each is a count or a byte total; a high-water mark takes the max)."""
+        return SchedulerMetrics(**combine_metrics([dataclasses.asdict(m) for m in self.group_metrics()]))
 
     def flush_cache(self) -> bool:
         flushed = all([s.flush_cache() for s in self.groups])  # a list: every idle group flushes

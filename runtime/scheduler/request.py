@@ -40,6 +40,7 @@ class Req:
     cached_tokens: int = 0
     decode_since_checkpoint: int = 0
     prefill_done: bool = False  # the chunk that samples its first token (since admission) is planned
+    last_sampled_step: int | None = None  # the last step planned to sample for it: its decode gaps count from there
     # Page table: the worker's row for this request and how many of its columns the worker holds.
     row: int | None = None
     table_cols: int = 0

@@ -70,6 +70,11 @@ class SchedulerMetrics:
     spec_windows: int = 0  # sequences verified with at least one draft
     draft_tokens: int = 0  # drafts proposed
     accepted_tokens: int = 0  # drafts accepted
+    # The most steps in a row that a decoding request (its first token sampled) was left out of, since the start:
+    # how long a decode stalls, in steps rather than seconds. 0 while decodes ride in every step (mixed chunks);
+    # 1 where an extend step cannot carry them (speculation, an isolated retry) and they get the next one.
+    # A high-water mark (`PEAK_METRICS`): DP ranks combine it by max.
+    decode_max_skipped_steps: int = 0
 
     @property
     def accept_length(self) -> float:
@@ -369,6 +374,7 @@ class Scheduler:
         req.num_computed = req.branch_len = 0
         req.prefill_done = req.retract_pending = req.poisoned = req.retry = False
         req.ckpt_points.clear()
+        req.last_sampled_step = None  # recomputed from scratch: a new prefill, not a decode gap
         self.waiting.appendleft(req)
         self._retracted_now.add(id(req))
         if failed:
@@ -610,6 +616,10 @@ class Scheduler:
             if sampled:
                 req.pending_samples += 1
                 req.prefill_done = True
+                if req.last_sampled_step is not None:
+                    skipped = rec.step - req.last_sampled_step - 1
+                    self.metrics.decode_max_skipped_steps = max(self.metrics.decode_max_skipped_steps, skipped)
+                req.last_sampled_step = rec.step
         return rec
 
     def _checkpoint_positions(self, req: Req, a: int, b: int, sampled: bool) -> list[int]:

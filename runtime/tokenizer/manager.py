@@ -49,6 +49,7 @@ from runtime.messages import (
     MetricsOut,
     MetricsReq,
     TokenOut,
+    combine_metrics,
     decode,
     encode,
 )
@@ -520,9 +521,9 @@ class TokenizerManager:
         """The scheduler's counters (running, queued, prefill tokens computed, cached tokens, state checkpoint
         hits/misses, pool bytes per side, evictions, retractions, checkpoints), plus pending requests here.
         With several replicas every count is their sum (so cached / prompt tokens is the engine's hit rate),
-        and `replicas` lists each replica's own counters."""
+        a high-water mark their max, and `replicas` lists each replica's own counters."""
         per = await self._ask(MetricsReq, timeout)
-        metrics = per[0] if len(per) == 1 else sum_metrics(per) | {"replicas": per}
+        metrics = per[0] if len(per) == 1 else combine_metrics(per) | {"replicas": per}
         return metrics | {"pending_requests": len(self._reqs)}
 
     async def flush_cache(self, timeout: float | None = 10.0) -> bool:
@@ -544,15 +545,6 @@ class TokenizerManager:
             "eos_token_id": cfg.eos_token_id,
             "is_generation": True,
         }
-
-
-def sum_metrics(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
-    """Replicas' counters added up, key by key (every scheduler counter is a count or a byte total)."""
-    out: dict[str, Any] = {}
-    for m in per_replica:
-        for k, v in m.items():
-            out[k] = out.get(k, 0) + v
-    return out
 
 
 def _check_seconds(name: str, value: Any) -> None:

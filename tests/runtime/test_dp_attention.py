@@ -10,7 +10,7 @@ from collections import deque
 import pytest
 
 from radixk3.config import preset
-from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, decode, encode
+from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, combine_metrics, decode, encode
 from runtime.pool_layout import pool_layout
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.dp_attention import DPAttentionScheduler
@@ -94,3 +94,8 @@ def test_abort_reaches_the_requests_group() -> None:
     assert outs[rids[1]][-1].finished == "abort" and outs[rids[0]][-1].finished == "length"
     h.sched.check_integrity()
     assert h.sched.router.loads == [0] * DP
+
+
+def test_ranks_metrics_add_up_and_high_water_marks_take_the_max() -> None:
+    per = [{"steps": 2, "decode_max_skipped_steps": 1}, {"steps": 3, "decode_max_skipped_steps": 0}]
+    assert combine_metrics(per) == {"steps": 5, "decode_max_skipped_steps": 1}

@@ -81,6 +81,7 @@ def test_decodes_ride_in_a_long_prefill_and_stay_exact(model) -> None:  # noqa: 
         assert tokens(outs, rid) == greedy_reference(model, p, 24)
     assert tokens(outs, long_rid) == greedy_reference(model, long_prompt, 4)
     assert eng.scheduler.metrics.mixed_steps >= LONG // 32 - 1
+    assert eng.scheduler.metrics.decode_max_skipped_steps == 0
 
 
 def test_speculation_takes_turns_with_a_long_prefill(model) -> None:  # noqa: ANN001
@@ -104,6 +105,7 @@ def test_speculation_takes_turns_with_a_long_prefill(model) -> None:  # noqa: AN
             f"plans {a} and {b}: two extend steps in a row while decodes wait"
     assert all(p.mode == "extend" for i, p in enumerate(tail) if i in chunks)
     assert eng.scheduler.metrics.verify_steps > 0 and eng.scheduler.metrics.mixed_steps == 0
+    assert eng.scheduler.metrics.decode_max_skipped_steps == 1  # turns: a decode misses one extend step, no more
     for rid, p in zip(rids, shorts, strict=True):
         assert tokens(outs, rid) == greedy_reference(model, p, 40)
     assert tokens(outs, long_rid) == greedy_reference(model, long_prompt, 4)

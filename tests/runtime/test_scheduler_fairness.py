@@ -63,6 +63,7 @@ def test_every_step_of_a_long_prefill_advances_every_running_decode(name: str) -
             chunks += 1
             assert rows <= set(seqs), f"step {plan.step}: a running decode waits for a prefill chunk"
     assert chunks >= LONG // h.args.step_prefill_budget  # the long prompt really prefilled in many chunks
+    assert h.sched.metrics.decode_max_skipped_steps == 0  # what /metrics reports: no decode ever missed a step
     for rid, p in zip(rids, shorts, strict=True):
         assert tokens(outs, rid) == reference(p, 80, VOCAB)
     assert tokens(outs, long_rid) == reference(long_prompt, 6, VOCAB)
@@ -78,6 +79,7 @@ def test_without_mixing_decodes_wait_for_the_prefill() -> None:
     h.run()
     stalled = [p for p in h.worker.plans[first:] if p.mode == "extend" and not rows & set(rows_and_lens(p))]
     assert len(stalled) >= LONG // 32
+    assert h.sched.metrics.decode_max_skipped_steps >= len(stalled)  # the metric sees the stall, in steps
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -185,3 +187,4 @@ def test_an_isolated_prefill_takes_turns_with_the_decodes() -> None:
     last_decode = max(i for i, p in enumerate(plans) if p.mode == "decode")
     assert len(chunks) >= 400 // 32 and chunks[-1] < last_decode  # isolated all along, the short still decoding
     assert all(b - a > 1 for a, b in zip(chunks, chunks[1:], strict=False)), "two isolated chunks in a row"
+    assert h.sched.metrics.decode_max_skipped_steps == 1  # the decode missed each isolated chunk's step, no more
