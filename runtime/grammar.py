@@ -22,20 +22,27 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import os
-import re
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from runtime.errors import InvalidRequest
-from runtime.grammar_pool import CompilePool, CompilerSetup, Probed
+from runtime.grammar_compile import (
+    ANY_JSON,
+    CompilerSetup,
+    GrammarKey,
+    Probed,
+    build_compiler,
+    compile_as,
+    error_message,
+    refusal,
+    xgrammar_module,
+)
+from runtime.grammar_pool import CompilePool
 from runtime.grammar_schema import vet_json_schema
 from runtime.server_args import ServerArgs
 
@@ -44,33 +51,7 @@ if TYPE_CHECKING:
 
     from radixk3.tokenizer import Tokenizer
 
-ANY_JSON = "$$ANY$$"  # json_schema value meaning any JSON value (OpenAI json_object), as SGLang spells it
-_CPP_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 REMEMBERED_REFUSALS = 4096  # digests of grammars refused at compile (a timeout would cost a worker again)
-
-
-@dataclass(frozen=True)
-class GrammarKey:
-    kind: str  # "regex" | "json_schema" | "ebnf"
-    source: str
-
-    def digest(self) -> bytes:
-        return hashlib.sha256(f"{self.kind}\0{self.source}".encode()).digest()
-
-
-def _xgr() -> Any:
-    import xgrammar
-
-    return xgrammar
-
-
-def _message(e: Exception) -> str:
-    text = str(e).strip()
-    return _CPP_LOCATION.sub("", text.splitlines()[0] if text else type(e).__name__)
-
-
-def _refuse(key: GrammarKey, e: Exception) -> InvalidRequest:
-    return InvalidRequest(f"invalid {key.kind}: {_message(e)}", param=key.kind)
 
 
 def check_grammar(key: GrammarKey, max_bytes: int = ServerArgs.max_grammar_bytes) -> None:
@@ -83,27 +64,13 @@ def check_grammar(key: GrammarKey, max_bytes: int = ServerArgs.max_grammar_bytes
         return
     if key.kind == "json_schema":
         vet_json_schema(key.source)
-    xgr = _xgr()
+    xgr = xgrammar_module()
     parse = {"regex": xgr.Grammar.from_regex, "ebnf": xgr.Grammar.from_ebnf,
              "json_schema": lambda s: xgr.Grammar.from_json_schema(s, any_whitespace=False)}[key.kind]
     try:
         parse(key.source)
     except Exception as e:  # xgrammar raises RuntimeError (and ValueError for some schemas)
-        raise _refuse(key, e) from None
-
-
-# xgrammar (0.2.9) writes a length-bounded JSON string (minLength / maxLength) as `[^"\\\r\n]{m,n}`: it lets raw
-# control characters (U+0000-U+001F) into the string, which strict JSON parsers refuse. Its unbounded strings
-# exclude them (`[^\0-\x1f"\\\r\n]`); the bounded ones get the same class here.
-_BOUNDED_STRING_CHARS = r'[^\"\\\r\n]'
-_JSON_STRING_CHARS = r'[^\0-\x1f\"\\\r\n]'
-
-
-def json_schema_grammar(schema: str) -> str:
-    """The EBNF of a JSON schema, compact (free whitespace would let an untrained model pad the output
-    forever), with bounded strings kept to JSON's characters."""
-    text = str(_xgr().Grammar.from_json_schema(schema, any_whitespace=False))
-    return text.replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS)
+        raise refusal(key, e) from None
 
 
 class GrammarMatcher:
@@ -111,7 +78,7 @@ class GrammarMatcher:
 
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self._m = _xgr().GrammarMatcher(compiled)
+        self._m = xgrammar_module().GrammarMatcher(compiled)
 
     def fill_mask(self, bitmask: Any, row: int) -> None:
         """Write the allowed next tokens into row `row` of an int32 [rows, words] torch bitmask."""
@@ -145,42 +112,6 @@ def fill_masks(matchers: Sequence[GrammarMatcher]) -> np.ndarray:
     for i, m in enumerate(matchers):
         m.fill_mask(mask, i)
     return mask.numpy()
-
-
-def build_compiler(setup: CompilerSetup, threads: int) -> xgr.GrammarCompiler:
-    """xgrammar's compiler for the setup's vocabulary, its own cache off (the backend keeps one, in bytes)."""
-    xgr = _xgr()
-    info = xgr.TokenizerInfo(setup.vocab, xgr.VocabType.RAW, vocab_size=setup.vocab_size,
-                             stop_token_ids=setup.stop_ids)
-    return xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
-
-
-def _compile(compiler: xgr.GrammarCompiler, method: str, text: str) -> xgr.CompiledGrammar:
-    if method == "regex":
-        return compiler.compile_regex(text)
-    if method == "ebnf":
-        return compiler.compile_grammar(text)
-    return compiler.compile_builtin_json_grammar()
-
-
-def probe(compiler: xgr.GrammarCompiler, key: GrammarKey) -> Probed:
-    """Compile `key` (in a pool worker) and say what the scheduler is to compile; InvalidRequest if the grammar
-    is refused, or admits no token at all (its first mask is empty: no output could ever match it)."""
-    start = time.monotonic()
-    try:
-        if key.kind == "json_schema":
-            method, text = ("builtin_json", "") if key.source == ANY_JSON else ("ebnf", json_schema_grammar(key.source))
-        else:
-            method, text = key.kind, key.source
-        compiled = _compile(compiler, method, text)
-    except Exception as e:
-        raise _refuse(key, e) from None
-    xgr = _xgr()
-    mask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
-    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
-    if not bool(mask.any()):
-        raise InvalidRequest(f"the {key.kind} matches no output at all", param=key.kind)
-    return Probed(method, text, time.monotonic() - start)
 
 
 class CompiledCache:
@@ -292,11 +223,11 @@ class GrammarBackend:
     def _compile_here(self, key: GrammarKey, probed: Probed, out: Future[xgr.CompiledGrammar]) -> None:
         try:
             assert self._compiler is not None
-            compiled = _compile(self._compiler, probed.method, probed.text)  # releases the GIL
+            compiled = compile_as(self._compiler, probed.method, probed.text)  # releases the GIL
         except Exception as e:  # the same source compiled in the worker: not the grammar's fault
             with self._lock:
                 self._pending.pop(key, None)
-            out.set_exception(RuntimeError(f"the {key.kind} failed to compile: {_message(e)}"))
+            out.set_exception(RuntimeError(f"the {key.kind} failed to compile: {error_message(e)}"))
             return
         with self._lock:
             self._pending.pop(key, None)

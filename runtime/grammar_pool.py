@@ -31,33 +31,12 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from runtime.errors import InvalidRequest
-
-if TYPE_CHECKING:
-    from runtime.grammar import GrammarKey
+from runtime.grammar_compile import CompilerSetup, GrammarKey, Probed, build_compiler, probe
 
 WORKER_NICE = 10  # workers yield the cores to the scheduler and the model workers
-
-
-@dataclass(frozen=True)
-class CompilerSetup:
-    """What a worker needs to build the same compiler as the scheduler's."""
-
-    vocab: list[bytes]
-    vocab_size: int
-    stop_ids: list[int]
-
-
-@dataclass(frozen=True)
-class Probed:
-    """A grammar that compiled within the budget: what to compile again (`method`: "regex", "ebnf" or
-    "builtin_json") and how long the worker took."""
-
-    method: str
-    text: str
-    seconds: float
 
 
 class _Reply(NamedTuple):
@@ -75,9 +54,6 @@ def _serve(conn: mpc.Connection) -> None:
     setup: CompilerSetup = conn.recv()  # first, before the slow imports: the pool's thread waits on this send
     with contextlib.suppress(OSError):
         os.nice(WORKER_NICE)
-    # Imported here: runtime.grammar imports this module (the pool), and a worker needs xgrammar anyway.
-    from runtime.grammar import build_compiler, probe
-
     compiler = build_compiler(setup, threads=1)
     with contextlib.suppress(EOFError, OSError):  # the pipe closed: the scheduler is gone, so is this worker
         conn.send(_READY)
