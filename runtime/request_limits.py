@@ -43,17 +43,22 @@ class RequestLimits:
 
     def check_text(self, chars: int, max_new_tokens: int, param: str) -> None:
         """Before encoding: a text of `chars` characters is at least chars / max_token_bytes tokens (encoding
-        round-trips exactly, and a character is at least one byte), plus the BOS."""
+        round-trips exactly, and a character is at least one byte), plus the BOS; `param` names the text's field,
+        blamed when the text alone is too long (else max_new_tokens is)."""
         at_least = -(-chars // self.max_token_bytes) + 1
         if at_least + max_new_tokens > self.context_length:
+            param = param if at_least > self.context_length else "max_new_tokens"  # which one alone is too much
             raise InvalidRequest(
                 f"the prompt ({chars} characters, at least {at_least} tokens) + max_new_tokens ({max_new_tokens}) "
                 f"exceed the pool's capacity of {self.context_length} tokens per request (--mem-bytes / "
                 f"--mem-fraction size the pool)", param=param)
 
     def check_tokens(self, prompt_tokens: int, max_new_tokens: int, param: str) -> None:
+        """After encoding: prompt + max_new_tokens against the pool; `param` names the prompt's field, blamed when
+        the prompt alone is too long (else max_new_tokens is)."""
         need = prompt_tokens + max_new_tokens
         if need > self.context_length:
+            param = param if prompt_tokens > self.context_length else "max_new_tokens"
             raise InvalidRequest(
                 f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {need} tokens exceed the "
                 f"pool's capacity of {self.context_length} tokens per request (--mem-bytes / --mem-fraction size "

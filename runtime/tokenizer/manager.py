@@ -456,8 +456,7 @@ class TokenizerManager:
             # Not checked by `check_grammars` (a direct caller): parse it here; no tokenizer, so it is cheap.
             check_grammar(key)
             self._grammar_ok(key)
-        self.limits.check_tokens(len(ids), params.max_new_tokens,
-                                 "prompt" if len(ids) > self.context_length else "max_new_tokens")
+        self.limits.check_tokens(len(ids), params.max_new_tokens, "prompt" if isinstance(prompt, str) else "input_ids")
         if rid is None:
             rid = uuid.uuid4().hex
         elif not isinstance(rid, str) or not rid:
