@@ -2,8 +2,9 @@
 seeds, greedy; logprobs of the chosen tokens and top-k logprobs.
 
 Steps per row: penalties on the raw logits (frequency and presence: OpenAI style; repetition: CTRL style,
-over the row's generated tokens); greedy (temperature <= 0 or top_k == 1) takes the argmax; otherwise
-z = logits / temperature and the kept set is z >= the row's cut-off (top-k: the k-th largest z, top-p: the
+over the row's generated tokens); greedy (temperature below GREEDY_BELOW = 1e-5, or top_k == 1) takes the argmax;
+otherwise z = (logits - max logit) / temperature (log-space, shifted so that no temperature overflows it) and the
+kept set is z >= the row's cut-off (top-k: the k-th largest z, top-p: the
 smallest z of the shortest prefix by probability whose mass reaches top_p, min-p: p >= min_p * p_max; ties
 at a cut-off are kept), then a Gumbel-max draw: argmax over kept tokens of z + G, G = -log(-log u).
 u comes from a counter-based hash of (seed, step, token id), so a seeded request draws the same tokens
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor
 
 from kernels.backend import kernel_backend
-from kernels.sampling_tensors import HASH_MUL1, HASH_MUL2, MASK32, SamplingTensors, cutoffs
+from kernels.sampling_tensors import HASH_MUL1, HASH_MUL2, MASK32, SamplingTensors, cutoffs, tempered
 
 
 class SampleResult(NamedTuple):
@@ -144,7 +145,7 @@ def sample(
         tokens = sample_tokens_triton(drawable, p, counts)
     else:
         adjusted = penalized(drawable, p, counts)
-        z = adjusted / torch.where(p.greedy, 1.0, p.temperature)[:, None]
+        z = tempered(adjusted, p)
         tokens = select_torch(z, adjusted, p, cutoffs(z, p))
     logprobs_all = logits.float().log_softmax(-1)
     chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]

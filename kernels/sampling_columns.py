@@ -20,7 +20,7 @@ NEUTRAL: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p
 
 @dataclass
 class SamplingColumns:
-    """Row i's parameters are entry i of every column; temperature 0 (or top_k 1) means greedy."""
+    """Row i's parameters are entry i of every column; a temperature below 1e-5 (or top_k 1) means greedy."""
 
     DTYPES: ClassVar[dict[str, type]] = {
         "temperature": np.float32, "top_p": np.float32, "top_k": np.int64, "min_p": np.float32,

@@ -18,6 +18,9 @@ HASH_MUL1 = 0x7FEB352D  # both < 2**31: a 32-bit value times either fits an int6
 HASH_MUL2 = 0x68E31DA4
 SEED_MASK = 2**63 - 1  # a seed is taken modulo 2**63 (two's complement: its low 63 bits), the hash's input
 FRESH_SEEDS = 2**62  # an unseeded row draws its seed uniformly in [0, FRESH_SEEDS) each step
+# A temperature below this samples greedily (SGLang's and vLLM's threshold): at such a temperature the draw is
+# the argmax anyway, save for ties, and float32 cannot hold 1 / T for the tiniest ones (1e-45 is a denormal).
+GREEDY_BELOW = 1e-5
 
 
 def _tensor(a: np.ndarray) -> Tensor:
@@ -50,7 +53,7 @@ class SamplingTensors(NamedTuple):
         host = SamplingTensors(
             temperature=temperature, top_k=top_k, top_p=_tensor(cols.top_p), min_p=_tensor(cols.min_p),
             frequency_penalty=_tensor(cols.frequency_penalty), presence_penalty=_tensor(cols.presence_penalty),
-            repetition_penalty=_tensor(cols.repetition_penalty), greedy=(temperature <= 0.0) | (top_k == 1),
+            repetition_penalty=_tensor(cols.repetition_penalty), greedy=(temperature < GREEDY_BELOW) | (top_k == 1),
             seed=seed, step=_tensor(cols.step),
         )
         return SamplingTensors(*(t.to(device) for t in host))
@@ -67,6 +70,22 @@ class SamplingTensors(NamedTuple):
         """Whether some row has a frequency, presence or repetition penalty."""
         return bool(((self.frequency_penalty != 0) | (self.presence_penalty != 0)
                      | (self.repetition_penalty != 1.0)).any())
+
+
+def finite_max(x: Tensor) -> Tensor:
+    """[N] each row's largest value; 0 for a row with nothing finite (every token banned), so that subtracting
+    it never makes inf - inf."""
+    top = x.amax(-1)
+    return torch.where(torch.isfinite(top), top, 0.0)
+
+
+def tempered(adjusted: Tensor, p: SamplingTensors) -> Tensor:
+    """z [N, V] fp32: sampled rows (x - max x) / T, greedy rows x itself. Shifting by the row's max changes
+    neither the softmax nor the Gumbel-max draw, and keeps every z <= 0 with the best token at 0: no temperature
+    can overflow z to inf (a far token may underflow to -inf: probability 0, as it is), so the cut-offs and the
+    draw never see inf or NaN."""
+    shift = torch.where(p.greedy, 0.0, finite_max(adjusted))
+    return (adjusted - shift[:, None]) / torch.where(p.greedy, 1.0, p.temperature)[:, None]
 
 
 def cutoffs(z: Tensor, p: SamplingTensors) -> Tensor:

@@ -1,7 +1,8 @@
-"""Triton sampling: kernel 1 applies penalties and temperature per (row, vocab block); top-k / top-p cut-offs
-come from a torch sort of only the rows that use them; kernel 2 per row finds z_max, then the masked
-Gumbel-max draw (or the argmax for greedy rows) with the same counter-based hash as the torch path, so both
-backends pick the same tokens."""
+"""Triton sampling: kernel 1 applies penalties per (row, vocab block) and notes each block's largest value;
+kernel 2 tempers, z = (x - row max) / T, as the torch path's `tempered` (so that no temperature overflows z);
+top-k / top-p cut-offs come from a torch sort of only the rows that use them; kernel 3 per row finds z_max, then
+the masked Gumbel-max draw (or the argmax for greedy rows) with the same counter-based hash as the torch path, so
+both backends pick the same tokens."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.sampling_tensors import HASH_MUL1, HASH_MUL2, MASK32, SamplingTensors, cutoffs
+from kernels.sampling_tensors import HASH_MUL1, HASH_MUL2, MASK32, SamplingTensors, cutoffs, finite_max
 from kernels.triton_launch import kernel
 
 BLOCK_V = 1024
@@ -18,10 +19,11 @@ BLOCK_V = 1024
 
 @kernel
 def _penalize_kernel(
-    logits, counts, z, temperature, greedy, freq, pres, rep, V, HAS_COUNTS: tl.constexpr, BV: tl.constexpr
+    logits, counts, x_out, block_max, freq, pres, rep, V, NB, HAS_COUNTS: tl.constexpr, BV: tl.constexpr
 ):  # fmt: skip
     row = tl.program_id(0)
-    offs = tl.program_id(1) * BV + tl.arange(0, BV)
+    blk = tl.program_id(1)
+    offs = blk * BV + tl.arange(0, BV)
     m = offs < V
     x = tl.load(logits + row * V + offs, mask=m, other=0.0).to(tl.float32)
     if HAS_COUNTS:
@@ -30,8 +32,19 @@ def _penalize_kernel(
         x = x - tl.load(freq + row) * c - tl.load(pres + row) * tl.where(seen, 1.0, 0.0)
         r = tl.load(rep + row)
         x = tl.where(seen, tl.where(x > 0, x / r, x * r), x)
+    tl.store(x_out + row * V + offs, x, mask=m)
+    tl.store(block_max + row * NB + blk, tl.max(tl.where(m, x, float("-inf")), axis=0))
+
+
+@kernel
+def _temper_kernel(z, shift, temperature, greedy, V, BV: tl.constexpr):
+    """In place: z = (x - shift) / T for sampled rows; greedy rows keep x (their shift is 0, their T 1)."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BV + tl.arange(0, BV)
+    m = offs < V
+    x = tl.load(z + row * V + offs, mask=m, other=0.0)
     temp = tl.where(tl.load(greedy + row) != 0, 1.0, tl.load(temperature + row))
-    tl.store(z + row * V + offs, x / temp, mask=m)
+    tl.store(z + row * V + offs, (x - tl.load(shift + row)) / temp, mask=m)
 
 
 @kernel
@@ -92,13 +105,17 @@ def _select_kernel(
 
 def sample_tokens_triton(logits: Tensor, p: SamplingTensors, counts: Tensor | None) -> Tensor:
     n, vocab = logits.shape
+    blocks = triton.cdiv(vocab, BLOCK_V)
     z = torch.empty(n, vocab, dtype=torch.float32, device=logits.device)
+    block_max = torch.empty(n, blocks, dtype=torch.float32, device=logits.device)
     greedy = p.greedy.to(torch.int32)
     lc = logits.contiguous()
-    _penalize_kernel[(n, triton.cdiv(vocab, BLOCK_V))](
-        lc, counts if counts is not None else lc, z, p.temperature, greedy, p.frequency_penalty,
-        p.presence_penalty, p.repetition_penalty, vocab, HAS_COUNTS=counts is not None, BV=BLOCK_V,
+    _penalize_kernel[(n, blocks)](
+        lc, counts if counts is not None else lc, z, block_max, p.frequency_penalty, p.presence_penalty,
+        p.repetition_penalty, vocab, blocks, HAS_COUNTS=counts is not None, BV=BLOCK_V,
     )  # fmt: skip
+    shift = torch.where(p.greedy, 0.0, finite_max(block_max)).contiguous()  # as `tempered`
+    _temper_kernel[(n, blocks)](z, shift, p.temperature, greedy, vocab, BV=BLOCK_V)
     cut = cutoffs(z, p)
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     bv = min(BLOCK_V, triton.next_power_of_2(vocab))

@@ -3,7 +3,7 @@ draft tokens, the accepted length and the emitted tokens.
 
 Position j of a request is sampled as the plain sampler (`kernels/sampling.py`) would sample it with the drafts
 before j appended to the request's history: grammar mask and bans, penalties, temperature, top-k / top-p /
-min-p. Greedy rows (temperature <= 0 or top_k == 1) accept drafts while each equals the target's argmax, so the
+min-p. Greedy rows (temperature below 1e-5 or top_k == 1) accept drafts while each equals the target's argmax, so the
 output equals plain greedy decoding token for token. Sampled rows use speculative (rejection) sampling, which
 keeps the target distribution p_j exactly: accept d_j with probability min(1, p_j(d_j) / q_j(d_j)) (q_j: the
 drafter's distribution, or a point mass at d_j for drafters without one, e.g. n-gram); on the first rejection
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from kernels.sampling import TokenMask, banned_logits, hash_uniform, masked_logits, output_counts, penalized
-from kernels.sampling_tensors import SamplingTensors, cutoffs
+from kernels.sampling_tensors import SamplingTensors, cutoffs, tempered
 
 ACCEPT_SALT = 0x2545F4914F6CDD1D  # xor-ed into the seed: both < 2**63, so the seed stays a valid int64
 DRAW_SALT = 0x1B873593CC9E2D51
@@ -90,7 +90,7 @@ def _general(logits: Tensor, safe: Tensor, valid: Tensor, p: SamplingTensors, hi
     own = argmax  # each position's own token (the one emitted right after the accepted drafts)
 
     if not bool(p.greedy.all()):
-        z = adjusted / torch.where(p.greedy, 1.0, p.temperature)[:, None]
+        z = tempered(adjusted, p)
         keep = kept(z, p)
         probs = torch.where(keep, z, float("-inf")).softmax(-1).view(n, width, vocab)[:, :k]
         p_d = probs.gather(2, safe[..., None])[..., 0]

@@ -115,6 +115,8 @@ class Tokenizer:
                 table.append(piece.replace(_SPACE_MARK, " ").encode())
         special.update(sp.piece_to_id(m) for m in (*CHAT_MARKERS, *xtml))
         self._bytes = tuple(table)
+        # Encoding round-trips exactly, so a text of b UTF-8 bytes is at least b / max_token_bytes tokens.
+        self.max_token_bytes: int = max(len(b) for b in table)
         self.special_ids: frozenset[int] = frozenset(special)
         # The special pieces sentencepiece matches in text (user-defined symbols; it never matches control ones).
         markers = sorted((*CHAT_MARKERS, *xtml), key=len, reverse=True)

@@ -15,6 +15,7 @@ MAX_DRAFT_TOKENS = 16
 # Other spellings of a flag, as SGLang users type them.
 _ALIASES: dict[str, tuple[str, ...]] = {
     "model": ("--model-path",), "tp_size": ("--tp",), "ep_size": ("--ep",), "dp_size": ("--dp",),
+    "max_logprobs": ("--max-top-logprobs",),
 }
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 
@@ -48,7 +49,14 @@ class ServerArgs:
         "no prefill work is left)")})
     disable_overlap_schedule: bool = False  # plan step N+1 only after step N's result (no overlap)
     schedule_conservativeness: float = 1.0  # scales the decode tokens admission reserves (0: none, retract instead)
-    max_queued_requests: int = 4096  # beyond this the engine refuses new requests (HTTP 503)
+    max_queued_requests: int = field(default=4096, metadata={"help": (
+        "requests (samples) pending at once; beyond this a new request gets HTTP 503 with Retry-After, and a "
+        "request or batch asking for more samples than this in all can never fit: HTTP 400")})
+    max_n: int = field(default=128, metadata={"help": (
+        "the most samples one prompt may ask for (n; OpenAI's limit); more: HTTP 400")})
+    max_logprobs: int = field(default=20, metadata={"help": (
+        "the most top logprobs per token a request may ask for (top_logprobs_num, OpenAI's top_logprobs and "
+        "logprobs; vLLM's --max-logprobs, also spelled --max-top-logprobs); more: HTTP 400")})
     device: str = "cpu"
     dtype: str = "auto"  # serving dtype of weights, activations and pool: auto (the checkpoint's), bfloat16, float32
     seed: int = BUILTIN_SEED  # weights of the built-in model
@@ -115,6 +123,12 @@ class ServerArgs:
             raise ValueError("--dtype must be 'auto', 'bfloat16' or 'float32'")
         if self.schedule_conservativeness < 0:
             raise ValueError("--schedule-conservativeness must be >= 0")
+        if self.max_queued_requests < 1:
+            raise ValueError("--max-queued-requests must be >= 1")
+        if self.max_n < 1:
+            raise ValueError("--max-n must be >= 1")
+        if self.max_logprobs < 0:
+            raise ValueError("--max-logprobs must be >= 0")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if not 0 <= self.port < 65536:

@@ -128,16 +128,13 @@ async def merged(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int
 
 def submit_all(tm: TokenizerManager, live: MutableMapping[str, RequestHandle], prompts: Sequence[list[int]],
                params: Sequence[SamplingParams], rids: Sequence[str | None], **kw: Any) -> list[RequestHandle]:
-    """Submit every prompt of a batch, or none: a refusal of one aborts those already sent. Each handle is
-    listed in `live` (weak values) under its request id, for /abort_request."""
-    handles: list[RequestHandle] = []
-    try:
-        for ids, sp, rid in zip(prompts, params, rids, strict=True):
-            rid = rid or uuid.uuid4().hex
-            handles.append(tm.submit(ids, sp, rid=rid, **kw))
-            live[rid] = handles[-1]
-    except BaseException:
-        for h in handles:
-            h.abort()
-        raise
+    """Submit every prompt of a batch, or none: each is validated (`TokenizerManager.prepare`), then the batch is
+    checked as a whole against the queue and sent (`send`), so a refused batch leaves nothing running and never
+    takes the room of a request beside it. Each handle is listed in `live` (weak values) under its request id,
+    for /abort_request."""
+    subs = [tm.prepare(ids, sp, rid=rid or uuid.uuid4().hex, **kw)
+            for ids, sp, rid in zip(prompts, params, rids, strict=True)]
+    handles = tm.send(subs)
+    for sub, handle in zip(subs, handles, strict=True):
+        live[sub.rid] = handle
     return handles

@@ -30,6 +30,7 @@ from runtime.http.handles import (
 from runtime.http.metrics import RequestTimer
 from runtime.http.sse import DONE, event, sse_response
 from runtime.http.state import ServerState, state_of
+from runtime.sampling_params import SamplingParams
 from runtime.tokenizer.manager import RequestHandle
 from runtime.tokenizer.request_stream import StreamCursor
 
@@ -83,8 +84,15 @@ async def generate(request: Request) -> Response:
     st = state_of(request)
     req = await parse_body(request, GenerateRequest)
     prompts = req.prompts()
+    sps = _sampling_params(st, req, len(prompts))
+    # The limits, before any prompt is encoded: samples in all against the queue, texts by their length.
+    field = "text" if req.text is not None else "input_ids"
+    st.tm.check_room(sum(sp.n for sp in sps), len(prompts), field if req.is_batch else "n")
+    st.tm.limits.check_top_logprobs(req.top_logprobs_num)
+    for p, sp in zip(prompts, sps, strict=True):
+        if isinstance(p, str):
+            st.tm.limits.check_text(len(p), sp.max_new_tokens, "text")
     ids = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in prompts]
-    sps = [st.tm.parse_sampling(sp) for sp in req.per_prompt("sampling_params", len(ids))]
     await st.tm.check_grammars(sps)  # parsed in a thread: a large grammar never stalls other requests
     handles = submit_all(st.tm, st.live, ids, sps,
                          req.per_prompt("rid", len(ids)), return_logprob=req.return_logprob,
@@ -102,6 +110,13 @@ async def generate(request: Request) -> Response:
         raise err
     out = [handles[i].result_of(s) for i, group in enumerate(per_prompt) for s in group]
     return OrjsonResponse(out[0] if len(out) == 1 and not req.is_batch else out)
+
+
+def _sampling_params(st: ServerState, req: GenerateRequest, n: int) -> list[SamplingParams]:
+    """Each prompt's parsed sampling parameters; one object given for all is parsed once."""
+    if isinstance(req.sampling_params, list):
+        return [st.tm.parse_sampling(sp) for sp in req.sampling_params]
+    return [st.tm.parse_sampling(req.sampling_params)] * n
 
 
 async def _stream(st: ServerState, req: GenerateRequest, prompt_ids: list[list[int]], handles: list[RequestHandle],

@@ -54,6 +54,7 @@ from runtime.http.openai_protocol import (
 )
 from runtime.http.sse import DONE, event, sse_response
 from runtime.http.state import ServerState, state_of
+from runtime.sampling_params import SamplingParams
 from runtime.tokenizer.manager import RequestHandle
 from runtime.tokenizer.request_stream import Sample, StreamChunk, token_text
 
@@ -103,9 +104,18 @@ def _completion_logprobs(tok: Tokenizer, ids: list[int], lps: list[float], tops:
 # --- shared plumbing -----------------------------------------------------------------------------------
 
 
-async def _submit(st: ServerState, prompts: list[list[int]], sampling: dict[str, Any], rid: str | None,
+def _check_limits(st: ServerState, params: SamplingParams, prompts: int, top: int, top_param: str,
+                  text_chars: list[int], text_param: str) -> None:
+    """The door's limits, before any prompt is encoded: n, the samples of all prompts against the queue, the
+    top logprobs, and the texts by their length."""
+    st.tm.check_room(params.n * prompts, prompts, "n" if prompts == 1 else "prompt")
+    st.tm.limits.check_top_logprobs(top, top_param)
+    for chars in text_chars:
+        st.tm.limits.check_text(chars, params.max_new_tokens, text_param)
+
+
+async def _submit(st: ServerState, prompts: list[list[int]], params: SamplingParams, rid: str | None,
                   logprobs: bool, top: int) -> tuple[list[RequestHandle], list[RequestTimer]]:
-    params = st.tm.parse_sampling(sampling)
     await st.tm.check_grammars([params])  # parsed in a thread: a large grammar never stalls other requests
     rids = [rid] if rid is not None and len(prompts) == 1 else [
         None if rid is None else f"{rid}-p{i}" for i in range(len(prompts))]
@@ -156,9 +166,13 @@ async def completions(request: Request) -> Response:
     st = state_of(request)
     req = await parse_body(request, CompletionRequest)
     _check_model(st, req.model)
-    prompts = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in req.prompts()]
+    params = st.tm.parse_sampling(req.sampling(req.max_tokens))
+    raw = req.prompts()
+    _check_limits(st, params, len(raw), req.logprobs or 0, "logprobs",
+                  [len(p) for p in raw if isinstance(p, str)], "prompt")
+    prompts = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in raw]
     want_lp = req.logprobs is not None
-    handles, timers = await _submit(st, prompts, req.sampling(req.max_tokens), req.rid, want_lp, req.logprobs or 0)
+    handles, timers = await _submit(st, prompts, params, req.rid, want_lp, req.logprobs or 0)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         return sse_response(_completion_stream(st, req, handles, timers, cid, created))
@@ -207,9 +221,11 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(400, "tools and thinking need K3's markup tokens (<|open|>, <|close|>, <|sep|>, "
                        "<|end_of_msg|>), which this model's tokenizer lacks", "invalid_request_error", param="tools")
     k3 = plan_k3_chat(req) if req.is_k3 else None  # tools or thinking: K3's markup (runtime.tokenizer.k3_tools)
-    prompt = _chat_prompt(st.tokenizer, req, k3).ids(st.tokenizer)  # messages are text: markers only where rendered
+    params = st.tm.parse_sampling(_chat_sampling(req, k3))
     top = req.top_logprobs or 0
-    handles, timers = await _submit(st, [prompt], _chat_sampling(req, k3), req.rid, req.logprobs, top)
+    _check_limits(st, params, 1, top, "top_logprobs", [sum(len(m.text()) for m in req.messages)], "messages")
+    prompt = _chat_prompt(st.tokenizer, req, k3).ids(st.tokenizer)  # messages are text: markers only where rendered
+    handles, timers = await _submit(st, [prompt], params, req.rid, req.logprobs, top)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         return sse_response(_chat_stream(st, req, handles, timers, cid, created, k3))

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from kernels.sampling import hash_uniform
-from kernels.sampling_tensors import SamplingTensors
+from kernels.sampling_tensors import SamplingTensors, tempered
 from kernels.spec_layout import window_layout as packed_layout
 from kernels.spec_sampling import kept
 
@@ -50,7 +50,7 @@ def draw_drafts(logits: Tensor, p: SamplingTensors) -> tuple[Tensor, Tensor]:
     rows a Gumbel-max draw from the tempered, truncated softmax, on the plain sampler's stream."""
     argmax = logits.argmax(-1)
     q = torch.zeros_like(logits).scatter_(1, argmax[:, None], 1.0)
-    z = logits / torch.where(p.greedy, 1.0, p.temperature)[:, None]
+    z = tempered(logits, p)
     keep = kept(z, p)
     soft = torch.where(keep, z, float("-inf")).softmax(-1)
     gumbel = -torch.log(-torch.log(hash_uniform(p.seed, p.step, logits.shape[-1])))

@@ -88,15 +88,12 @@ class Engine:
         rids = [rids] if single or rids is None else list(rids)
         if rids != [None] and len(rids) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(rids)} rids")
-        handles: list[RequestHandle] = []
-        try:
-            for i, (p, sp) in enumerate(zip(batch, params, strict=True)):
-                rid = rids[i] if rids != [None] else None
-                handles.append(await self._submit_for(consumer, p, sp, kw | {"rid": rid}))
-        except BaseException:
-            for h in handles:  # one bad prompt refuses the call: the ones already sent are aborted
-                h.abort()
-            raise
+        parsed = [self.tm.parse_sampling(sp) for sp in params]
+        await self.tm.check_grammars(parsed)  # off this loop; then the batch is sent all or none
+        options = {k: v for k, v in kw.items() if k not in ("timeout", "deadline")}
+        subs = [self.tm.prepare(p, sp, rid=rids[i] if rids != [None] else None, **options)
+                for i, (p, sp) in enumerate(zip(batch, parsed, strict=True))]
+        handles = self.tm.send(subs, consumer=consumer, timeout=kw.get("timeout"), deadline=kw.get("deadline"))
         return single, handles
 
     @staticmethod

@@ -29,7 +29,7 @@ import itertools
 import math
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,7 @@ from runtime.messages import (
     encode,
 )
 from runtime.pool_layout import pool_layout, serving_dtype
+from runtime.request_limits import RequestLimits
 from runtime.sampling_params import (
     INT64_MAX,
     SamplingParams,
@@ -80,6 +81,19 @@ class _Sink:
 def _put_all(items: list[tuple[_Sink, StreamChunk | BaseException]]) -> None:
     for sink, item in items:
         sink.queue.put_nowait(item)
+
+
+@dataclass
+class Submission:
+    """One prompt's request, validated and built by `TokenizerManager.prepare`, not yet sent."""
+
+    rid: str  # the id it was given (its samples: `rids`)
+    rids: list[str]
+    prompt_ids: list[int]
+    params: SamplingParams
+    msgs: list[GenerateReq]
+    return_logprob: bool
+    text_in_logprobs: bool
 
 
 @dataclass
@@ -192,6 +206,7 @@ class TokenizerManager:
         self.tokenizer = procs.tokenizer
         self.vocab_size = procs.vocab_size
         self.context_length = max_request_tokens(args, procs)
+        self.limits = RequestLimits(args, self.context_length, self.tokenizer.max_token_bytes)
         self._reqs: dict[str, _Entry] = {}
         self._waiters: dict[str, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
@@ -283,6 +298,13 @@ class TokenizerManager:
         for fut in waiters.values():
             if not fut.done():
                 fut.set_exception(err)
+
+    def _check_open(self) -> None:
+        """Alive, not shutting down, not stuck: new requests are taken."""
+        self._check_alive()
+        if self._refusal is not None:
+            raise self._refusal
+        self._check_not_stuck()
 
     def _check_alive(self) -> None:
         if self.dead is not None:
@@ -383,11 +405,13 @@ class TokenizerManager:
 
     # --- requests --------------------------------------------------------------------------------------
     def parse_sampling(self, sampling_params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
-        """A request's sampling parameters parsed and validated against the model: the door, once per request
-        (a `SamplingParams` is one this method returned)."""
+        """A request's sampling parameters parsed and validated against the model and the limits (`--max-n`):
+        the door, once per request (a `SamplingParams` is one this method returned)."""
         if isinstance(sampling_params, SamplingParams):
             return sampling_params
-        return SamplingParams.from_dict(sampling_params, self.vocab_size)
+        params = SamplingParams.from_dict(sampling_params, self.vocab_size)
+        self.limits.check_n(params.n)
+        return params
 
     async def check_grammars(self, params: Iterable[SamplingParams]) -> None:
         """Parse the grammars (regex / json_schema / ebnf) of these parsed sampling params in a thread, never on
@@ -403,67 +427,99 @@ class TokenizerManager:
         while len(self._grammars_ok) > CHECKED_GRAMMARS:
             self._grammars_ok.popitem(last=False)
 
-    def submit(self, prompt: str | list[int], sampling_params: SamplingParams | dict[str, Any] | None = None, *,
-               consumer: asyncio.AbstractEventLoop | None = None, rid: str | None = None,
-               return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-               return_text_in_logprobs: bool = False, timeout: float | None = None, deadline: float | None = None,
-               ) -> RequestHandle:
-        """Validate, register and send the request (n samples = n requests, ids `rid` or `f"{rid}-{i}"`);
-        returns at once. `sampling_params`: a dict (parsed here) or what `parse_sampling` returned. `consumer`:
-        the event loop that reads the handle (default: this one). `timeout`: seconds the consumer waits for each
-        chunk; `deadline`: seconds from now the whole request may take. Either expiring aborts the request and
-        raises TimeoutError in the consumer. Raises InvalidRequest (bad input), EngineOverloaded (queue full),
+    def check_room(self, samples: int, prompts: int, param: str) -> None:
+        """Whether a request or batch of `samples` sequences over `prompts` prompts fits the queue: never
+        (InvalidRequest naming `param`), or not now, beside the requests pending (EngineOverloaded). `send` checks
+        it; a route may check it first, before it encodes the prompts."""
+        self.limits.check_samples(samples, prompts, param)
+        if len(self._reqs) + samples > self.args.max_queued_requests:
+            raise EngineOverloaded(f"{len(self._reqs)} requests pending and {samples} asked for (the limit is "
+                                   f"{self.args.max_queued_requests}); try again later")
+
+    def prepare(self, prompt: str | list[int], sampling_params: SamplingParams | dict[str, Any] | None = None, *,
+                rid: str | None = None, return_logprob: bool = False, logprob_start_len: int = -1,
+                top_logprobs_num: int = 0, return_text_in_logprobs: bool = False) -> Submission:
+        """Validate one prompt's request against the model and the limits, and build its messages; nothing is
+        registered or sent (`send`). Raises InvalidRequest (bad input, or a request that can never fit),
         EngineError (shut down)."""
         self._check_thread()
-        self._check_alive()
-        if self._refusal is not None:
-            raise self._refusal
-        self._check_not_stuck()
-        consumer = consumer if consumer is not None else asyncio.get_running_loop()
-        ids = self._prompt_ids(prompt)
+        self._check_open()
         params = self.parse_sampling(sampling_params)
+        self.limits.check_n(params.n)  # before anything is built per sample
+        self.limits.check_samples(params.n, 1, "n")
+        check_output_options(return_logprob, logprob_start_len, top_logprobs_num, self.vocab_size)
+        self.limits.check_top_logprobs(top_logprobs_num)
+        check_bool("return_text_in_logprobs", return_text_in_logprobs)
+        if isinstance(prompt, str):
+            self.limits.check_text(len(prompt), params.max_new_tokens, "prompt")
+        ids = self._prompt_ids(prompt)
         if params.grammar is not None and (key := GrammarKey(*params.grammar)) not in self._grammars_ok:
             # Not checked by `check_grammars` (a direct caller): parse it here; no tokenizer, so it is cheap.
             check_grammar(key, self.args.max_grammar_bytes)
             self._grammar_ok(key)
-        check_output_options(return_logprob, logprob_start_len, top_logprobs_num, self.vocab_size)
-        check_bool("return_text_in_logprobs", return_text_in_logprobs)
-        _check_seconds("timeout", timeout)
-        _check_seconds("deadline", deadline)
-        need = len(ids) + params.max_new_tokens
-        if need > self.context_length:
-            raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {need} "
-                                 f"tokens exceed the pool's capacity of {self.context_length} tokens per request",
-                                 param="max_new_tokens")
+        self.limits.check_tokens(len(ids), params.max_new_tokens, "prompt" if isinstance(prompt, str) else "input_ids")
         if rid is None:
             rid = uuid.uuid4().hex
         elif not isinstance(rid, str) or not rid:
             raise InvalidRequest(f"rid must be a non-empty string, got {rid!r}", param="rid")
         n = params.n
         rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
-        if any(r in self._reqs for r in rids):
-            raise InvalidRequest(f"request id {rid!r} is already in use", param="rid")
-        if len(self._reqs) + n > self.args.max_queued_requests:
-            raise EngineOverloaded(f"{len(self._reqs)} requests pending (the limit is "
-                                   f"{self.args.max_queued_requests}); try again later")
-        sink = _Sink(consumer)
-        samples: dict[str, SampleStream] = {}
-        msgs = []
-        for i, r in enumerate(rids):
-            samples[r] = SampleStream(r, i, self.tokenizer, params.stop, params.skip_special_tokens)
-            msgs.append(GenerateReq(r, ids, params.for_sample(i), return_logprob, logprob_start_len,
-                                    top_logprobs_num, stream=True))
-        frames = [encode(m) for m in msgs]  # encoded before anything is registered: a failure leaves nothing
-        for r, f in zip(rids, frames, strict=True):
-            replica = self.router.route(r, ids, params.max_new_tokens)
-            self._reqs[r] = _Entry(samples[r], sink, replica)
-            self._push[replica].send_multipart(f, flags=zmq.NOBLOCK)
-        deadline_at = None
-        if deadline is not None:
-            deadline_at = consumer.time() + deadline
-            # The deadline holds even for a handle nobody reads: abort and tell the consumer when it passes.
-            self._loop.call_later(deadline, self._expire, rids)  # type: ignore[union-attr]
-        return RequestHandle(self, rids, sink, ids, return_logprob, return_text_in_logprobs, timeout, deadline_at)
+        msgs = [GenerateReq(r, ids, params.for_sample(i), return_logprob, logprob_start_len, top_logprobs_num,
+                            stream=True) for i, r in enumerate(rids)]
+        return Submission(rid, rids, ids, params, msgs, return_logprob, return_text_in_logprobs)
+
+    def send(self, subs: Sequence[Submission], *, consumer: asyncio.AbstractEventLoop | None = None,
+             timeout: float | None = None, deadline: float | None = None) -> list[RequestHandle]:
+        """Register and send prepared requests, all or none: the batch is checked as a whole against the queue
+        before any of it is sent (no await in between, so nothing else is admitted meanwhile). `consumer`: the
+        event loop that reads the handles (default: this one). `timeout`: seconds the consumer waits for each
+        chunk; `deadline`: seconds from now the whole request may take; either expiring aborts the request and
+        raises TimeoutError in the consumer. Raises InvalidRequest (an id in use; a batch that can never fit),
+        EngineOverloaded (the queue has no room for the batch now), EngineError (shut down)."""
+        self._check_thread()
+        self._check_open()
+        _check_seconds("timeout", timeout)
+        _check_seconds("deadline", deadline)
+        rids = [r for sub in subs for r in sub.rids]
+        self.check_room(len(rids), len(subs), "n" if len(subs) == 1 else "prompt")
+        batch: set[str] = set()
+        for sub in subs:
+            if any(r in self._reqs or r in batch for r in sub.rids):
+                raise InvalidRequest(f"request id {sub.rid!r} is already in use", param="rid")
+            batch.update(sub.rids)
+        consumer = consumer if consumer is not None else asyncio.get_running_loop()
+        # Encoded before anything is registered: a failure leaves nothing.
+        frames = [[encode(m) for m in sub.msgs] for sub in subs]
+        deadline_at = None if deadline is None else consumer.time() + deadline
+        handles = []
+        for sub, sub_frames in zip(subs, frames, strict=True):
+            sink = _Sink(consumer)
+            params = sub.params
+            for i, (r, f) in enumerate(zip(sub.rids, sub_frames, strict=True)):
+                replica = self.router.route(r, sub.prompt_ids, params.max_new_tokens)
+                sample = SampleStream(r, i, self.tokenizer, params.stop, params.skip_special_tokens)
+                self._reqs[r] = _Entry(sample, sink, replica)
+                self._push[replica].send_multipart(f, flags=zmq.NOBLOCK)
+            if deadline is not None:
+                # The deadline holds even for a handle nobody reads: abort and tell the consumer when it passes.
+                self._loop.call_later(deadline, self._expire, sub.rids)  # type: ignore[union-attr]
+            handles.append(RequestHandle(self, sub.rids, sink, sub.prompt_ids, sub.return_logprob,
+                                         sub.text_in_logprobs, timeout, deadline_at))
+        return handles
+
+    def submit(self, prompt: str | list[int], sampling_params: SamplingParams | dict[str, Any] | None = None, *,
+               consumer: asyncio.AbstractEventLoop | None = None, rid: str | None = None,
+               return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+               return_text_in_logprobs: bool = False, timeout: float | None = None, deadline: float | None = None,
+               ) -> RequestHandle:
+        """`prepare` and `send` one prompt's request (n samples = n requests, ids `rid` or `f"{rid}-{i}"`);
+        returns at once. `sampling_params`: a dict (parsed here) or what `parse_sampling` returned. Raises
+        InvalidRequest (bad input, or a request that can never fit), EngineOverloaded (queue full), EngineError
+        (shut down)."""
+        sub = self.prepare(prompt, sampling_params, rid=rid, return_logprob=return_logprob,
+                           logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                           return_text_in_logprobs=return_text_in_logprobs)
+        return self.send([sub], consumer=consumer, timeout=timeout, deadline=deadline)[0]
 
     def _expire(self, rids: list[str]) -> None:
         live = [r for r in rids if r in self._reqs]
