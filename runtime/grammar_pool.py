@@ -51,11 +51,11 @@ _READY = "ready"
 
 def _serve(conn: mpc.Connection) -> None:
     """A worker: read the setup, build the compiler, then probe the grammars sent until the pipe closes."""
-    setup: CompilerSetup = conn.recv()  # first, before the slow imports: the pool's thread waits on this send
-    with contextlib.suppress(OSError):
-        os.nice(WORKER_NICE)
-    compiler = build_compiler(setup, threads=1)
     with contextlib.suppress(EOFError, OSError):  # the pipe closed: the scheduler is gone, so is this worker
+        setup: CompilerSetup = conn.recv()  # first, before the slow imports: the pool's thread waits on this send
+        with contextlib.suppress(OSError):
+            os.nice(WORKER_NICE)
+        compiler = build_compiler(setup, threads=1)
         conn.send(_READY)
         while True:
             key = conn.recv()

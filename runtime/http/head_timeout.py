@@ -27,21 +27,34 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
     head_timeout: float = 5.0
     max_head_bytes: int = MAX_HEAD_BYTES
     _head_timer: asyncio.TimerHandle | None = None
-    _head_bytes: int = 0  # received since the head was awaited, while it is incomplete
+    _in_head: bool = False  # a request's head has begun and is not complete
+    _head_bytes: int = 0  # the current head's bytes so far
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._await_head()
 
     def data_received(self, data: bytes) -> None:
-        awaiting = self._head_timer is not None
         super().data_received(data)
-        if awaiting and self._head_timer is not None:  # the head is still incomplete after this data
-            self._head_bytes += len(data)
-            if self._head_bytes > self.max_head_bytes and not self.transport.is_closing():
-                self._head_too_large()
+        if self._in_head and self._head_bytes > self.max_head_bytes and not self.transport.is_closing():
+            self._head_too_large()
+
+    # The head's bytes as the parser reads them (the request line, then each header), from a message's start
+    # until its headers are complete; a body, read or left unread, is not counted.
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head, self._head_bytes = True, 0
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self._head_bytes += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        self._head_bytes += len(name) + len(value)
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         self._head_arrived()
         super().on_headers_complete()
 
@@ -57,7 +70,6 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
 
     def _await_head(self) -> None:
         self._head_arrived()
-        self._head_bytes = 0
         self._head_timer = self.loop.call_later(self.head_timeout, self._head_late)
 
     def _head_arrived(self) -> None:
