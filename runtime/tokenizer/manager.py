@@ -219,7 +219,8 @@ class TokenizerManager:
         self._refusal: EngineError | None = None  # set by fail_pending: new requests are refused with it
         # Chunks for consumers on other event loops, handed over once per burst of replies (one wake-up).
         self._foreign: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, StreamChunk | BaseException]]] = {}
-        self._grammars_ok: collections.OrderedDict[GrammarKey, None] = collections.OrderedDict()
+        # Digests of grammars checked at the door (not their sources: up to --max-grammar-bytes each).
+        self._grammars_ok: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.num_replicas: int = procs.num_replicas
         self.router = DPRouter(self.num_replicas, args.load_balance_method, CacheAwareConfig.from_args(args))
 
@@ -417,13 +418,14 @@ class TokenizerManager:
         """Parse the grammars (regex / json_schema / ebnf) of these parsed sampling params in a thread, never on
         this loop; raises InvalidRequest for a bad one. Valid ones are remembered: `submit` then skips them."""
         for p in params:
-            if p.grammar is not None and (key := GrammarKey(*p.grammar)) not in self._grammars_ok:
+            if p.grammar is not None and (key := GrammarKey(*p.grammar)).digest() not in self._grammars_ok:
                 await asyncio.to_thread(check_grammar, key, self.args.max_grammar_bytes)
                 self._grammar_ok(key)
 
     def _grammar_ok(self, key: GrammarKey) -> None:
-        self._grammars_ok[key] = None
-        self._grammars_ok.move_to_end(key)
+        digest = key.digest()
+        self._grammars_ok[digest] = None
+        self._grammars_ok.move_to_end(digest)
         while len(self._grammars_ok) > CHECKED_GRAMMARS:
             self._grammars_ok.popitem(last=False)
 
@@ -453,7 +455,7 @@ class TokenizerManager:
         if isinstance(prompt, str):
             self.limits.check_text(len(prompt), params.max_new_tokens, "prompt")
         ids = self._prompt_ids(prompt)
-        if params.grammar is not None and (key := GrammarKey(*params.grammar)) not in self._grammars_ok:
+        if params.grammar is not None and (key := GrammarKey(*params.grammar)).digest() not in self._grammars_ok:
             # Not checked by `check_grammars` (a direct caller): parse it here; no tokenizer, so it is cheap.
             check_grammar(key, self.args.max_grammar_bytes)
             self._grammar_ok(key)
