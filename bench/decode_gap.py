@@ -9,8 +9,14 @@ request's time to first token, and the prefill tokens per extend step in that wi
 counters). The stream is aborted once the long prompt has its first token. Timings only: no test runs this
 but its smoke test.
 
+With `--grammar-properties P` the disturbance is a slow grammar instead of a long prompt: a short request whose
+`json_schema` has P optional integer properties (5,000 compiled for over a minute in the scheduler before
+grammars were compiled in worker processes), under `--grammar-compile-timeout`; its "first token" is then its
+outcome, a token or the 400 of a compile past the budget (`grammar_refused`).
+
     python bench/decode_gap.py [--model builtin|k3-small] [--long-tokens N] [--shorts K] [--json]
         [--chunked-prefill-size C] [--max-prefill-tokens B] [--disable-mixed-chunk]
+        [--grammar-properties P [--grammar-compile-timeout S]]
 
 `--disable-mixed-chunk` gives the old schedule (decodes wait for prefill work) on the same tree; on trees
 from before fair prefill, run it without the scheduling flags to get the "before" figures.
@@ -30,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # bench/kernels.py must not shadow the kernels package
@@ -57,16 +63,27 @@ def greedy(n: int) -> dict[str, Any]:
     return {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
 
 
-async def first_token(engine: Engine, prompt: list[int], new: int, start: float) -> float:
-    """Seconds from `start` to the first chunk of `prompt`'s generation holding a token."""
-    chunks = engine.async_stream(prompt, greedy(new))
+class FirstToken(NamedTuple):
+    seconds: float  # from the request's arrival to its first token, or to its refusal
+    refused: str | None = None  # why it was refused (a grammar past its compile budget)
+
+
+async def first_token(engine: Engine, prompt: list[int], new: int, start: float,
+                      extra: dict[str, Any] | None = None) -> FirstToken:
+    """When the first chunk of `prompt`'s generation holding a token came, counted from `start` (or its
+    refusal did)."""
+    chunks = engine.async_stream(prompt, greedy(new) | (extra or {}))
     try:
         async for chunk in chunks:
-            if chunk.token_ids:
-                return time.perf_counter() - start
+            if chunk.token_ids or chunk.invalid:
+                return FirstToken(time.perf_counter() - start, chunk.error if chunk.invalid else None)
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
     raise RuntimeError("the request finished without a token")
+
+
+def optional_properties_schema(n: int) -> str:
+    return json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}})
 
 
 async def run(engine: Engine, a: argparse.Namespace, vocab: int) -> dict[str, Any]:
@@ -98,8 +115,12 @@ async def run(engine: Engine, a: argparse.Namespace, vocab: int) -> dict[str, An
     await long_sent.wait()
     m0 = await asyncio.to_thread(engine.get_metrics)
     t_long = time.perf_counter()
-    long_task = asyncio.create_task(first_token(engine, prompt(a.long_tokens), 1, t_long))
-    shorts: list[tuple[float, asyncio.Task[float]]] = []
+    if a.grammar_properties:
+        schema = {"json_schema": optional_properties_schema(a.grammar_properties)}
+        long_task = asyncio.create_task(first_token(engine, prompt(8), 1, t_long, schema))
+    else:
+        long_task = asyncio.create_task(first_token(engine, prompt(a.long_tokens), 1, t_long))
+    shorts: list[tuple[float, asyncio.Task[FirstToken]]] = []
     for i in range(a.shorts):
         delay = a.short_window * (i + 1) / (a.shorts + 1)
         await asyncio.sleep(max(0.0, t_long + delay - time.perf_counter()))
@@ -107,11 +128,11 @@ async def run(engine: Engine, a: argparse.Namespace, vocab: int) -> dict[str, An
             break  # the long prompt is done: later shorts would not arrive during its prefill
         t = time.perf_counter()
         shorts.append((t - t_long, asyncio.create_task(first_token(engine, prompt(a.short_tokens), 2, t))))
-    long_ttft = await long_task
+    long_ttft, refused = await long_task
     t_first = t_long + long_ttft
     m1 = await asyncio.to_thread(engine.get_metrics)
     long_done.set()
-    short_ttft = [(d, await task) for d, task in shorts]
+    short_ttft = [(d, (await task).seconds) for d, task in shorts]
     stream_task.cancel()  # aborts the stream
     try:
         await stream_task
@@ -137,6 +158,7 @@ async def run(engine: Engine, a: argparse.Namespace, vocab: int) -> dict[str, An
         "extend_steps_during": extend_steps,
         "mixed_steps_during": m1.get("mixed_steps", 0) - m0.get("mixed_steps", 0),
         "prefill_tokens_per_extend_step": prefill / extend_steps if extend_steps else None,
+        "grammar_refused": refused is not None,
     }
 
 
@@ -153,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunked-prefill-size", type=int, default=None)
     ap.add_argument("--max-prefill-tokens", type=int, default=None)
     ap.add_argument("--disable-mixed-chunk", action="store_true")
+    ap.add_argument("--grammar-properties", type=int, default=0,
+                    help="the disturbance is a json_schema of this many optional properties, not a long prompt")
+    ap.add_argument("--grammar-compile-timeout", type=float, default=None)
     ap.add_argument("--mem-bytes", type=int, default=256 << 20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="end with one JSON object of the figures")
@@ -162,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {mach['cpu']}, {mach['cores']} cores, {mach['torch_threads']} torch threads, torch "
           f"{mach['torch']}, python {mach['python']}; tree at {mach['commit']}")
     kw: dict[str, Any] = {"mem_bytes": a.mem_bytes}
-    for name in ("chunked_prefill_size", "max_prefill_tokens"):
+    for name in ("chunked_prefill_size", "max_prefill_tokens", "grammar_compile_timeout"):
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)
     if a.disable_mixed_chunk:
@@ -178,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             args = engine.args
             fig = asyncio.run(run(engine, a, preset(name).vocab_size))
     settings = {"model": name, "long_tokens": a.long_tokens, "shorts": a.shorts,
+                "grammar_properties": a.grammar_properties,
+                "grammar_compile_timeout": getattr(args, "grammar_compile_timeout", None),
                 "chunked_prefill_size": args.chunked_prefill_size,
                 "max_prefill_tokens": getattr(args, "max_prefill_tokens", None),  # (absent on older trees)
                 "enable_mixed_chunk": getattr(args, "enable_mixed_chunk", None)}
@@ -186,12 +213,16 @@ def main(argv: list[str] | None = None) -> int:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1e3:.0f} ms"
 
-    print(f"{name}, a {a.long_tokens}-token prompt arriving during a stream; chunked_prefill_size "
+    what = (f"a {a.grammar_properties}-property json_schema (compile budget {settings['grammar_compile_timeout']} s)"
+            if a.grammar_properties else f"a {a.long_tokens}-token prompt")
+    print(f"{name}, {what} arriving during a stream; chunked_prefill_size "
           f"{settings['chunked_prefill_size']}, max_prefill_tokens {settings['max_prefill_tokens']}, mixed chunk "
           f"{settings['enable_mixed_chunk']}")
     print(f"  stream: median gap before {ms(fig['stream_median_gap_before_s'])}, worst gap during the prefill "
           f"{ms(fig['stream_worst_gap_during_s'])} ({fig['stream_tokens_during']} tokens during it)")
-    print(f"  long prompt: first token after {ms(fig['long_ttft_s'])}, {fig['extend_steps_during']} extend steps "
+    outcome = "refused (compile budget)" if fig["grammar_refused"] else "first token"
+    print(f"  {'grammar request' if a.grammar_properties else 'long prompt'}: {outcome} after "
+          f"{ms(fig['long_ttft_s'])}, {fig['extend_steps_during']} extend steps "
           f"({fig['mixed_steps_during']} with decodes), {fig['prefill_tokens_per_extend_step'] or 0:.0f} prefill "
           "tokens per extend step")
     for s in fig["short_ttft_s"]:

@@ -97,6 +97,18 @@ def test_decode_gap_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["extend_steps_during"] >= 400 // 64 and out["mixed_steps_during"] > 0  # the stream rode along
     assert 0 < out["prefill_tokens_per_extend_step"] <= 64
 
+
+def test_decode_gap_slow_grammar_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """The slow-grammar disturbance: its outcome (a token, or the refusal of a compile past the budget) ends the
+    window; the stream's gaps are measured around it."""
+    m = bench("decode_gap")
+    assert m.main(["--grammar-properties", "2000", "--grammar-compile-timeout", "1", "--shorts", "1",
+                   "--short-window", "0.05", "--before", "4", "--mem-bytes", str(32 << 20), "--json"]) == 0
+    out = last_json(capsys)
+    assert out["settings"]["grammar_properties"] == 2000 and out["settings"]["grammar_compile_timeout"] == 1
+    assert isinstance(out["grammar_refused"], bool) and out["long_ttft_s"] > 0
+    assert out["stream_worst_gap_during_s"] is not None and len(out["short_ttft_s"]) == 1
+
 # --- spec ----------------------------------------------------------------------------------------------
 def test_spec_warm_up_leaves_no_trace(tmp_path: Path) -> None:
     """The timed run after the warm-up (on its own first prompt) sees what a cold engine sees: no radix hit
