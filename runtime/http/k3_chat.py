@@ -8,7 +8,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from radixk3.tokenizer import Tokenizer
+from runtime.errors import InvalidRequest
+from runtime.grammar_schema import vet_json_schema
 from runtime.http.api_errors import APIError
 from runtime.http.openai_protocol import (
     AssistantMessage,
@@ -34,7 +38,10 @@ class K3Chat:
     parallel_calls: bool  # OpenAI's parallel_tool_calls: off, a reply keeps its first call only
 
 
-def plan_k3_chat(req: ChatCompletionRequest) -> K3Chat:
+def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
+    """The K3 prompt, and the grammar when a call is forced. The grammar is built from the tools' parameter
+    schemas, which are held to what a request's own json_schema is held to (depth, supported features, and the
+    grammar's size, `--max-grammar-bytes`). It may take a while for large schemas: call it off the event loop."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tools_on else []
     choice = req.tool_choice
     forced: str | dict[str, Any] | None = None  # as xgrammar takes tool_choice
@@ -44,6 +51,13 @@ def plan_k3_chat(req: ChatCompletionRequest) -> K3Chat:
     elif tools and choice == "required":
         forced = forced_name = "required"
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    if forced is not None:
+        for i, tool in enumerate(tools):
+            field = f"tools[{i}].function.parameters"
+            try:
+                vet_json_schema(orjson.dumps(tool.get("function", {}).get("parameters", {})).decode())
+            except InvalidRequest as e:
+                raise APIError(400, e.message.replace("json_schema", field, 1), param=field) from None
     try:
         prompt = render_k3_chat(messages, tools, req.thinking, forced_name)
         grammar = None if forced is None else forcing_grammar(tools, forced, req.thinking, req.parallel_tool_calls)
@@ -52,6 +66,9 @@ def plan_k3_chat(req: ChatCompletionRequest) -> K3Chat:
     except (ValueError, RuntimeError) as e:  # xgrammar refusing a tool's parameter schema
         message = _CPP_LOCATION.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
         raise APIError(400, f"tools: {message}", "invalid_request_error", param="tools") from None
+    if grammar is not None and (size := len(grammar.encode())) > max_grammar_bytes:
+        raise APIError(400, f"tools: the grammar that forces the tool call is {size} bytes, over the limit of "
+                       f"{max_grammar_bytes} bytes (--max-grammar-bytes)", param="tools")
     return K3Chat(prompt, bool(tools), grammar, req.parallel_tool_calls)
 
 

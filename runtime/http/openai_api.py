@@ -10,6 +10,7 @@ in SGLang); a chat's messages are text, encoded ordinarily between the markers i
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -220,7 +221,8 @@ async def chat_completions(request: Request) -> Response:
     if req.is_k3 and not st.tokenizer.has_xtml:
         raise APIError(400, "tools and thinking need K3's markup tokens (<|open|>, <|close|>, <|sep|>, "
                        "<|end_of_msg|>), which this model's tokenizer lacks", "invalid_request_error", param="tools")
-    k3 = plan_k3_chat(req) if req.is_k3 else None  # tools or thinking: K3's markup (runtime.tokenizer.k3_tools)
+    # Tools or thinking: K3's markup (runtime.tokenizer.k3_tools); a forced call's grammar is built off the loop.
+    k3 = await asyncio.to_thread(plan_k3_chat, req, st.args.max_grammar_bytes) if req.is_k3 else None
     params = st.tm.parse_sampling(_chat_sampling(req, k3))
     top = req.top_logprobs or 0
     _check_limits(st, params, 1, top, "top_logprobs", [sum(len(m.text()) for m in req.messages)], "messages")

@@ -97,3 +97,27 @@ def test_supported_neighbours_of_the_refused_features_still_run(server: Server) 
                     "additionalProperties": False}):
         r = generate(server, {"json_schema": schema}, max_new_tokens=24)
         assert r.status_code == 200, (schema, r.text)
+
+
+def chat_forcing(server: Server, parameters: dict[str, Any]) -> httpx.Response:
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": parameters}}
+    with server.client() as c:
+        return c.post("/v1/chat/completions", json={
+            "model": "k3-tiny", "messages": [{"role": "user", "content": "look it up"}], "tools": [tool],
+            "tool_choice": "required", "max_tokens": 8, "temperature": 0})
+
+
+def test_a_forced_tool_calls_schemas_are_held_to_the_same_limits(server: Server) -> None:
+    """tool_choice "required" compiles the tools' parameter schemas into a grammar: a schema too deep, with an
+    unsupported feature, or a grammar over --max-grammar-bytes is a 400 naming the tools, not a stalled server or
+    an error about an "ebnf" the client never sent."""
+    param = "tools[0].function.parameters"
+    deep: dict[str, Any] = {"type": "integer"}
+    for _ in range(100):
+        deep = {"type": "array", "items": deep}
+    refused(chat_forcing(server, {"type": "object", "properties": {"x": deep}}), param, "nested too deeply")
+    refused(chat_forcing(server, {"type": "object", "properties": {"x": {"not": {"type": "string"}}}}), param, "not")
+    wide = {"type": "object", "properties": {f"field_{i:04d}": {"type": "string"} for i in range(3000)}}
+    refused(chat_forcing(server, wide), "tools", "--max-grammar-bytes")
+    ok = chat_forcing(server, {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]})
+    assert ok.status_code == 200, ok.text
