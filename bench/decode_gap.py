@@ -11,8 +11,9 @@ but its smoke test.
 
 With `--grammar-properties P` the disturbance is a slow grammar instead of a long prompt: a short request whose
 `json_schema` has P optional integer properties (5,000 compiled for over a minute in the scheduler before
-grammars were compiled in worker processes), under `--grammar-compile-timeout`; its "first token" is then its
-outcome, a token or the 400 of a compile past the budget (`grammar_refused`).
+grammars were compiled in worker processes; 4,000 is about the most under the default --max-grammar-bytes),
+under `--grammar-compile-timeout`; its "first token" is then its outcome, a token or a refusal (`grammar_refused`:
+past the compile budget, or over the size limit).
 
     python bench/decode_gap.py [--model builtin|k3-small] [--long-tokens N] [--shorts K] [--json]
         [--chunked-prefill-size C] [--max-prefill-tokens B] [--disable-mixed-chunk]
@@ -45,6 +46,7 @@ import torch  # noqa: E402
 
 from bench.machine_info import cpu_name  # noqa: E402
 from radixk3.config import preset  # noqa: E402
+from runtime.errors import InvalidRequest  # noqa: E402
 from runtime.tokenizer.engine import Engine  # noqa: E402
 
 FIRST_ID = 16  # random prompts draw ids above the tokenizer's special ones
@@ -77,6 +79,8 @@ async def first_token(engine: Engine, prompt: list[int], new: int, start: float,
         async for chunk in chunks:
             if chunk.token_ids or chunk.invalid:
                 return FirstToken(time.perf_counter() - start, chunk.error if chunk.invalid else None)
+    except InvalidRequest as e:  # refused at the door (a grammar over --max-grammar-bytes)
+        return FirstToken(time.perf_counter() - start, e.message)
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
     raise RuntimeError("the request finished without a token")
@@ -96,6 +100,7 @@ async def run(engine: Engine, a: argparse.Namespace, vocab: int) -> dict[str, An
     arrivals: list[float] = []  # the stream's chunks holding tokens: arrival time, tokens
     long_sent = asyncio.Event()
     long_done = asyncio.Event()
+    stream_ended = asyncio.Event()  # the stream reached --stream-max-tokens
     tokens_before = 0
 
     async def stream() -> None:
@@ -108,6 +113,8 @@ async def run(engine: Engine, a: argparse.Namespace, vocab: int) -> dict[str, An
                 tokens_before += len(chunk.token_ids)
                 if tokens_before >= a.before:
                     long_sent.set()
+            if chunk.finished:
+                stream_ended.set()
             if long_done.is_set() or chunk.finished:
                 return
 
@@ -142,8 +149,9 @@ async def run(engine: Engine, a: argparse.Namespace, vocab: int) -> dict[str, An
     # Gaps that overlap the prefill window: from the last token before the long prompt arrived on.
     during = [t for t in arrivals if t >= t_long]
     last_before = max((t for t in arrivals if t < t_long), default=t_long)
-    marks = [last_before] + [t for t in during if t <= t_first] + [min((t for t in during if t > t_first),
-                                                                      default=t_first)]
+    marks = [last_before] + [t for t in during if t <= t_first]
+    if not stream_ended.is_set():  # its next token, after the window (an ended stream has none: no gap)
+        marks.append(min((t for t in during if t > t_first), default=t_first))
     gaps_during = [b - a_ for a_, b in zip(marks, marks[1:], strict=False)]
     extend_steps = m1["extend_steps"] - m0["extend_steps"]
     prefill = m1["prefill_tokens_computed"] - m0["prefill_tokens_computed"]
@@ -151,6 +159,7 @@ async def run(engine: Engine, a: argparse.Namespace, vocab: int) -> dict[str, An
         "stream_median_gap_before_s": statistics.median(gaps_before) if gaps_before else None,
         "stream_worst_gap_during_s": max(gaps_during) if gaps_during else None,
         "stream_tokens_during": sum(1 for t in during if t <= t_first),
+        "stream_ended_during": stream_ended.is_set(),
         "long_ttft_s": long_ttft,
         "short_ttft_s": [{"arrived_after_s": d, "ttft_s": t} for d, t in short_ttft],
         "short_ttft_worst_s": max((t for _, t in short_ttft), default=None),
@@ -171,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short-tokens", type=int, default=6)
     ap.add_argument("--short-window", type=float, default=3.0, help="seconds after the long prompt the shorts span")
     ap.add_argument("--before", type=int, default=32, help="stream tokens before the long prompt arrives")
-    ap.add_argument("--stream-max-tokens", type=int, default=4096)
+    ap.add_argument("--stream-max-tokens", type=int, default=32768)
     ap.add_argument("--chunked-prefill-size", type=int, default=None)
     ap.add_argument("--max-prefill-tokens", type=int, default=None)
     ap.add_argument("--disable-mixed-chunk", action="store_true")
