@@ -19,9 +19,9 @@ collective's time includes waiting for the slower rank, as a worker-side measure
 share of the cores in torch threads (`Topology.rank_threads`, as the engine's ranks do), so that the share
 measures communication rather than two ranks oversubscribing the cores.
 
-Every engine runs the whole burst in one batch unless `--max-running-requests` is below `--num-questions`; with
-a smaller batch, the cache-aware router spreads the burst once a replica's batch is full and waiting there takes
-longer than computing the prefix again on the other (the prompt tokens per replica show the split).
+Every engine runs the whole burst in one batch unless `--max-running-requests` is below `--num-questions`. The
+cache-aware router spreads the burst once the decode tokens the replica holding the prefix owes outweigh
+computing the prefix again on the other (the prompt tokens per replica show the split).
 
     python bench/distributed.py [--json] [--preset k3-tiny] [--num-questions 64] [--max-new-tokens 32]
                                 [--max-running-requests N]

@@ -11,9 +11,12 @@ cache_aware     as SGLang's router (sgl-router's cache-aware policy): the front 
                 When the queues diverge (max - min > `balance_abs_threshold` and max > `balance_rel_threshold`
                 x min) it goes to the shortest queue instead. Either way its tokens join the chosen tree.
 
-                Unlike sgl-router, a matching replica is left once its running batch is full and waiting
-                there costs more than computing the prefix again elsewhere (`wait_cost`): a burst of
-                requests sharing one prefix spreads over the idle replicas instead of queueing on one.
+                Unlike sgl-router, a matching replica is left once the work it owes exceeds what computing
+                the prefix again elsewhere costs (`work_cost`, in tokens: the decode tokens its outstanding
+                requests may still produce, each a row in one of its steps, against the prompt tokens a
+                replica does not hold). A burst of requests sharing one prefix thus fills the replica that
+                cached it until its queued decode work outweighs one prefill of the prefix, then spreads over
+                the idle replicas, which each compute the prefix once; a long prefix with short outputs stays.
 
 The router is pure bookkeeping (no sockets, no clocks): the tokenizer manager calls `route` once per request
 and `finished` once when the request ends, however it ends.
@@ -28,28 +31,20 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from runtime.sampling_params import SamplingParams
-from runtime.server_args import LOAD_BALANCE_METHODS, ServerArgs
+from runtime.server_args import LOAD_BALANCE_METHODS
 
 DEFAULT_MAX_NEW_TOKENS = SamplingParams.max_new_tokens  # what a request that does not say gets
 
 
 @dataclass
 class CacheAwareConfig:
-    """sgl-router's cache-aware knobs, with its (current) defaults, and the replica's capacity the router's
-    cost model needs (from `ServerArgs`, `from_args`). SGLang evicts from a background thread every
+    """sgl-router's cache-aware knobs, with its (current) defaults. SGLang evicts from a background thread every
     `eviction_interval_secs`; here the cap is enforced at insert time, so there is no interval."""
 
     cache_threshold: float = 0.3  # prefix match share above which the best-matching replica is chosen
     balance_abs_threshold: int = 64  # imbalanced only if max - min outstanding exceeds this ...
     balance_rel_threshold: float = 1.5  # ... and max exceeds this times min
     max_tree_size: int = 2**26  # tokens per replica's tree before LRU leaves are evicted
-    max_running_requests: int = ServerArgs.max_running_requests  # a replica's running batch
-    chunked_prefill_size: int = ServerArgs.chunked_prefill_size  # prefill tokens a replica computes per step
-
-    @classmethod
-    def from_args(cls, args: ServerArgs) -> CacheAwareConfig:
-        """sgl-router's defaults, with the capacity of a replica (or DP rank) served by `args`."""
-        return cls(max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size)
 
     def check_integrity(self) -> None:
         if not 0.0 <= self.cache_threshold <= 1.0:
@@ -60,9 +55,6 @@ class CacheAwareConfig:
             raise ValueError(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}")
         if self.max_tree_size < 1:
             raise ValueError(f"max_tree_size must be >= 1, got {self.max_tree_size}")
-        if self.max_running_requests < 1 or self.chunked_prefill_size < 1:
-            raise ValueError(f"max_running_requests and chunked_prefill_size must be >= 1, got "
-                             f"{self.max_running_requests} and {self.chunked_prefill_size}")
 
 
 class _Node:
@@ -187,19 +179,7 @@ class RouteStats(NamedTuple):
     by_cache: int  # cache_aware: sent to the longest match (above the threshold, load balanced)
     by_tree_size: int  # cache_aware: match too short, sent to the smallest tree
     by_load: int  # cache_aware while imbalanced, or shortest_queue / round_robin
-    by_wait: int  # cache_aware: the longest match's batch was full, sent where it starts soonest (`wait_cost`)
-
-
-class WaitCost(NamedTuple):
-    """How long a request would take to start on one replica, in scheduler steps (`DPRouter.wait_cost`)."""
-
-    batches_ahead: int  # full running batches to wait for before it is admitted
-    batch_steps: int  # decode steps one batch there lasts (the mean max_new_tokens of its outstanding requests)
-    prefill_steps: int  # steps to prefill what the replica does not hold of its prompt
-
-    @property
-    def steps(self) -> int:
-        return self.batches_ahead * self.batch_steps + self.prefill_steps
+    by_work: int  # cache_aware: the longest match owed more work than the prefix costs elsewhere (`work_cost`)
 
 
 @dataclass
@@ -258,17 +238,12 @@ class DPRouter:
             self.loads[r] -= 1
             self.decode_tokens[r] -= max_new
 
-    def wait_cost(self, replica: int, prompt_tokens: int, matched: int) -> WaitCost:
-        """The steps before a new request's first token on `replica`, which holds `matched` of its
-        `prompt_tokens`. A replica runs `max_running_requests` at once: a request joining n outstanding ones waits
-        n // max_running_requests whole batches, each about its requests' max_new_tokens decode steps (an
-        upper bound: a stop token ends one sooner); then its prefill, `chunked_prefill_size` tokens a step.
-        Comparing replicas this way trades waiting on the one holding a prefix against computing the prefix
-        again on one with room: affinity holds while the best match has room (no batch ahead, least prefill)."""
-        c = self.config
-        ahead = self.loads[replica] // c.max_running_requests
-        batch = -(-self.decode_tokens[replica] // self.loads[replica]) if self.loads[replica] else 0
-        return WaitCost(ahead, batch, -(-(prompt_tokens - matched) // c.chunked_prefill_size))
+    def work_cost(self, replica: int, prompt_tokens: int, matched: int) -> int:
+        """What a new request adds to, and waits behind, on `replica`, which holds `matched` of its
+        `prompt_tokens`, in tokens: the decode tokens the replica's outstanding requests may still produce (their
+        max_new_tokens, an upper bound) and the prompt tokens it must prefill. A decode token counts as a
+        prefill token: each is a row of some step."""
+        return self.decode_tokens[replica] + prompt_tokens - matched
 
     def _shortest(self) -> int:
         return min(range(self.num_replicas), key=self.loads.__getitem__)  # min keeps the first: lowest index
@@ -286,10 +261,10 @@ class DPRouter:
             matched = [t.match(tokens) for t in self.trees]
             best = max(range(self.num_replicas), key=matched.__getitem__)  # the first of the longest
             if tokens and matched[best] / len(tokens) > self.config.cache_threshold:
-                # The soonest start; ties to the best match, then the shorter queue, then the lower index.
-                steps = [self.wait_cost(i, len(tokens), matched[i]).steps for i in range(self.num_replicas)]
-                r = min(range(self.num_replicas), key=lambda i: (steps[i], i != best, self.loads[i], i))
-                self._stats[0 if r == best else 3] += 1
+                # The least work; ties to the best match, then the shorter queue, then the lower index.
+                cost = [self.work_cost(i, len(tokens), matched[i]) for i in range(self.num_replicas)]
+                r = min(range(self.num_replicas), key=lambda i: (cost[i], i != best, self.loads[i], i))
+                self._stats[0 if matched[r] == matched[best] else 3] += 1
             else:  # ties: the shorter queue, then the lower index
                 r = min(range(self.num_replicas), key=lambda i: (self.trees[i].size, self.loads[i]))
                 self._stats[1] += 1

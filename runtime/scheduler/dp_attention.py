@@ -49,7 +49,7 @@ class DPAttentionScheduler:
         # Every group's pool is one size: the ranks of the replica agreed on it (one TP group).
         self.groups = [Scheduler(args, layout, stop_ids, detokenize, grammar(), pool_bytes=pool_bytes)
                        for _ in range(args.dp_size)]
-        self.router = DPRouter(args.dp_size, args.load_balance_method, CacheAwareConfig.from_args(args))
+        self.router = DPRouter(args.dp_size, args.load_balance_method, CacheAwareConfig())
         self._inflight: deque[list[bool]] = deque()  # per step in flight: which groups ran a real plan
         self._idle_steps = 0
 

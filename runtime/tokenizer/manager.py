@@ -222,7 +222,7 @@ class TokenizerManager:
         # Digests of grammars checked at the door (not their sources: up to --max-grammar-bytes each).
         self._grammars_ok: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.num_replicas: int = procs.num_replicas
-        self.router = DPRouter(self.num_replicas, args.load_balance_method, CacheAwareConfig.from_args(args))
+        self.router = DPRouter(self.num_replicas, args.load_balance_method, CacheAwareConfig())
 
     # --- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -102,10 +102,10 @@ def test_decode_gap_slow_grammar_json(capsys: pytest.CaptureFixture[str]) -> Non
     """The slow-grammar disturbance: its outcome (a token, or the refusal of a compile past the budget) ends the
     window; the stream's gaps are measured around it."""
     m = bench("decode_gap")
-    assert m.main(["--grammar-properties", "2000", "--grammar-compile-timeout", "1", "--shorts", "1",
+    assert m.main(["--grammar-properties", "50", "--grammar-compile-timeout", "1", "--shorts", "1",
                    "--short-window", "0.05", "--before", "4", "--mem-bytes", str(32 << 20), "--json"]) == 0
     out = last_json(capsys)
-    assert out["settings"]["grammar_properties"] == 2000 and out["settings"]["grammar_compile_timeout"] == 1
+    assert out["settings"]["grammar_properties"] == 50 and out["settings"]["grammar_compile_timeout"] == 1
     assert isinstance(out["grammar_refused"], bool) and out["long_ttft_s"] > 0
     assert out["stream_worst_gap_during_s"] is not None and len(out["short_ttft_s"]) == 1
 

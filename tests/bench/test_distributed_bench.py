@@ -33,14 +33,13 @@ def test_distributed_bench_tiny_json(capsys: pytest.CaptureFixture[str]) -> None
     assert out["hit_rate_dp2_cache_aware"] == out["runs"]["tp2_dp2_attention"]["hit_rate"]
 
 
-def test_distributed_bench_spreads_the_burst_past_a_full_batch(capsys: pytest.CaptureFixture[str]) -> None:
-    """One request running per replica: the cache-aware router sends the burst to both replicas, with tp 1's
-    tokens; the figures are reported as for the full batch."""
-    assert distributed.main(["--num-questions", "4", "--num-shots", "1", "--max-new-tokens", "2", "--mem-mib", "32",
-                             "--max-running-requests", "1", "--configs", "tp1,dp2_cache_aware", "--no-comm-share",
-                             "--json"]) == 0
+def test_distributed_bench_spreads_the_burst_once_decode_outweighs_the_prefix(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """64 new tokens each: the cache-aware router sends the burst to both replicas once the decode tokens the
+    first owes outweigh its prefix, with tp 1's tokens."""
+    assert distributed.main(["--num-questions", "4", "--num-shots", "1", "--max-new-tokens", "64", "--mem-mib", "32",
+                             "--configs", "tp1,dp2_cache_aware", "--no-comm-share", "--json"]) == 0
     out = last_json(capsys)
-    assert out["workload"]["max_running_requests"] == 1
     assert min(out["runs"]["dp2_cache_aware"]["replica_prompt_tokens"]) > 0
     assert out["hit_rate_dp2_cache_aware"] is not None and out["tok_s"]["dp2_cache_aware"] > 0
     assert out["outputs_equal_tp1"] == {"dp2_cache_aware": True}

@@ -154,10 +154,11 @@ def test_cache_aware_balances_when_queues_diverge() -> None:
     cfg = CacheAwareConfig(balance_abs_threshold=4, balance_rel_threshold=1.5)
     r = DPRouter(2, "cache_aware", cfg)
     prompt = list(range(50))
-    placed = [r.route(f"p{i}", prompt + [i]) for i in range(12)]
-    # Five follow the prefix to replica 0; then loads 5-0 exceed both thresholds (abs 4, rel 1.5), the
-    # shortest queue takes the next, and from there the two alternate at the edge of the threshold.
-    assert placed == [0] * 5 + [1, 0, 1, 0, 1, 0, 1]
+    placed = [r.route(f"p{i}", prompt + [i], 1) for i in range(12)]
+    # One new token each: the decode work replica 0 owes stays below the 51-token prompt, so five follow the
+    # prefix there; then loads 5-0 exceed both thresholds (abs 4, rel 1.5) and the shortest queue takes the
+    # next. Both hold the prefix from then on, and the one owing less work takes each request.
+    assert placed == [0] * 5 + [1] * 5 + [0, 1]
     assert max(r.loads) - min(r.loads) <= cfg.balance_abs_threshold + 1
     assert r.stats.by_load > 0
     # Once the loads even out again, the prefix wins again.
@@ -191,44 +192,45 @@ def _burst(r: DPRouter, prefix: list[int], n: int, max_new: int) -> list[int]:
     return placed
 
 
-def test_cache_aware_spreads_a_one_prefix_burst_past_a_full_batch() -> None:
-    # Each replica runs 8 at once: the 9th would wait a whole batch (16 decode steps) on replica 0, where one
-    # prefill step of the 102-token prompt on the idle replica 1 is far sooner.
-    r = DPRouter(2, "cache_aware", CacheAwareConfig(max_running_requests=8, chunked_prefill_size=512))
+def test_cache_aware_spreads_a_one_prefix_burst_once_its_decode_work_outweighs_the_prefix() -> None:
+    # A 102-token prompt (a 100-token prefix), 16 new tokens each: replica 0 takes requests while the decode
+    # tokens it owes plus a request's own 2 prompt tokens cost no more than the whole prompt on idle replica 1.
+    r = DPRouter(2, "cache_aware")
     placed = _burst(r, list(range(100)), 64, max_new=16)
-    assert placed[:8] == [0] * 8  # the replica that cached the prefix, while it has room
-    assert placed[8] == 1
-    assert r.loads == [32, 32]  # from there the two take a batch each in turn
-    assert all(r.loads[p] for p in placed)
-    assert r.stats.by_tree_size == 1 and r.stats.by_wait > 0 and r.stats.by_load == 0
-    # Both hold the prefix now: the next request waits where the queue is shorter by whole batches.
+    assert placed[:7] == [0] * 7  # 6 x 16 + 2 = 98 <= 102
+    assert placed[7] == 1  # 7 x 16 + 2 = 114 > 102: the prefix again, on replica 1
+    assert r.loads == [32, 32]  # from there both hold the prefix and the one owing less takes the next
+    assert r.stats.by_tree_size == 1 and r.stats.by_work == 1 and r.stats.by_load == 0
     r.finished("b0")
-    assert r.wait_cost(0, 102, 100) == (3, 16, 1) and r.wait_cost(1, 102, 100) == (4, 16, 1)
+    assert r.work_cost(0, 102, 100) == 31 * 16 + 2 and r.work_cost(1, 102, 100) == 32 * 16 + 2
     assert r.route("next", list(range(100)) + [1, 2], 16) == 0
 
 
-def test_cache_aware_keeps_a_burst_that_fits_one_batch() -> None:
-    r = DPRouter(2, "cache_aware", CacheAwareConfig(max_running_requests=64))
-    assert _burst(r, list(range(100)), 64, max_new=16) == [0] * 64
-    assert r.stats.by_cache == 63 and r.stats.by_wait == 0
+def test_cache_aware_keeps_a_long_prefix_with_short_outputs() -> None:
+    # A 2,048-token prefix, 2 new tokens each: 64 requests owe 128 decode tokens, far less than the prefix.
+    r = DPRouter(2, "cache_aware")
+    assert _burst(r, list(range(2048)), 64, max_new=2) == [0] * 64
+    assert r.stats.by_cache == 63 and r.stats.by_work == 0
 
 
-def test_cache_aware_waits_while_the_prefix_costs_more_than_a_batch() -> None:
-    # A 2,048-token prefix is 5 prefill steps anywhere else, a batch 2 decode steps: waiting one or two
-    # batches on replica 0 (2 + 1, then 4 + 1 steps) is no later than computing the prefix again (5 steps).
-    r = DPRouter(2, "cache_aware", CacheAwareConfig(max_running_requests=4, chunked_prefill_size=512))
-    placed = _burst(r, list(range(2048)), 13, max_new=2)
-    assert placed == [0] * 12 + [1]
+def test_cache_aware_spreads_the_gsm8k_burst() -> None:
+    # The shape of bench/distributed.py's burst: an 800-token few-shot prefix, ~70 own tokens, 32 new: the
+    # replica holding the prefix takes 26 (26 x 32 > 800 - 70 of work), then the two even out.
+    r = DPRouter(2, "cache_aware")
+    prefix = list(range(800))
+    placed = [r.route(f"q{i}", prefix + list(range(10_000 + 70 * i, 10_000 + 70 * (i + 1))), 32) for i in range(64)]
+    assert placed.index(1) == 26 and r.loads == [32, 32]
+    r.check_integrity()
 
 
 @settings(max_examples=100, deadline=None)
 @given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 30), st.integers(0, 2), st.integers(0, 40)),
                     max_size=120),
-       n=st.integers(2, 3), batch=st.integers(1, 6), chunk=st.integers(1, 16))
-def test_cache_aware_leaves_the_best_match_only_when_it_starts_sooner_elsewhere(
-        ops: list[tuple[bool, int, int, int]], n: int, batch: int, chunk: int) -> None:
+       n=st.integers(2, 3))
+def test_cache_aware_leaves_the_best_match_only_for_less_work_elsewhere(
+        ops: list[tuple[bool, int, int, int]], n: int) -> None:
     prefixes = [[p] * 12 for p in range(3)]
-    r = DPRouter(n, "cache_aware", CacheAwareConfig(max_running_requests=batch, chunked_prefill_size=chunk))
+    r = DPRouter(n, "cache_aware")
     held: list[list[tuple[int, ...]]] = [[] for _ in range(n)]  # what each tree holds (no eviction at this size)
     for add, k, p, max_new in ops:
         rid = f"r{k}"
@@ -238,13 +240,13 @@ def test_cache_aware_leaves_the_best_match_only_when_it_starts_sooner_elsewhere(
             continue
         toks = prefixes[p] + [100 + k]
         matched = [max((_lcp(toks, s) for s in seqs), default=0) for seqs in held]
-        costs = [r.wait_cost(i, len(toks), matched[i]).steps for i in range(n)]
+        costs = [r.work_cost(i, len(toks), matched[i]) for i in range(n)]
         best = matched.index(max(matched))
         stats, loads = r.stats, list(r.loads)
         i = r.route(rid, toks, max_new)
         held[i].append(tuple(toks))
-        if r.stats.by_wait > stats.by_wait:  # left the best match: its batch was full, and elsewhere is sooner
-            assert loads[best] >= batch and costs[i] < costs[best]
-        elif r.stats.by_cache > stats.by_cache:  # the best match, which starts no later than any other
+        if r.stats.by_work > stats.by_work:  # left the best match: elsewhere costs less work
+            assert costs[i] < costs[best] and loads[best] > 0
+        elif r.stats.by_cache > stats.by_cache:  # the best match, which costs no more than any other
             assert i == best and costs[i] == min(costs)
         r.check_integrity()
