@@ -16,6 +16,7 @@ import orjson
 from radixk3.checkpoint import CheckpointError, write_random_checkpoint
 from radixk3.config import BUILTIN_PRESET, PRESETS, TRUE_SIZE_PRESETS, ConfigError, preset
 from radixk3.config_formats import load_model_config
+from radixk3.generation_config import load_generation_config
 from radixk3.plan import EXPERT_FORMATS, memory_plan, parallel_plan, parse_bytes
 
 
@@ -125,6 +126,7 @@ def _serve(args: argparse.Namespace) -> None:
     server_args = ServerArgs.from_cli_args(args)
     if server_args.model is not None:
         load_model_config(server_args.model)  # a bad directory gets a one-line error before any process starts
+        load_generation_config(server_args.model)
     if server_args.node_rank > 0:  # another node: only its ranks, serving node 0's plans until it stops
         from runtime.node_main import run_node
 

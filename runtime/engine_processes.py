@@ -27,7 +27,7 @@ from radixk3.config import ModelConfig
 from radixk3.tokenizer import Tokenizer
 from runtime.errors import EngineError
 from runtime.messages import RankFailed, Shutdown, WorkerReady, decode, encode
-from runtime.model_files import model_config, tokenizer_for
+from runtime.model_files import model_config, sampling_defaults, tokenizer_for
 from runtime.process_info import is_stopped
 from runtime.scheduler_main import scheduler_main
 from runtime.server_args import ServerArgs
@@ -77,6 +77,7 @@ class EngineProcesses:
                                  "not an engine")
             self.config: ModelConfig = model_config(args)
             self.tokenizer: Tokenizer = tokenizer_for(args)
+            self.sampling_defaults = sampling_defaults(args)
             self.ipc_dir = tempfile.mkdtemp(prefix="radixk3-")
             self.topology = Topology.for_args(args, self.ipc_dir)
         except Exception as e:

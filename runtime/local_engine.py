@@ -18,6 +18,7 @@ from radixk3.model import KimiForCausalLM
 from runtime.grammar import GrammarBackend
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, decode, encode
 from runtime.model_files import model_config, tokenizer_for
+from runtime.model_files import stop_ids as model_stop_ids
 from runtime.sampling_params import SamplingParams, check_output_options, check_prompt_ids
 from runtime.scheduler.scheduler import Scheduler
 from runtime.scheduler.step_loop import StepLoop
@@ -31,7 +32,7 @@ class LocalEngine:
         self.worker = ModelWorker(args, model)
         tok = tokenizer_for(args)
         cfg = model_config(args) if model is None else model.config
-        stop_ids = frozenset(tok.stop_ids) | {cfg.eos_token_id}
+        stop_ids = model_stop_ids(args, tok, cfg)
         self.vocab_size = cfg.vocab_size
         grammar = GrammarBackend(tok, cfg.vocab_size, stop_ids, args)
         self.scheduler = Scheduler(args, self.worker.layout, stop_ids, tok.decode, grammar,

@@ -1,5 +1,5 @@
-"""What a model directory gives the processes: its config and its tokenizer (the built-in model when no
-directory is given)."""
+"""What a model directory gives the processes: its config, its tokenizer, the ids that end a generation and the
+default sampling parameters of its generation_config.json (the built-in model when no directory is given)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ from pathlib import Path
 
 from radixk3.config import BUILTIN_PRESET, ModelConfig, preset
 from radixk3.config_formats import load_model_config
+from radixk3.generation_config import FILE_NAME, load_generation_config
 from radixk3.tokenizer import Tokenizer, load_tokenizer
+from runtime.errors import InvalidRequest
+from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 
 
@@ -19,3 +22,22 @@ def tokenizer_for(args: ServerArgs) -> Tokenizer:
     if args.model is not None and (Path(args.model) / "tokenizer.model").is_file():
         return load_tokenizer(Path(args.model) / "tokenizer.model")
     return load_tokenizer()
+
+
+def stop_ids(args: ServerArgs, tok: Tokenizer, cfg: ModelConfig) -> frozenset[int]:
+    """The ids that end a generation (unless a request ignores eos): the tokenizer's stop markers, the config's
+    eos, and generation_config.json's eos ids."""
+    return frozenset(tok.stop_ids) | {cfg.eos_token_id} | set(load_generation_config(args.model).eos_token_ids)
+
+
+def sampling_defaults(args: ServerArgs) -> dict[str, object]:
+    """Every request's default sampling parameters beneath its own (`--sampling-defaults`): generation_config.json's
+    with `model`, none with `openai`. ValueError naming the file's field if the file's values are out of range."""
+    if args.sampling_defaults != "model":
+        return {}
+    defaults = load_generation_config(args.model).sampling
+    try:
+        SamplingParams.from_dict(defaults)
+    except InvalidRequest as e:
+        raise ValueError(f"{FILE_NAME}: {e.message}") from None
+    return defaults

@@ -46,6 +46,7 @@ from runtime.messages import (
     encode,
 )
 from runtime.model_files import model_config, tokenizer_for
+from runtime.model_files import stop_ids as model_stop_ids
 from runtime.pool_layout import pool_layout
 from runtime.process_info import is_stopped, scheduler_process_name, set_process_name
 from runtime.scheduler.dp_attention import DPAttentionScheduler
@@ -311,7 +312,7 @@ def scheduler_main(args: ServerArgs, topo: Topology, replica: int) -> None:
         cfg = model_config(args)
         tok = tokenizer_for(args)
         layout = pool_layout(cfg, args)
-        stop_ids = frozenset(tok.stop_ids) | {cfg.eos_token_id}
+        stop_ids = model_stop_ids(args, tok, cfg)
         # The ranks size the pool (after loading their weights) and say how big it is when they are ready.
         readies = ranks.wait_ready()
         if readies[-1].error is not None:

@@ -18,6 +18,7 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "max_logprobs": ("--max-top-logprobs",),
 }
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
+SAMPLING_DEFAULTS = ("model", "openai")
 
 
 @dataclass
@@ -49,6 +50,10 @@ class ServerArgs:
         "no prefill work is left)")})
     disable_overlap_schedule: bool = False  # plan step N+1 only after step N's result (no overlap)
     schedule_conservativeness: float = 1.0  # scales the decode tokens admission reserves (0: none, retract instead)
+    sampling_defaults: str = field(default="model", metadata={"help": (
+        "where a request's unset sampling parameters come from (SGLang's flag): model, the checkpoint's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens; its "
+        "eos_token_id always ends generation), or openai, the engine's own defaults (temperature 1, no cut-offs)")})
     max_queued_requests: int = field(default=4096, metadata={"help": (
         "requests (samples) pending at once; beyond this a new request gets HTTP 503 with Retry-After, and a "
         "request or batch asking for more samples than this in all can never fit: HTTP 400")})
@@ -159,6 +164,9 @@ class ServerArgs:
             raise ValueError(f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size}")
         if self.enable_dp_attention and self.tp_size % self.dp_size:
             raise ValueError(f"--dp-size {self.dp_size} must divide --tp-size {self.tp_size} with DP attention")
+        if self.sampling_defaults not in SAMPLING_DEFAULTS:
+            raise ValueError(f"--sampling-defaults must be one of {', '.join(SAMPLING_DEFAULTS)}, "
+                             f"got {self.sampling_defaults!r}")
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
             raise ValueError(f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}")
         if not 0 <= self.node_rank < self.nnodes:

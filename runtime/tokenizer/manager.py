@@ -205,6 +205,7 @@ class TokenizerManager:
         self.procs = procs
         self.tokenizer = procs.tokenizer
         self.vocab_size = procs.vocab_size
+        self.sampling_defaults = procs.sampling_defaults  # under each request's own (--sampling-defaults)
         self.context_length = max_request_tokens(args, procs)
         self.limits = RequestLimits(args, self.context_length, self.tokenizer.max_token_bytes)
         self._reqs: dict[str, _Entry] = {}
@@ -410,6 +411,8 @@ class TokenizerManager:
         the door, once per request (a `SamplingParams` is one this method returned)."""
         if isinstance(sampling_params, SamplingParams):
             return sampling_params
+        if sampling_params is None or isinstance(sampling_params, dict):
+            sampling_params = self.sampling_defaults | (sampling_params or {})
         params = SamplingParams.from_dict(sampling_params, self.vocab_size)
         self.limits.check_n(params.n)
         return params
