@@ -109,9 +109,12 @@ class ServerArgs:
         "on SIGTERM: seconds to let in-flight requests finish; then each is aborted and ends with a 503 error "
         "(a stream: an error event and [DONE]), and the server exits 0")})
     timeout_keep_alive: float = field(default=5.0, metadata={"help": (
-        "seconds a connection may take, from its opening or its previous response, to send the next request's "
-        "head (request line and headers) in full; then the server closes it (as uvicorn's --timeout-keep-alive, "
-        "which alone spares a connection that never completes a head)")})
+        "seconds an idle connection is kept after a response for the next request to begin; then the server "
+        "closes it (uvicorn's flag and default)")})
+    timeout_request_head: float = field(default=60.0, metadata={"help": (
+        "seconds a new connection, or a request whose head has begun, may take to send its request line and "
+        "headers in full; then the server closes it, so clients that never finish a head hold no connection "
+        "(nginx's client_header_timeout and Node's headersTimeout, both 60 s)")})
 
     def __post_init__(self) -> None:
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
@@ -180,9 +183,10 @@ class ServerArgs:
                              f"got {self.watchdog_timeout}")
         if not self.graceful_shutdown_timeout >= 0:  # also refuses NaN
             raise ValueError("--graceful-shutdown-timeout must be >= 0")
-        if not 0 < self.timeout_keep_alive < float("inf"):
-            raise ValueError(f"--timeout-keep-alive must be a positive number of seconds, "
-                             f"got {self.timeout_keep_alive}")
+        for flag, seconds in (("--timeout-keep-alive", self.timeout_keep_alive),
+                              ("--timeout-request-head", self.timeout_request_head)):
+            if not 0 < seconds < float("inf"):
+                raise ValueError(f"{flag} must be a positive number of seconds, got {seconds}")
 
     @property
     def overlap_schedule(self) -> bool:

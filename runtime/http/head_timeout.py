@@ -1,14 +1,16 @@
-"""uvicorn's httptools protocol with a deadline on each request's head (request line and headers).
+"""uvicorn's httptools protocol with deadlines on each request's head (request line and headers).
 
 uvicorn arms its keep-alive timer only once a response is complete, and any byte received disarms it: a
 connection that never completes its first request's head, or trickles it a byte at a time, stays open for
 ever, and a few hundred of them (slowloris) hold the server's sockets. Its h11 protocol is no better here: its
-`h11_max_incomplete_event_size` bounds the size of an incomplete head, not its time. So this protocol gives a
-connection `head_timeout` seconds, from its opening or from its previous response, to deliver the next
-request's complete head, and closes it otherwise; and it bounds the head's size (`MAX_HEAD_BYTES`, as h11's
-`h11_max_incomplete_event_size` and Node's 16 KiB header limit do): within its 5 s a client could otherwise send
-gigabytes of headers, which httptools hands to uvicorn to keep. A head over the bound gets a 431 and the connection
-is closed. Bodies and responses are not timed here: a request that is being served is the app's.
+`h11_max_incomplete_event_size` bounds the size of an incomplete head, not its time. So this protocol splits the
+two as nginx does (`client_header_timeout`, `keepalive_timeout`): a new connection, or a request whose head has
+begun, gets `head_timeout` seconds to deliver the complete head; an idle connection after a response gets
+`keep_alive` seconds for the next request to begin, then the head deadline from its first byte. A connection
+that misses a deadline is closed. It also bounds the head's size (`MAX_HEAD_BYTES`, as h11's
+`h11_max_incomplete_event_size` and Node's 16 KiB header limit do): within its deadline a client could otherwise
+send gigabytes of headers, which httptools hands to uvicorn to keep. A head over the bound gets a 431 and the
+connection is closed. Bodies and responses are not timed here: a request that is being served is the app's.
 """
 
 from __future__ import annotations
@@ -24,15 +26,17 @@ MAX_HEAD_BYTES = 64 << 10  # a request line and headers larger than this get 431
 
 
 class HeadTimeoutProtocol(HttpToolsProtocol):
-    head_timeout: float = 5.0
+    head_timeout: float = 60.0
+    keep_alive: float = 5.0
     max_head_bytes: int = MAX_HEAD_BYTES
     _head_timer: asyncio.TimerHandle | None = None
     _in_head: bool = False  # a request's head has begun and is not complete
+    _idle: bool = False  # the timer is the keep-alive one (no byte of the next request yet)
     _head_bytes: int = 0  # the current head's bytes so far
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._await_head()
+        self._await_head(self.head_timeout)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -44,6 +48,8 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head, self._head_bytes = True, 0
+        if self._idle:  # the next request began on an idle connection: from now on, the head's deadline
+            self._await_head(self.head_timeout)
 
     def on_url(self, url: bytes) -> None:
         super().on_url(url)
@@ -62,15 +68,16 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         idle = not self.pipeline  # else the next request, whose head has come already, starts now
         super().on_response_complete()
         if idle and not self.transport.is_closing():
-            self._await_head()
+            self._await_head(self.keep_alive, idle=True)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._head_arrived()
         super().connection_lost(exc)
 
-    def _await_head(self) -> None:
+    def _await_head(self, seconds: float, idle: bool = False) -> None:
         self._head_arrived()
-        self._head_timer = self.loop.call_later(self.head_timeout, self._head_late)
+        self._idle = idle
+        self._head_timer = self.loop.call_later(seconds, self._head_late)
 
     def _head_arrived(self) -> None:
         if self._head_timer is not None:
@@ -92,6 +99,7 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def head_timeout_protocol(seconds: float) -> type[HeadTimeoutProtocol]:
-    """The protocol class with this deadline, for uvicorn's `Config(http=...)`."""
-    return type("HeadTimeoutProtocol", (HeadTimeoutProtocol,), {"head_timeout": seconds})
+def head_timeout_protocol(head_timeout: float, keep_alive: float) -> type[HeadTimeoutProtocol]:
+    """The protocol class with these deadlines, for uvicorn's `Config(http=...)`."""
+    return type("HeadTimeoutProtocol", (HeadTimeoutProtocol,), {"head_timeout": head_timeout,
+                                                                  "keep_alive": keep_alive})

@@ -6,8 +6,8 @@ serves until SIGTERM or SIGINT: uvicorn stops accepting connections and lets in-
 `graceful_shutdown_timeout` seconds; then the app ends the rest itself, in the API's words (uvicorn would
 cancel them: a plain-text 500, or a stream cut without its end): each is aborted on its scheduler and its
 client gets the 503 error body, or in a stream an error event and `data: [DONE]`. The lifespan then shuts
-the engine down and the process exits 0. A connection gets `timeout_keep_alive` seconds for each request's
-head (`runtime.http.head_timeout`).
+the engine down and the process exits 0. A connection gets `timeout_request_head` seconds for each request's
+head, and an idle one `timeout_keep_alive` seconds for the next request to begin (`runtime.http.head_timeout`).
 """
 
 from __future__ import annotations
@@ -165,7 +165,8 @@ def run_server(args: ServerArgs) -> int:
     app = create_app(args)
     grace = args.graceful_shutdown_timeout
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop",
-                            http=head_timeout_protocol(args.timeout_keep_alive), ws="none", lifespan="on",
+                            http=head_timeout_protocol(args.timeout_request_head, args.timeout_keep_alive),
+                            ws="none", lifespan="on",
                             log_level=args.log_level, access_log=False, timeout_graceful_shutdown=grace + CLOSING_S,
                             # uvicorn's own idle timer (whole seconds) is covered by the head timeout
                             timeout_keep_alive=math.ceil(args.timeout_keep_alive))

@@ -217,11 +217,11 @@ def test_sigterm_aborts_what_outlives_the_grace_period(tmp_path: Path) -> None:
 
 
 def test_slow_heads_are_closed_and_a_client_leaving_mid_body_is_no_error(tmp_path: Path) -> None:
-    """A connection gets --timeout-keep-alive seconds for each request's head (none are kept open by a client
-    that never finishes one) and 64 KiB for it (a 431 beyond); a client that leaves while its body is read leaves
-    no traceback in the log."""
+    """A connection gets --timeout-request-head seconds for each request's head (none are kept open by a client
+    that never finishes one), an idle one --timeout-keep-alive seconds for its next request to begin, and a head
+    64 KiB (a 431 beyond); a client that leaves while its body is read leaves no traceback in the log."""
     log = tmp_path / "stderr.txt"
-    with running_server("--timeout-keep-alive", "1", stderr=log) as server:
+    with running_server("--timeout-keep-alive", "1", "--timeout-request-head", "1", stderr=log) as server:
         address = ("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
         half_heads = []
         for _ in range(3):

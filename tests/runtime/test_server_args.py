@@ -67,10 +67,15 @@ def test_dp_attention_flags() -> None:
 def test_http_timeouts() -> None:
     p = argparse.ArgumentParser()
     ServerArgs.add_cli_args(p)
-    args = ServerArgs.from_cli_args(p.parse_args(["--timeout-keep-alive", "2.5", "--graceful-shutdown-timeout", "0"]))
-    assert (args.timeout_keep_alive, args.graceful_shutdown_timeout) == (2.5, 0.0)
-    assert (ServerArgs().timeout_keep_alive, ServerArgs().graceful_shutdown_timeout) == (5.0, 10.0)
-    for bad, says in ((dict(timeout_keep_alive=0), "timeout-keep-alive"),
+    args = ServerArgs.from_cli_args(p.parse_args(["--timeout-keep-alive", "2.5", "--graceful-shutdown-timeout", "0",
+                                                  "--timeout-request-head", "7"]))
+    assert (args.timeout_keep_alive, args.graceful_shutdown_timeout, args.timeout_request_head) == (2.5, 0.0, 7.0)
+    defaults = ServerArgs()
+    assert (defaults.timeout_keep_alive, defaults.graceful_shutdown_timeout, defaults.timeout_request_head) == (
+        5.0, 10.0, 60.0)
+    for bad, says in ((dict(timeout_request_head=0), "timeout-request-head"),
+                      (dict(timeout_request_head=float("inf")), "timeout-request-head"),
+                      (dict(timeout_keep_alive=0), "timeout-keep-alive"),
                       (dict(timeout_keep_alive=-1), "timeout-keep-alive"),
                       (dict(timeout_keep_alive=float("nan")), "timeout-keep-alive"),
                       (dict(timeout_keep_alive=float("inf")), "timeout-keep-alive"),
