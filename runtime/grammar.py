@@ -42,7 +42,7 @@ from runtime.grammar_compile import (
     refusal,
     xgrammar_module,
 )
-from runtime.grammar_pool import CompilePool
+from runtime.grammar_pool import WORKER_NICE, CompilePool
 from runtime.grammar_schema import vet_json_schema
 from runtime.server_args import ServerArgs
 
@@ -150,7 +150,7 @@ class CompiledCache:
 def _background_thread() -> None:
     """The compile thread yields its core to the step loop (Linux: a thread's nice value is its own)."""
     with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
 
 
 class GrammarBackend:
@@ -170,7 +170,6 @@ class GrammarBackend:
         self._workers = args.grammar_compile_workers
         self.cache = CompiledCache(args.grammar_cache_bytes)
         self._lock = threading.Lock()
-        self._setup: CompilerSetup | None = None
         self._compiler: xgr.GrammarCompiler | None = None
         self._pool: CompilePool | None = None
         self._threads = ThreadPoolExecutor(1, thread_name_prefix="grammar", initializer=_background_thread)
@@ -185,9 +184,9 @@ class GrammarBackend:
             # takes as "special": never allowed, except the stop ids once the grammar is complete. Ids
             # past the tokenizer's vocabulary (the model's padding) are never allowed either.
             vocab = [tok.token_bytes(i, skip_special_tokens=True) for i in range(tok.vocab_size)]
-            self._setup = CompilerSetup(vocab, self.vocab_size, self._stop_ids)
-            self._compiler = build_compiler(self._setup, threads=1)
-            self._pool = CompilePool(self._setup, self._workers, self.compile_timeout)
+            setup = CompilerSetup(vocab, self.vocab_size, self._stop_ids)
+            self._compiler = build_compiler(setup, threads=1)
+            self._pool = CompilePool(setup, self._workers, self.compile_timeout)
         return self._pool
 
     def submit(self, key: GrammarKey) -> Future[xgr.CompiledGrammar]:

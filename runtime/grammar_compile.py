@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +38,7 @@ def xgrammar_module() -> Any:
 
 
 def error_message(e: Exception) -> str:
+    """xgrammar's message, its first line without the C++ source location (no internal paths to clients)."""
     text = str(e).strip()
     return _CPP_LOCATION.sub("", text.splitlines()[0] if text else type(e).__name__)
 
@@ -59,11 +59,10 @@ class CompilerSetup:
 @dataclass(frozen=True)
 class Probed:
     """A grammar that compiled within the budget: what to compile again (`method`: "regex", "ebnf" or
-    "builtin_json") and how long the worker took."""
+    "builtin_json")."""
 
     method: str
     text: str
-    seconds: float
 
 
 # xgrammar (0.2.9) writes a length-bounded JSON string (minLength / maxLength) as `[^"\\\r\n]{m,n}`: it lets raw
@@ -99,7 +98,6 @@ def compile_as(compiler: xgr.GrammarCompiler, method: str, text: str) -> xgr.Com
 def probe(compiler: xgr.GrammarCompiler, key: GrammarKey) -> Probed:
     """Compile `key` (in a pool worker) and say what the scheduler is to compile; InvalidRequest if the grammar
     is refused, or admits no token at all (its first mask is empty: no output could ever match it)."""
-    start = time.monotonic()
     try:
         if key.kind == "json_schema":
             method, text = ("builtin_json", "") if key.source == ANY_JSON else ("ebnf", json_schema_grammar(key.source))
@@ -113,4 +111,4 @@ def probe(compiler: xgr.GrammarCompiler, key: GrammarKey) -> Probed:
     xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
     if not bool(mask.any()):
         raise InvalidRequest(f"the {key.kind} matches no output at all", param=key.kind)
-    return Probed(method, text, time.monotonic() - start)
+    return Probed(method, text)

@@ -4,7 +4,6 @@ is forced, a grammar); the engine's text (special tokens kept) goes through the 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +11,7 @@ import orjson
 
 from radixk3.tokenizer import Tokenizer
 from runtime.errors import InvalidRequest
+from runtime.grammar_compile import error_message
 from runtime.grammar_schema import vet_json_schema
 from runtime.http.api_errors import APIError
 from runtime.http.openai_protocol import (
@@ -27,7 +27,6 @@ from runtime.tokenizer.k3_reply import ReplyAssembler, without_stop_text
 from runtime.tokenizer.k3_tools import K3Prompt, RenderError, forcing_grammar, render_k3_chat
 
 _GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema")
-_CPP_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
 @dataclass(frozen=True)
@@ -64,8 +63,7 @@ def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
     except RenderError as e:
         raise APIError(400, str(e), "invalid_request_error", param="messages") from None
     except (ValueError, RuntimeError) as e:  # xgrammar refusing a tool's parameter schema
-        message = _CPP_LOCATION.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-        raise APIError(400, f"tools: {message}", "invalid_request_error", param="tools") from None
+        raise APIError(400, f"tools: {error_message(e)}", "invalid_request_error", param="tools") from None
     if grammar is not None and (size := len(grammar.encode())) > max_grammar_bytes:
         raise APIError(400, f"tools: the grammar that forces the tool call is {size} bytes, over the limit of "
                        f"{max_grammar_bytes} bytes (--max-grammar-bytes)", param="tools")

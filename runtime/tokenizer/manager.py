@@ -449,8 +449,7 @@ class TokenizerManager:
         EngineError (shut down)."""
         self._check_thread()
         self._check_open()
-        params = self.parse_sampling(sampling_params)
-        self.limits.check_n(params.n)  # before anything is built per sample
+        params = self.parse_sampling(sampling_params)  # checks n before anything is built per sample
         self.limits.check_samples(params.n, 1, "n")
         check_output_options(return_logprob, logprob_start_len, top_logprobs_num, self.vocab_size)
         self.limits.check_top_logprobs(top_logprobs_num)
