@@ -32,6 +32,7 @@ from runtime.process_info import is_stopped
 from runtime.scheduler_main import scheduler_main
 from runtime.server_args import ServerArgs
 from runtime.sockets import endpoint
+from runtime.tokenizer.chat_format import ChatFormat, chat_format_for
 from runtime.topology import COLLECTIVE_FAILED_EXIT, RankId, Topology, rank_label, rank_process_name
 from runtime.worker_main import worker_main
 
@@ -77,6 +78,7 @@ class EngineProcesses:
                                  "not an engine")
             self.config: ModelConfig = model_config(args)
             self.tokenizer: Tokenizer = tokenizer_for(args)
+            self.chat_format: ChatFormat = chat_format_for(args, self.config, self.tokenizer)
             self.sampling_defaults = sampling_defaults(args)
             self.ipc_dir = tempfile.mkdtemp(prefix="radixk3-")
             self.topology = Topology.for_args(args, self.ipc_dir)

@@ -19,6 +19,8 @@ _ALIASES: dict[str, tuple[str, ...]] = {
 }
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 SAMPLING_DEFAULTS = ("model", "openai")
+TOOL_CALL_PARSERS = ("kimi_k2", "kimi_k3")
+REASONING_PARSERS = ("kimi_k2", "kimi", "kimi_k3")
 
 
 @dataclass
@@ -54,6 +56,18 @@ class ServerArgs:
         "where a request's unset sampling parameters come from (SGLang's flag): model, the checkpoint's "
         "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens; its "
         "eos_token_id always ends generation), or openai, the engine's own defaults (temperature 1, no cut-offs)")})
+    chat_template: str | None = field(default=None, metadata={"help": (
+        "a Jinja chat template file to render chats with, instead of the checkpoint's own (SGLang's and vLLM's "
+        "flag); by default a Kimi-Linear-format checkpoint's chat_template.jinja or tokenizer_config.json "
+        "chat_template is used, and radixk3's native Kimi framing without one")})
+    tool_call_parser: str | None = field(default=None, metadata={"help": (
+        "how tool calls are read from replies (SGLang's names): kimi_k2 (<|tool_calls_section_begin|> markup, "
+        "after a Jinja template) or kimi_k3 (K3's XTML, with the native and K3 renderers); default: the "
+        "chat template family's")})
+    reasoning_parser: str | None = field(default=None, metadata={"help": (
+        "how reasoning is read from replies (SGLang's names): kimi_k2 (<think>...</think>) or kimi "
+        "(Kimi-VL's think markers) after a Jinja template, kimi_k3 (K3's XTML) otherwise; default: none after a "
+        "Jinja template, kimi_k3 otherwise")})
     max_queued_requests: int = field(default=4096, metadata={"help": (
         "requests (samples) pending at once; beyond this a new request gets HTTP 503 with Retry-After, and a "
         "request or batch asking for more samples than this in all can never fit: HTTP 400")})
@@ -170,6 +184,10 @@ class ServerArgs:
         if self.sampling_defaults not in SAMPLING_DEFAULTS:
             raise ValueError(f"--sampling-defaults must be one of {', '.join(SAMPLING_DEFAULTS)}, "
                              f"got {self.sampling_defaults!r}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
             raise ValueError(f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}")
         if not 0 <= self.node_rank < self.nnodes:

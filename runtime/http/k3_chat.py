@@ -41,6 +41,8 @@ def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
     """The K3 prompt, and the grammar when a call is forced. The grammar is built from the tools' parameter
     schemas, which are held to what a request's own json_schema is held to (depth, supported features, and the
     grammar's size, `--max-grammar-bytes`). It may take a while for large schemas: call it off the event loop."""
+    if (problem := req.k3_template_kwargs_problem()) is not None:
+        raise APIError(400, problem, "invalid_request_error", param="chat_template_kwargs")
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tools_on else []
     choice = req.tool_choice
     forced: str | dict[str, Any] | None = None  # as xgrammar takes tool_choice

@@ -31,7 +31,7 @@ from runtime.http.handles import (
     submit_all,
     unless_disconnected,
 )
-from runtime.http.k3_chat import K3Chat, K3Reply, k3_message, k3_sampling, plan_k3_chat
+from runtime.http.k3_chat import K3Chat, K3Reply, k3_sampling, plan_k3_chat
 from runtime.http.metrics import RequestTimer
 from runtime.http.openai_protocol import (
     AssistantMessage,
@@ -55,7 +55,9 @@ from runtime.http.openai_protocol import (
 )
 from runtime.http.sse import DONE, event, sse_response
 from runtime.http.state import ServerState, state_of
+from runtime.http.template_chat import TemplateChat, TemplateReply, plan_template_chat, template_sampling
 from runtime.sampling_params import SamplingParams
+from runtime.tokenizer.chat_format import JINJA
 from runtime.tokenizer.manager import RequestHandle
 from runtime.tokenizer.request_stream import Sample, StreamChunk, token_text
 
@@ -218,56 +220,78 @@ async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     req = await parse_body(request, ChatCompletionRequest)
     _check_model(st, req.model)
-    if req.is_k3 and not st.tokenizer.has_xtml:
-        raise APIError(400, "tools and thinking need K3's markup tokens (<|open|>, <|close|>, <|sep|>, "
-                       "<|end_of_msg|>), which this model's tokenizer lacks", "invalid_request_error", param="tools")
-    # Tools or thinking: K3's markup (runtime.tokenizer.k3_tools); a forced call's grammar is built off the loop.
-    k3 = await asyncio.to_thread(plan_k3_chat, req, st.args.max_grammar_bytes) if req.is_k3 else None
-    params = st.tm.parse_sampling(_chat_sampling(req, k3))
+    k3, tpl = None, None
+    if st.chat_format.family == JINJA:  # the checkpoint's own template (runtime.tokenizer.chat_format)
+        tpl = await asyncio.to_thread(plan_template_chat, req, st.chat_format)
+    elif req.is_k3:
+        if not st.tokenizer.has_xtml:
+            raise APIError(400, "tools and thinking need K3's markup tokens (<|open|>, <|close|>, <|sep|>, "
+                           "<|end_of_msg|>), which this model's tokenizer lacks", "invalid_request_error",
+                           param="tools")
+        # Tools or thinking: K3's markup (runtime.tokenizer.k3_tools); a forced call's grammar is built off the loop.
+        k3 = await asyncio.to_thread(plan_k3_chat, req, st.args.max_grammar_bytes)
+    params = st.tm.parse_sampling(_chat_sampling(req, k3, tpl))
     top = req.top_logprobs or 0
     _check_limits(st, params, 1, top, "top_logprobs", [sum(len(m.text()) for m in req.messages)], "messages")
-    prompt = _chat_prompt(st.tokenizer, req, k3).ids(st.tokenizer)  # messages are text: markers only where rendered
+    # Messages are text: markers only where rendered.
+    prompt = _chat_prompt(st.tokenizer, req, k3, tpl).ids(st.tokenizer, add_bos=tpl is None)
     handles, timers = await _submit(st, [prompt], params, req.rid, req.logprobs, top)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
-        return sse_response(_chat_stream(st, req, handles, timers, cid, created, k3))
+        return sse_response(_chat_stream(st, req, handles, timers, cid, created, k3, tpl))
     groups = await _full(request, handles, timers)
     if groups is None:
         return Response(status_code=499)
-    choices = [_chat_choice(st.tokenizer, req, k3, s) for s in groups[0]]
+    choices = [_chat_choice(st.tokenizer, req, k3, tpl, s) for s in groups[0]]
     body = ChatCompletionResponse(id=cid, created=created, model=st.model_name, choices=choices, usage=_usage(groups))
     return OrjsonResponse(body.model_dump())
 
 
-def _chat_prompt(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None) -> ChatPrompt:
+def _chat_prompt(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None, tpl: TemplateChat | None
+                 ) -> ChatPrompt:
+    if tpl is not None:
+        return tpl.prompt
     if k3 is not None:
         return k3.prompt.prompt
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
     return tok.chat_prompt(messages)
 
 
-def _chat_sampling(req: ChatCompletionRequest, k3: K3Chat | None) -> dict[str, Any]:
+def _chat_sampling(req: ChatCompletionRequest, k3: K3Chat | None, tpl: TemplateChat | None) -> dict[str, Any]:
     sampling = req.sampling(req.max_new_tokens)
+    if tpl is not None:
+        return template_sampling(tpl, sampling)
     return sampling if k3 is None else k3_sampling(k3, sampling)
 
 
-def _chat_choice(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None, s: Sample) -> ChatChoice:
-    message, finish = AssistantMessage(content=s.text), s.finished
+def _reply(tok: Tokenizer, k3: K3Chat | None, tpl: TemplateChat | None) -> K3Reply | TemplateReply | None:
+    """The parser of one choice's text, when the chat's replies are parsed."""
     if k3 is not None:
-        message, finish = k3_message(k3, tok, s.text, s.finished, s.output_ids)
+        return K3Reply(k3, tok)
+    if tpl is not None and tpl.parses:
+        return TemplateReply(tpl, tok)
+    return None
+
+
+def _chat_choice(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None, tpl: TemplateChat | None,
+                 s: Sample) -> ChatChoice:
+    message, finish = AssistantMessage(content=s.text), s.finished
+    if (reply := _reply(tok, k3, tpl)) is not None:
+        reply.push(s.text, s.finished or "length", s.output_ids)
+        message, finish = reply.message(), reply.finish_reason(s.finished)
     lp = _chat_logprobs(tok, s.output_ids, s.logprobs, s.top_logprobs) if req.logprobs else None
     return ChatChoice(index=s.index, message=message, finish_reason=finish, logprobs=lp)
 
 
 async def _chat_stream(st: ServerState, req: ChatCompletionRequest, handles: list[RequestHandle],
-                       timers: list[RequestTimer], cid: str, created: int, k3: K3Chat | None
-                       ) -> AsyncIterator[bytes]:
+                       timers: list[RequestTimer], cid: str, created: int, k3: K3Chat | None,
+                       tpl: TemplateChat | None) -> AsyncIterator[bytes]:
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
         body = ChatCompletionChunk(id=cid, created=created, model=st.model_name, choices=choices, usage=usage)
         return event(body.model_dump(exclude_none=usage is None))
 
     groups = [[Sample(j) for j in range(req.n)]]
-    replies = [K3Reply(k3, st.tokenizer) for _ in range(req.n)] if k3 is not None else None
+    replies = [_reply(st.tokenizer, k3, tpl) for _ in range(req.n)]
     try:
         # The role comes first, as OpenAI sends it, before any text.
         yield chunk([ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
@@ -280,8 +304,7 @@ async def _chat_stream(st: ServerState, req: ChatCompletionRequest, handles: lis
             lp = _chat_logprobs(st.tokenizer, c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None
             delta = DeltaMessage(content=c.text) if c.text or c.finished is None else DeltaMessage()
             finish = c.finished
-            if replies is not None:
-                reply = replies[c.index]
+            if (reply := replies[c.index]) is not None:
                 delta, finish = reply.push(c.text, c.finished, c.token_ids), reply.finish_reason(c.finished)
             yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish)])
         if req.include_usage:

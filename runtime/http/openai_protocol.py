@@ -221,7 +221,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     reasoning_effort: ReasoningEffort | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # SGLang's: {"thinking": true} (alias enable_thinking)
+    # SGLang's: {"thinking": true} (alias enable_thinking) for K3; any variables for a Jinja chat template.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _chat_refusals(self) -> ChatCompletionRequest:
@@ -244,12 +245,16 @@ class ChatCompletionRequest(_SamplingFields):
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not"
                              " in tools")
+
+    def k3_template_kwargs_problem(self) -> str | None:
+        """What K3's renderer cannot take in `chat_template_kwargs` (a Jinja template takes any keys)."""
         kw = self.chat_template_kwargs or {}
         unknown = sorted(set(kw) - {"thinking", "enable_thinking"})
         if unknown:
-            raise ValueError(f"chat_template_kwargs: unsupported keys {unknown}; supported: thinking, enable_thinking")
+            return f"chat_template_kwargs: unsupported keys {unknown}; supported: thinking, enable_thinking"
         if any(not isinstance(v, bool) for v in kw.values()):
-            raise ValueError("chat_template_kwargs: thinking must be a boolean")
+            return "chat_template_kwargs: thinking must be a boolean"
+        return None
 
     @property
     def thinking(self) -> bool:

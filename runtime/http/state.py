@@ -13,6 +13,7 @@ from radixk3.tokenizer import Tokenizer
 from runtime.engine_processes import EngineProcesses
 from runtime.http.metrics import ServerMetrics
 from runtime.server_args import ServerArgs
+from runtime.tokenizer.chat_format import ChatFormat
 from runtime.tokenizer.manager import RequestHandle, TokenizerManager
 
 
@@ -29,6 +30,10 @@ class ServerState:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.tm.tokenizer
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        return self.procs.chat_format
 
     @property
     def model_name(self) -> str:
