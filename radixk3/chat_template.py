@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
@@ -96,6 +96,33 @@ class ChatTemplate:
         text = self.render(cut.mark(messages), tools=cut.mark(tools), documents=cut.mark(documents),
                            add_generation_prompt=add_generation_prompt, kwargs=cut.mark(kwargs))
         return cut.split(text)
+
+
+class HFChatTokenizer(Protocol):
+    """A transformers tokenizer (`--tokenizer-mode hf`, possibly the checkpoint's own class with
+    `--trust-remote-code`): its own `apply_chat_template` renders and encodes."""
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                            **kwargs: Any) -> Any: ...
+
+
+def hf_chat_ids(tokenizer: HFChatTokenizer, messages: Sequence[Mapping[str, Any]], *,
+                tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True,
+                kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """The ids of the tokenizer's own `apply_chat_template(..., tokenize=True)`: the template's markers are its
+    special ids; markers in the caller's strings are text (transformers' `sanitize_control_tokens`)."""
+    kwargs = dict(kwargs or {})
+    if clash := sorted(set(kwargs) & {*RESERVED_VARIABLES, "tokenize", "return_dict", "sanitize_control_tokens"}):
+        raise ChatTemplateError(f"chat_template_kwargs may not set {clash}: the request's own fields set them")
+    try:
+        ids = tokenizer.apply_chat_template(
+            _template_messages(messages), tools=_plain(tools), add_generation_prompt=add_generation_prompt,
+            tokenize=True, return_dict=False, sanitize_control_tokens=True, **_plain(kwargs))
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"chat template: {e.message or type(e).__name__}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
+        raise ChatTemplateError(f"chat template failed on this request: {type(e).__name__}: {e}") from None
+    return [int(i) for i in ids]
 
 
 def control_markers(tokenizer: Any) -> tuple[str, ...]:

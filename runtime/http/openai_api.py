@@ -57,7 +57,6 @@ from runtime.http.sse import DONE, event, sse_response
 from runtime.http.state import ServerState, state_of
 from runtime.http.template_chat import TemplateChat, TemplateReply, plan_template_chat, template_sampling
 from runtime.sampling_params import SamplingParams
-from runtime.tokenizer.chat_format import JINJA
 from runtime.tokenizer.manager import RequestHandle
 from runtime.tokenizer.request_stream import Sample, StreamChunk, token_text
 
@@ -221,7 +220,7 @@ async def chat_completions(request: Request) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
     _check_model(st, req.model)
     k3, tpl = None, None
-    if st.chat_format.family == JINJA:  # the checkpoint's own template (runtime.tokenizer.chat_format)
+    if st.chat_format.templated:  # the checkpoint's own template (runtime.tokenizer.chat_format)
         tpl = await asyncio.to_thread(plan_template_chat, req, st.chat_format)
     elif req.is_k3:
         if not st.tokenizer.has_xtml:
@@ -234,7 +233,7 @@ async def chat_completions(request: Request) -> Response:
     top = req.top_logprobs or 0
     _check_limits(st, params, 1, top, "top_logprobs", [sum(len(m.text()) for m in req.messages)], "messages")
     # Messages are text: markers only where rendered.
-    prompt = _chat_prompt(st.tokenizer, req, k3, tpl).ids(st.tokenizer, add_bos=tpl is None)
+    prompt = tpl.ids(st.tokenizer) if tpl is not None else _chat_prompt(st.tokenizer, req, k3).ids(st.tokenizer)
     handles, timers = await _submit(st, [prompt], params, req.rid, req.logprobs, top)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
@@ -247,10 +246,7 @@ async def chat_completions(request: Request) -> Response:
     return OrjsonResponse(body.model_dump())
 
 
-def _chat_prompt(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None, tpl: TemplateChat | None
-                 ) -> ChatPrompt:
-    if tpl is not None:
-        return tpl.prompt
+def _chat_prompt(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None) -> ChatPrompt:
     if k3 is not None:
         return k3.prompt.prompt
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixk3.chat_prompt import ChatPrompt
-from radixk3.chat_template import ChatTemplateError
+from radixk3.chat_template import ChatTemplateError, hf_chat_ids
 from radixk3.tokenizer import Tokenizer
 from runtime.http.api_errors import APIError
 from runtime.http.openai_protocol import (
@@ -26,7 +26,7 @@ from runtime.tokenizer.kimi_k2_parser import KimiK2Reply
 
 @dataclass(frozen=True)
 class TemplateChat:
-    prompt: ChatPrompt
+    prompt: ChatPrompt | list[int]  # rendered by radixk3, or ids from the transformers tokenizer's own template
     tools: bool  # the reply is parsed for tool calls
     reasoning: str | None  # the reasoning parser, if any
     parallel_calls: bool
@@ -35,18 +35,26 @@ class TemplateChat:
     def parses(self) -> bool:
         return self.tools or self.reasoning is not None
 
+    def ids(self, tokenizer: Tokenizer) -> list[int]:
+        """The prompt's ids; no bos of radixk3's own: a template writes its bos if it wants one."""
+        return list(self.prompt) if isinstance(self.prompt, list) else self.prompt.ids(tokenizer, add_bos=False)
+
 
 def plan_template_chat(req: ChatCompletionRequest, fmt: ChatFormat) -> TemplateChat:
     """The rendered prompt; a template that refuses or fails on the request is a 400 naming the problem."""
-    assert fmt.template is not None
     if req.tools_on and req.tool_choice not in (None, "auto"):
         raise APIError(400, "tool_choice 'required' or a named function is not supported with this model's chat "
                        "template (tool_choice 'auto' and 'none' are)", "invalid_request_error", param="tool_choice")
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tools_on else None
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     try:
-        prompt = fmt.template.prompt(messages, markers=fmt.markers, tools=tools, add_generation_prompt=True,
-                                     kwargs=req.chat_template_kwargs)
+        if fmt.hf is not None:
+            prompt: ChatPrompt | list[int] = hf_chat_ids(fmt.hf, messages, tools=tools,
+                                                         kwargs=req.chat_template_kwargs)
+        else:
+            assert fmt.template is not None
+            prompt = fmt.template.prompt(messages, markers=fmt.markers, tools=tools, add_generation_prompt=True,
+                                         kwargs=req.chat_template_kwargs)
     except ChatTemplateError as e:
         raise APIError(400, str(e), "invalid_request_error", param="messages") from None
     return TemplateChat(prompt, tools is not None and fmt.tool_call_parser == "kimi_k2", fmt.reasoning_parser,
