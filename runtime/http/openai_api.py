@@ -221,7 +221,7 @@ async def chat_completions(request: Request) -> Response:
     _check_model(st, req.model)
     k3, tpl = None, None
     if st.chat_format.templated:  # the checkpoint's own template (runtime.tokenizer.chat_format)
-        tpl = await asyncio.to_thread(plan_template_chat, req, st.chat_format)
+        tpl = await asyncio.to_thread(plan_template_chat, req, st.chat_format, st.args.max_grammar_bytes)
     elif req.is_k3:
         if not st.tokenizer.has_xtml:
             raise APIError(400, "tools and thinking need K3's markup tokens (<|open|>, <|close|>, <|sep|>, "

@@ -1,15 +1,21 @@
 """The OpenAI chat route's side for a checkpoint's own Jinja chat template (`runtime.tokenizer.chat_format`):
-the request's messages, tools and `chat_template_kwargs` rendered by the template, and the reply read back by the
-template family's parsers (`kimi_k2` tool calls, an optional `<think>` reasoning parser) into OpenAI's fields."""
+the request's messages, tools and `chat_template_kwargs` rendered by the template, a forced call's grammar
+(`runtime.tokenizer.kimi_k2_grammar`), and the reply read back by the template family's parsers (`kimi_k2` tool
+calls, an optional `<think>` reasoning parser) into OpenAI's fields."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from radixk3.chat_prompt import ChatPrompt
 from radixk3.chat_template import ChatTemplateError, hf_chat_ids
 from radixk3.tokenizer import Tokenizer
+from runtime.errors import InvalidRequest
+from runtime.grammar_compile import error_message
+from runtime.grammar_schema import vet_json_schema
 from runtime.http.api_errors import APIError
 from runtime.http.openai_protocol import (
     AssistantMessage,
@@ -17,11 +23,15 @@ from runtime.http.openai_protocol import (
     DeltaMessage,
     DeltaToolCall,
     FunctionCallOut,
+    NamedToolChoice,
     ToolCallOut,
 )
 from runtime.tokenizer.chat_format import ChatFormat
 from runtime.tokenizer.k3_reply import without_stop_text
+from runtime.tokenizer.kimi_k2_grammar import kimi_k2_forcing_grammar
 from runtime.tokenizer.kimi_k2_parser import KimiK2Reply
+
+_GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema")
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,7 @@ class TemplateChat:
     tools: bool  # the reply is parsed for tool calls
     reasoning: str | None  # the reasoning parser, if any
     parallel_calls: bool
+    grammar: str | None = None  # EBNF forcing a tool call
 
     @property
     def parses(self) -> bool:
@@ -40,11 +51,10 @@ class TemplateChat:
         return list(self.prompt) if isinstance(self.prompt, list) else self.prompt.ids(tokenizer, add_bos=False)
 
 
-def plan_template_chat(req: ChatCompletionRequest, fmt: ChatFormat) -> TemplateChat:
-    """The rendered prompt; a template that refuses or fails on the request is a 400 naming the problem."""
-    if req.tools_on and req.tool_choice not in (None, "auto"):
-        raise APIError(400, "tool_choice 'required' or a named function is not supported with this model's chat "
-                       "template (tool_choice 'auto' and 'none' are)", "invalid_request_error", param="tool_choice")
+def plan_template_chat(req: ChatCompletionRequest, fmt: ChatFormat, max_grammar_bytes: int) -> TemplateChat:
+    """The rendered prompt, and the grammar when a call is forced (tool_choice "required" or named: built from the
+    tools' parameter schemas, held to what a request's own json_schema is held to; it may take a while for large
+    schemas, so call this off the event loop). A template that refuses or fails on the request is a 400."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tools_on else None
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     try:
@@ -57,13 +67,42 @@ def plan_template_chat(req: ChatCompletionRequest, fmt: ChatFormat) -> TemplateC
                                          kwargs=req.chat_template_kwargs)
     except ChatTemplateError as e:
         raise APIError(400, str(e), "invalid_request_error", param="messages") from None
-    return TemplateChat(prompt, tools is not None and fmt.tool_call_parser == "kimi_k2", fmt.reasoning_parser,
-                        req.parallel_tool_calls)
+    grammar = None
+    if tools is not None and req.tool_choice not in (None, "auto"):
+        forced = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else "required"
+        grammar = _forcing_grammar(tools, forced, fmt.reasoning_parser is not None, req.parallel_tool_calls,
+                                   max_grammar_bytes)
+    return TemplateChat(prompt, tools is not None, fmt.reasoning_parser, req.parallel_tool_calls, grammar)
+
+
+def _forcing_grammar(tools: list[dict[str, Any]], forced: str | dict[str, Any], reasoning: bool, parallel: bool,
+                     max_grammar_bytes: int) -> str:
+    for i, tool in enumerate(tools):
+        field = f"tools[{i}].function.parameters"
+        try:
+            vet_json_schema(orjson.dumps(tool.get("function", {}).get("parameters", {})).decode())
+        except InvalidRequest as e:
+            raise APIError(400, e.message.replace("json_schema", field, 1), param=field) from None
+    try:
+        grammar = kimi_k2_forcing_grammar(tools, forced, reasoning, parallel)
+    except (ValueError, RuntimeError) as e:  # xgrammar refusing a tool's parameter schema
+        raise APIError(400, f"tools: {error_message(e)}", "invalid_request_error", param="tools") from None
+    if (size := len(grammar.encode())) > max_grammar_bytes:
+        raise APIError(400, f"tools: the grammar that forces the tool call is {size} bytes, over the limit of "
+                       f"{max_grammar_bytes} bytes (--max-grammar-bytes)", param="tools")
+    return grammar
 
 
 def template_sampling(chat: TemplateChat, sampling: dict[str, Any]) -> dict[str, Any]:
-    """A parsed reply keeps its special tokens in the text: the markup is made of them."""
-    return dict(sampling, skip_special_tokens=False) if chat.parses else sampling
+    """A parsed reply keeps its special tokens in the text (the markup is made of them); a forced call brings its
+    grammar."""
+    out = dict(sampling, skip_special_tokens=False) if chat.parses else dict(sampling)
+    if chat.grammar is not None:
+        if any(k in out for k in _GRAMMAR_FIELDS):
+            raise APIError(400, "a forced tool call (tool_choice 'required' or named) cannot be combined with"
+                           " response_format, regex or ebnf", "invalid_request_error", param="tool_choice")
+        out["ebnf"] = chat.grammar
+    return out
 
 
 class TemplateReply:

@@ -1,7 +1,8 @@
 """A Kimi-Linear-format checkpoint directory with its Jinja chat template, served: /v1/chat/completions renders
 through the template (prompt_tokens equal transformers' `apply_chat_template` count on the same files), tools go
 to the template, and replies are read with the kimi_k2 tool-call parser (whole and streamed). The random model is
-steered into K2's markup with the `regex` extra, so the parser sees what a real model writes."""
+steered into K2's markup with the `regex` extra (or forced by tool_choice), so the parser sees what a real model
+writes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import orjson
 import pytest
 import torch
@@ -24,6 +26,10 @@ from tests.runtime.http_server_proc import Server, running_server
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"type": "object", "properties": {
                                                 "city": {"type": "string"}}, "required": ["city"]}}}]
+# Bounded values, so that a sampled random model finishes its call well within max_tokens.
+ENUM_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}}, "required": ["city"],
+    "additionalProperties": False}}}]
 ASK = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is the weather in Oslo?"}]
 SEC, SEC_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 BEGIN, ARGS, END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
@@ -125,9 +131,27 @@ def test_a_marker_in_a_message_is_text(server: Server) -> None:
     assert counts[0] > counts[1] + 1
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_forced_call_parses_and_validates(server: Server, choice: Any, seed: int) -> None:
+    """tool_choice required / named: xgrammar's `kimi` structural tag forces K2's markup, so even the random
+    model's sampled reply is a call that parses and validates."""
+    status, body = chat(server, {"messages": ASK, "tools": ENUM_TOOLS, "tool_choice": choice, "max_tokens": 300,
+                                 "temperature": 1.0, "seed": seed})
+    assert status == 200, body
+    choice_out = body["choices"][0]
+    assert choice_out["finish_reason"] == "tool_calls", choice_out
+    calls = choice_out["message"]["tool_calls"]
+    assert calls and all(c["function"]["name"] == "get_weather" for c in calls)
+    for c in calls:
+        assert re.fullmatch(r"functions\.get_weather:[0-9]{1,3}", c["id"]), c
+        jsonschema.validate(orjson.loads(c["function"]["arguments"]), ENUM_TOOLS[0]["function"]["parameters"])
+    assert not choice_out["message"].get("content")
+
+
 @pytest.mark.parametrize("extra,param", [
     ({"chat_template_kwargs": {"messages": []}}, "messages"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "regex": "x"}, "tool_choice"),
 ])
 def test_bad_requests_are_400(server: Server, extra: dict[str, Any], param: str) -> None:
     status, body = chat(server, {"messages": ASK, "max_tokens": 2, **extra})
