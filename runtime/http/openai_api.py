@@ -31,7 +31,7 @@ from runtime.http.handles import (
     submit_all,
     unless_disconnected,
 )
-from runtime.http.k3_chat import K3Chat, K3Reply, k3_sampling, plan_k3_chat
+from runtime.http.k3_chat import K3Chat, K3Reply, k3_message, k3_sampling, plan_k3_chat
 from runtime.http.metrics import RequestTimer
 from runtime.http.openai_protocol import (
     AssistantMessage,
@@ -55,7 +55,13 @@ from runtime.http.openai_protocol import (
 )
 from runtime.http.sse import DONE, event, sse_response
 from runtime.http.state import ServerState, state_of
-from runtime.http.template_chat import TemplateChat, TemplateReply, plan_template_chat, template_sampling
+from runtime.http.template_chat import (
+    TemplateChat,
+    TemplateReply,
+    plan_template_chat,
+    template_message,
+    template_sampling,
+)
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer.manager import RequestHandle
 from runtime.tokenizer.request_stream import Sample, StreamChunk, token_text
@@ -272,9 +278,10 @@ def _reply(tok: Tokenizer, k3: K3Chat | None, tpl: TemplateChat | None) -> K3Rep
 def _chat_choice(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None, tpl: TemplateChat | None,
                  s: Sample) -> ChatChoice:
     message, finish = AssistantMessage(content=s.text), s.finished
-    if (reply := _reply(tok, k3, tpl)) is not None:
-        reply.push(s.text, s.finished or "length", s.output_ids)
-        message, finish = reply.message(), reply.finish_reason(s.finished)
+    if k3 is not None:
+        message, finish = k3_message(k3, tok, s.text, s.finished, s.output_ids)
+    elif tpl is not None and tpl.parses:
+        message, finish = template_message(tpl, tok, s.text, s.finished, s.output_ids)
     lp = _chat_logprobs(tok, s.output_ids, s.logprobs, s.top_logprobs) if req.logprobs else None
     return ChatChoice(index=s.index, message=message, finish_reason=finish, logprobs=lp)
 
