@@ -4,6 +4,7 @@ default sampling parameters of its generation_config.json (the built-in model wh
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from radixk3.config import BUILTIN_PRESET, ModelConfig, preset
 from radixk3.config_formats import load_model_config
@@ -16,6 +17,12 @@ from runtime.server_args import ServerArgs
 
 def model_config(args: ServerArgs) -> ModelConfig:
     return preset(BUILTIN_PRESET) if args.model is None else load_model_config(args.model)
+
+
+def chat_format(args: ServerArgs) -> Literal["k3", "kimi"]:
+    """How a chat is rendered: K3's own encoding for a K3 checkpoint (`model_type: kimi_k3`) and for the built-in
+    model (the k3-tiny preset, whose tokenizer has K3's markers); Kimi's framing for a Kimi-Linear checkpoint."""
+    return "k3" if args.model is None or model_config(args).is_k3_format else "kimi"
 
 
 def tokenizer_for(args: ServerArgs) -> Tokenizer:

@@ -221,7 +221,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     reasoning_effort: ReasoningEffort | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # SGLang's: {"thinking": true} (alias enable_thinking)
+    # SGLang's and vLLM's: {"thinking": bool} (alias enable_thinking), {"thinking_effort": "low"|"high"|"max"}
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _chat_refusals(self) -> ChatCompletionRequest:
@@ -245,20 +246,14 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not"
                              " in tools")
         kw = self.chat_template_kwargs or {}
-        unknown = sorted(set(kw) - {"thinking", "enable_thinking"})
+        unknown = sorted(set(kw) - {"thinking", "enable_thinking", "thinking_effort"})
         if unknown:
-            raise ValueError(f"chat_template_kwargs: unsupported keys {unknown}; supported: thinking, enable_thinking")
-        if any(not isinstance(v, bool) for v in kw.values()):
+            raise ValueError(f"chat_template_kwargs: unsupported keys {unknown}; supported: thinking, enable_thinking,"
+                             " thinking_effort")
+        if any(not isinstance(v, bool) for k, v in kw.items() if k != "thinking_effort"):
             raise ValueError("chat_template_kwargs: thinking must be a boolean")
-
-    @property
-    def thinking(self) -> bool:
-        """Thinking on: asked for in chat_template_kwargs, or a reasoning_effort other than "none"."""
-        kw = self.chat_template_kwargs or {}
-        flag = kw.get("thinking", kw.get("enable_thinking"))
-        if flag is not None:
-            return bool(flag)
-        return self.reasoning_effort not in (None, "none")
+        if "thinking_effort" in kw and not isinstance(kw["thinking_effort"], str):
+            raise ValueError("chat_template_kwargs: thinking_effort must be a string")
 
     @property
     def tools_on(self) -> bool:

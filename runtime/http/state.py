@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Literal
 
 from starlette.requests import Request
 
@@ -12,6 +14,7 @@ from radixk3.config import BUILTIN_PRESET
 from radixk3.tokenizer import Tokenizer
 from runtime.engine_processes import EngineProcesses
 from runtime.http.metrics import ServerMetrics
+from runtime.model_files import chat_format
 from runtime.server_args import ServerArgs
 from runtime.tokenizer.manager import RequestHandle, TokenizerManager
 
@@ -29,6 +32,10 @@ class ServerState:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.tm.tokenizer
+
+    @cached_property
+    def chat_format(self) -> Literal["k3", "kimi"]:
+        return chat_format(self.args)
 
     @property
     def model_name(self) -> str:
