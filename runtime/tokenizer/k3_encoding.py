@@ -122,7 +122,9 @@ def _message(body: ChatPrompt, *attrs: tuple[str, object]) -> ChatPrompt:
 
 
 def _system(kind: str, body: str) -> ChatPrompt:
-    return _message(ChatPrompt.piece(body.strip()), ("role", "system"), ("type", kind))
+    """A system message of the encoding's own (callers strip the bodies the checkpoint strips: all but the tool
+    declaration's)."""
+    return _message(ChatPrompt.piece(body), ("role", "system"), ("type", kind))
 
 
 def compact_json(value: Any) -> str:
@@ -278,10 +280,11 @@ def _response_schema(response_format: Mapping[str, Any]) -> Any:
 def _response_format(response_format: Mapping[str, Any] | str | None) -> ChatPrompt:
     kind = response_format.get("type", response_format) if isinstance(response_format, Mapping) else response_format
     if kind == "json_object":
-        return _system("response-format", _RAW_JSON.format("json_object"))
+        return _system("response-format", _RAW_JSON.format("json_object").strip())
     if kind == "json_schema":
         schema = _response_schema(response_format) if isinstance(response_format, Mapping) else None
-        return _system("response-format", _RAW_JSON.format("json_schema") + _SCHEMA.format(compact_json(schema)))
+        body = _RAW_JSON.format("json_schema") + _SCHEMA.format(compact_json(schema))
+        return _system("response-format", body.strip())
     return ChatPrompt()
 
 
@@ -293,10 +296,10 @@ def render_k3_chat(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mappin
     if tools:
         out.append(_system("tool-declare", _TOOL_DECLARE.format(compact_json(list(tools)))))
     if options.thinking:
-        out.append(_system("thinking-effort", _THINKING_EFFORT.format(options.effort)))
+        out.append(_system("thinking-effort", _THINKING_EFFORT.format(options.effort).strip()))
     out.append(_messages(messages, options.thinking))
     if options.tool_choice in _TOOL_CHOICE:
-        out.append(_system("tool-choice", _TOOL_CHOICE[options.tool_choice]))
+        out.append(_system("tool-choice", _TOOL_CHOICE[options.tool_choice].strip()))
     out.append(_response_format(options.response_format))
     start = open_tag("think" if options.thinking else "response")
     if add_generation_prompt:
