@@ -40,6 +40,10 @@ class Backend:
 
     chat_template: ChatTemplate = KIMI
 
+    def marker_ids(self, markers: tuple[str, ...]) -> list[int]:
+        """The special ids of the template's stop markers (a backend whose template has some gives them)."""
+        raise NotImplementedError
+
     def generate(self, prompt: ChatPrompt, sampling: dict[str, Any], options: dict[str, Any]
                  ) -> tuple[str, dict[str, Any]]:
         """The completion of `prompt` and its meta_info."""

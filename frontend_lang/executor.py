@@ -192,6 +192,8 @@ class StreamExecutor:
 
     def _gen(self, expr: Gen) -> None:
         sampling, options = self.defaults.merged(expr.params).to_request()
+        if self.cur_role is not None and (stops := self.template.stop_markers(self.cur_role)):
+            sampling["stop_token_ids"] = [*sampling.get("stop_token_ids", []), *self.backend.marker_ids(stops)]
         name = expr.name
         if not self.stream:
             text, meta = self.backend.generate(self.prompt_, sampling, options)

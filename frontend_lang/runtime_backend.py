@@ -1,6 +1,7 @@
 """`Runtime`: the in-process backend over `radixk3.Engine` (SGLang's `sgl.Runtime`, without a server).
 
-Prompts are tokenised here with the engine's own tokenizer (with BOS, as the engine would) and sent as token
+Prompts are tokenised here with the engine's own tokenizer (with BOS, as the engine would, but for a chat
+whose encoding has none) and sent as token
 ids, so `select` knows exactly which tokens belong to each choice, even where a choice's first token merges with
 the end of the prefix. The role markup's markers get their special ids; the program's text (its strings,
 generated text, choices) is encoded as text, so a marker written in it stays text (`ChatPrompt.ids`).
@@ -13,8 +14,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from frontend_lang.backend import Backend, BackendError, check_result, logprob_of
+from frontend_lang.chat_template import K3, KIMI
 from frontend_lang.choices import ChoiceScore
 from radixk3.chat_prompt import ChatPrompt
+from runtime.model_files import chat_format
 
 T = TypeVar("T")
 # What the engine raises for a request it refuses (InvalidRequest is a ValueError; EngineError a RuntimeError).
@@ -34,9 +37,17 @@ class Runtime(Backend):
             self._owns = False
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        # The roles as the server renders this model's chats: K3's encoding for a K3 model, else Kimi's framing.
+        self.chat_template = K3 if chat_format(engine.args) == "k3" else KIMI
 
     def _ids(self, prompt: ChatPrompt) -> list[int]:
-        return prompt.ids(self.tokenizer, add_bos=True)
+        """A prompt that opens with the role markup is a chat, with BOS where the chat encoding has one (K3's has
+        none); any other text gets BOS, as the engine's raw prompts do."""
+        chat = bool(prompt.segments) and prompt.segments[0].special
+        return prompt.ids(self.tokenizer, add_bos=self.chat_template.add_bos or not chat)
+
+    def marker_ids(self, markers: tuple[str, ...]) -> list[int]:
+        return [self.tokenizer.piece_to_id(m) for m in markers]
 
     @staticmethod
     def _call(fn: Callable[[], T]) -> T:

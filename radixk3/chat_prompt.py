@@ -7,8 +7,10 @@ calls and results, reasoning). Only the markers it placed may become special ids
 tool markup (prompt injection).
 
 Text is encoded in runs from one marker to the next, exactly as the markers cut a whole-string `encode`: a
-prompt whose text holds no marker string gets the ids a raw `encode` of its text gives (prefix caching and K3's
-forcing grammar rely on that; `tests/radixk3/test_chat_prompt.py` checks it).
+prompt whose text holds no marker string gets the ids a raw `encode` of its text gives (prefix caching relies on
+that; `tests/radixk3/test_chat_prompt.py` checks it). A renderer whose checkpoint encodes each of its pieces on
+its own (K3's: `tag`, ` key`, `="`, the value and `"` are separate encodes, so BPE never merges across them)
+writes `ChatPrompt.piece`s: a piece is never joined with the text beside it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 class Segment:
     text: str
     special: bool  # a control marker the renderer placed (one special id); else text, encoded as text
+    alone: bool = False  # text encoded on its own, never in one run with the text beside it
 
 
 @dataclass(frozen=True)
@@ -43,11 +46,16 @@ class ChatPrompt:
         return ChatPrompt((Segment(text, special=False),) if text else ())
 
     @staticmethod
+    def piece(text: str) -> ChatPrompt:
+        """Text encoded on its own (`Segment.alone`)."""
+        return ChatPrompt((Segment(text, special=False, alone=True),) if text else ())
+
+    @staticmethod
     def join(parts: Iterable[ChatPrompt | str]) -> ChatPrompt:
         out: list[Segment] = []
         for p in parts:
             for s in _as_prompt(p).segments:
-                if out and not s.special and not out[-1].special:  # adjacent text is one run anyway
+                if out and not (s.special or s.alone or out[-1].special or out[-1].alone):  # one run anyway
                     out[-1] = Segment(out[-1].text + s.text, special=False)
                 else:
                     out.append(s)
@@ -73,20 +81,24 @@ class ChatPrompt:
                 continue
             if offset and s.special:
                 raise ValueError(f"offset inside the marker {s.text!r}")
-            out.append(Segment(s.text[offset:], s.special))
+            out.append(Segment(s.text[offset:], s.special, s.alone))
             offset = 0
         return ChatPrompt(tuple(out))
 
     def ids(self, encoder: Encoder, add_bos: bool = True) -> list[int]:
-        """The markers' special ids and the text between two markers encoded ordinarily, as one run."""
+        """The markers' special ids, each piece encoded ordinarily on its own, and the other text between two
+        markers or pieces encoded ordinarily as one run."""
         ids = [encoder.bos_id] if add_bos else []
         run: list[str] = []
         for s in self.segments:
-            if not s.special:
+            if not (s.special or s.alone):
                 run.append(s.text)
                 continue
             ids.extend(encoder.encode_ordinary("".join(run)))
             run.clear()
+            if s.alone:
+                ids.extend(encoder.encode_ordinary(s.text))
+                continue
             marker = encoder.encode(s.text)
             if len(marker) != 1:
                 raise ValueError(f"{s.text!r} is not a single token of this tokenizer")

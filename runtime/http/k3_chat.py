@@ -1,6 +1,9 @@
-"""The OpenAI chat route's K3 side: a request with tools or thinking becomes a K3 prompt (and, when a call
-is forced, a grammar); the engine's text (special tokens kept) goes through the reply assembler
-(`runtime.tokenizer.k3_reply`), whose replies and deltas this maps to OpenAI's message fields."""
+"""The OpenAI chat route's K3 side: a chat becomes a prompt in K3's own encoding (`runtime.tokenizer.k3_encoding`;
+and, when a call is forced, a grammar); the engine's text (special tokens kept) goes through the reply assembler
+(`runtime.tokenizer.k3_reply`), whose replies and deltas this maps to OpenAI's message fields.
+
+With thinking on, a request's own grammar (response_format, regex, ebnf) holds from the response channel on:
+the reasoning before it runs free, as a reasoning parser lets it in SGLang and vLLM."""
 
 from __future__ import annotations
 
@@ -23,8 +26,9 @@ from runtime.http.openai_protocol import (
     NamedToolChoice,
     ToolCallOut,
 )
+from runtime.tokenizer.k3_encoding import K3ChatOptions, K3Prompt, RenderError, render_k3_chat, thinking_options
 from runtime.tokenizer.k3_reply import ReplyAssembler, without_stop_text
-from runtime.tokenizer.k3_tools import K3Prompt, RenderError, forcing_grammar, render_k3_chat
+from runtime.tokenizer.k3_tools import forcing_grammar, request_grammar_after_thinking
 
 _GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema")
 
@@ -33,35 +37,45 @@ _GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema")
 class K3Chat:
     prompt: K3Prompt
     parse_tools: bool
-    grammar: str | None  # EBNF forcing a tool call
+    grammar: str | None  # EBNF in place of the request's own grammar: a forced call, or its own after thinking
+    forced: bool  # a tool call is forced (tool_choice "required" or named)
     parallel_calls: bool  # OpenAI's parallel_tool_calls: off, a reply keeps its first call only
 
 
 def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
-    """The K3 prompt, and the grammar when a call is forced. The grammar is built from the tools' parameter
-    schemas, which are held to what a request's own json_schema is held to (depth, supported features, and the
-    grammar's size, `--max-grammar-bytes`). It may take a while for large schemas: call it off the event loop."""
+    """The K3 prompt, and the grammar when a call is forced (or when the request's own grammar follows the
+    reasoning). A forcing grammar is built from the tools' parameter schemas, which are held to what a request's
+    own json_schema is held to (depth, supported features, and the grammar's size, `--max-grammar-bytes`). It
+    may take a while for large schemas: call it off the event loop."""
     if (problem := req.k3_template_kwargs_problem()) is not None:
         raise APIError(400, problem, "invalid_request_error", param="chat_template_kwargs")
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tools_on else []
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     choice = req.tool_choice
     forced: str | dict[str, Any] | None = None  # as xgrammar takes tool_choice
-    forced_name: str | None = None  # as the renderer records it
     if tools and isinstance(choice, NamedToolChoice):
-        forced, forced_name = choice.model_dump(), choice.function.name
+        forced = choice.model_dump()
     elif tools and choice == "required":
-        forced = forced_name = "required"
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        forced = "required"
+    own = {k: v for k, v in req.sampling(req.max_new_tokens).items() if k in _GRAMMAR_FIELDS}
     if forced is not None:
+        if own:
+            raise APIError(400, "a forced tool call (tool_choice 'required' or named) cannot be combined with"
+                           " response_format, regex or ebnf", "invalid_request_error", param="tool_choice")
         for i, tool in enumerate(tools):
             field = f"tools[{i}].function.parameters"
             try:
                 vet_json_schema(orjson.dumps(tool.get("function", {}).get("parameters", {})).decode())
             except InvalidRequest as e:
                 raise APIError(400, e.message.replace("json_schema", field, 1), param=field) from None
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    kw = req.chat_template_kwargs or {}
     try:
-        prompt = render_k3_chat(messages, tools, req.thinking, forced_name)
-        grammar = None if forced is None else forcing_grammar(tools, forced, req.thinking, req.parallel_tool_calls)
+        thinking, effort = thinking_options(kw.get("thinking", kw.get("enable_thinking")), kw.get("thinking_effort"),
+                                            req.reasoning_effort)
+        fmt = req.response_format.model_dump(by_alias=True, exclude_none=True) if req.response_format else None
+        options = K3ChatOptions(thinking, effort, choice if isinstance(choice, str) else None, fmt, forced is not None)
+        prompt = render_k3_chat(messages, tools, options)
+        grammar = None if forced is None else forcing_grammar(tools, forced, thinking, req.parallel_tool_calls)
     except RenderError as e:
         raise APIError(400, str(e), "invalid_request_error", param="messages") from None
     except (ValueError, RuntimeError) as e:  # xgrammar refusing a tool's parameter schema
@@ -69,17 +83,31 @@ def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
     if grammar is not None and (size := len(grammar.encode())) > max_grammar_bytes:
         raise APIError(400, f"tools: the grammar that forces the tool call is {size} bytes, over the limit of "
                        f"{max_grammar_bytes} bytes (--max-grammar-bytes)", param="tools")
-    return K3Chat(prompt, bool(tools), grammar, req.parallel_tool_calls)
+    if thinking and len(own) == 1:  # more than one: the sampling parameters refuse them
+        grammar = _own_grammar_after_thinking(*next(iter(own.items())))
+    return K3Chat(prompt, bool(tools) and choice != "none", grammar, forced is not None, req.parallel_tool_calls)
+
+
+def _own_grammar_after_thinking(field: str, source: Any) -> str:
+    """The request's own grammar from the response channel on, held to the limits its own field is held to (the
+    sampling parameters hold the EBNF's size to `--max-grammar-bytes`)."""
+    if field == "json_schema":
+        try:
+            vet_json_schema(source if isinstance(source, str) else orjson.dumps(source).decode())
+        except InvalidRequest as e:
+            raise APIError(400, e.message, param=field) from None
+    try:
+        return request_grammar_after_thinking(field, source)
+    except (ValueError, RuntimeError) as e:
+        raise APIError(400, f"invalid {field}: {error_message(e)}", "invalid_request_error", param=field) from None
 
 
 def k3_sampling(chat: K3Chat, sampling: dict[str, Any]) -> dict[str, Any]:
-    """The parser reads the markup, so special tokens stay in the text; a forced call brings its grammar."""
+    """The parser reads the markup, so special tokens stay in the text; the chat's grammar (a forced call, or
+    the request's own after thinking) takes the place of the request's."""
     out = dict(sampling, skip_special_tokens=False)
     if chat.grammar is not None:
-        if any(k in out for k in _GRAMMAR_FIELDS):
-            raise APIError(400, "a forced tool call (tool_choice 'required' or named) cannot be combined with"
-                           " response_format, regex or ebnf", "invalid_request_error", param="tool_choice")
-        out["ebnf"] = chat.grammar
+        out = {k: v for k, v in out.items() if k not in _GRAMMAR_FIELDS} | {"ebnf": chat.grammar}
     return out
 
 
@@ -87,7 +115,7 @@ class K3Reply:
     """One choice: `push` each chunk of the engine's text (the stop token's own text is dropped at the end)."""
 
     def __init__(self, chat: K3Chat, tokenizer: Tokenizer) -> None:
-        self._reply = ReplyAssembler(chat.prompt.prefix, tools=chat.parse_tools, forced=chat.grammar is not None,
+        self._reply = ReplyAssembler(chat.prompt.prefix, tools=chat.parse_tools, forced=chat.forced,
                                      parallel=chat.parallel_calls)
         self._tok = tokenizer
 

@@ -19,7 +19,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from radixk3.chat_prompt import ChatPrompt
 from radixk3.tokenizer import Tokenizer
 from runtime.http.api_errors import APIError, OrjsonResponse, parse_body, request_failed, stream_failed
 from runtime.http.handles import (
@@ -63,6 +62,7 @@ from runtime.http.template_chat import (
     template_sampling,
 )
 from runtime.sampling_params import SamplingParams
+from runtime.tokenizer.chat_format import K3
 from runtime.tokenizer.manager import RequestHandle
 from runtime.tokenizer.request_stream import Sample, StreamChunk, token_text
 
@@ -228,18 +228,13 @@ async def chat_completions(request: Request) -> Response:
     k3, tpl = None, None
     if st.chat_format.templated:  # the checkpoint's own template (runtime.tokenizer.chat_format)
         tpl = await asyncio.to_thread(plan_template_chat, req, st.chat_format, st.args.max_grammar_bytes)
-    elif req.is_k3:
-        if not st.tokenizer.has_xtml:
-            raise APIError(400, "tools and thinking need K3's markup tokens (<|open|>, <|close|>, <|sep|>, "
-                           "<|end_of_msg|>), which this model's tokenizer lacks", "invalid_request_error",
-                           param="tools")
-        # Tools or thinking: K3's markup (runtime.tokenizer.k3_tools); a forced call's grammar is built off the loop.
+    elif _renders_k3(st, req):  # a forced call's grammar is built off the loop
         k3 = await asyncio.to_thread(plan_k3_chat, req, st.args.max_grammar_bytes)
     params = st.tm.parse_sampling(_chat_sampling(req, k3, tpl))
     top = req.top_logprobs or 0
     _check_limits(st, params, 1, top, "top_logprobs", [sum(len(m.text()) for m in req.messages)], "messages")
     # Messages are text: markers only where rendered.
-    prompt = tpl.ids(st.tokenizer) if tpl is not None else _chat_prompt(st.tokenizer, req, k3).ids(st.tokenizer)
+    prompt = tpl.ids(st.tokenizer) if tpl is not None else _chat_prompt(st.tokenizer, req, k3)
     handles, timers = await _submit(st, [prompt], params, req.rid, req.logprobs, top)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
@@ -252,11 +247,23 @@ async def chat_completions(request: Request) -> Response:
     return OrjsonResponse(body.model_dump())
 
 
-def _chat_prompt(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None) -> ChatPrompt:
+def _renders_k3(st: ServerState, req: ChatCompletionRequest) -> bool:
+    """Without a template (`runtime.tokenizer.chat_format`): K3's own encoding (`runtime.tokenizer.k3_encoding`)
+    for every chat of a K3 model; for another model only for a request that needs K3's markup (tools, reasoning),
+    if its tokenizer has the markers; else the model's own framing (`Tokenizer.chat_prompt`)."""
+    if st.chat_format.family == K3:
+        return True
+    if req.is_k3 and not st.tokenizer.has_xtml:
+        raise APIError(400, "tools and thinking need K3's markup tokens (<|open|>, <|close|>, <|sep|>, "
+                       "<|end_of_msg|>), which this model's tokenizer lacks", "invalid_request_error", param="tools")
+    return req.is_k3
+
+
+def _chat_prompt(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None) -> list[int]:
     if k3 is not None:
-        return k3.prompt.prompt
+        return k3.prompt.ids(tok)
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
-    return tok.chat_prompt(messages)
+    return tok.chat_prompt(messages).ids(tok)
 
 
 def _chat_sampling(req: ChatCompletionRequest, k3: K3Chat | None, tpl: TemplateChat | None) -> dict[str, Any]:

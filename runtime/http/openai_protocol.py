@@ -221,7 +221,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     reasoning_effort: ReasoningEffort | None = None
-    # SGLang's: {"thinking": true} (alias enable_thinking) for K3; any variables for a Jinja chat template.
+    # SGLang's and vLLM's for K3: {"thinking": bool} (alias enable_thinking), {"thinking_effort": "low"|"high"|"max"};
+    # any variables for a Jinja chat template.
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -249,21 +250,15 @@ class ChatCompletionRequest(_SamplingFields):
     def k3_template_kwargs_problem(self) -> str | None:
         """What K3's renderer cannot take in `chat_template_kwargs` (a Jinja template takes any keys)."""
         kw = self.chat_template_kwargs or {}
-        unknown = sorted(set(kw) - {"thinking", "enable_thinking"})
+        unknown = sorted(set(kw) - {"thinking", "enable_thinking", "thinking_effort"})
         if unknown:
-            return f"chat_template_kwargs: unsupported keys {unknown}; supported: thinking, enable_thinking"
-        if any(not isinstance(v, bool) for v in kw.values()):
+            return (f"chat_template_kwargs: unsupported keys {unknown}; supported: thinking, enable_thinking, "
+                    "thinking_effort")
+        if any(not isinstance(v, bool) for k, v in kw.items() if k != "thinking_effort"):
             return "chat_template_kwargs: thinking must be a boolean"
+        if "thinking_effort" in kw and not isinstance(kw["thinking_effort"], str):
+            return "chat_template_kwargs: thinking_effort must be a string"
         return None
-
-    @property
-    def thinking(self) -> bool:
-        """Thinking on: asked for in chat_template_kwargs, or a reasoning_effort other than "none"."""
-        kw = self.chat_template_kwargs or {}
-        flag = kw.get("thinking", kw.get("enable_thinking"))
-        if flag is not None:
-            return bool(flag)
-        return self.reasoning_effort not in (None, "none")
 
     @property
     def tools_on(self) -> bool:

@@ -2,14 +2,14 @@
 
 The model family decides: a Kimi-Linear-format checkpoint whose directory has a Jinja chat template (or any model
 given `--chat-template PATH`, as SGLang and vLLM spell it) renders through that template
-(`radixk3.chat_template`) and reads replies with the `kimi_k2` tool-call parser; one without a template, and the
-built-in model, keep radixk3's native Kimi framing, with K3's markup (XTML) for tools and thinking; a K3-format
-checkpoint uses the K3 encoding. With a transformers tokenizer (`--tokenizer-mode hf`, the checkpoint's own class
-under `--trust-remote-code`) that carries a template, its own `apply_chat_template(..., tokenize=True)` renders
-and encodes (family HF, read as JINJA's). `--tool-call-parser` and `--reasoning-parser` (SGLang's names) default to the
-family's and must fit the family's markup: K2's `<|tool_calls_section_begin|>` format after a Jinja template
-(`kimi_k2`; reasoning `kimi_k2` for `<think>`, `kimi` for `◁think▷`, none by default: Instruct models do not
-think), K3's XTML otherwise (`kimi_k3` for both).
+(`radixk3.chat_template`) and reads replies with the `kimi_k2` tool-call parser; one without a template keeps the
+native Kimi framing, with K3's markup (XTML) for tools and thinking; a K3-format checkpoint and the built-in model
+use K3's own encoding (`runtime.tokenizer.k3_encoding`). With a transformers tokenizer (`--tokenizer-mode hf`, the
+checkpoint's own class under `--trust-remote-code`) that carries a template, its own
+`apply_chat_template(..., tokenize=True)` renders and encodes (family HF, read as JINJA's). `--tool-call-parser`
+and `--reasoning-parser` (SGLang's names) default to the family's and must fit the family's markup: K2's
+`<|tool_calls_section_begin|>` format after a Jinja template (`kimi_k2`; reasoning `kimi_k2` for `<think>`, `kimi`
+for `◁think▷`, none by default: Instruct models do not think), K3's XTML otherwise (`kimi_k3` for both).
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ def chat_format_for(args: ServerArgs, cfg: ModelConfig, tokenizer: Tokenizer,
     template = None
     if hf is None and (args.chat_template is not None or not cfg.is_k3_format):
         template = load_chat_template(args.model, args.chat_template)
-    family = HF if hf is not None else JINJA if template is not None else K3 if cfg.is_k3_format else NATIVE
+    # The built-in model is K3 (its tokenizer has K3's markers), though its config is written in Kimi-Linear's format.
+    k3 = cfg.is_k3_format or args.model is None
+    family = HF if hf is not None else JINJA if template is not None else K3 if k3 else NATIVE
     tool_parser = args.tool_call_parser or _TOOL_PARSERS[family][0]
     if tool_parser not in _TOOL_PARSERS[family]:
         raise ValueError(f"--tool-call-parser {tool_parser} does not read what this model's {_WRITER[family]} "

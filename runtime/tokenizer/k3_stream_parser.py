@@ -7,9 +7,13 @@ each `feed` returns what became certain. The grammar of a message:
     [<|open|>think<|sep|> REASONING <|close|>think<|sep|>]
     [<|open|>response<|sep|> CONTENT <|close|>response<|sep|>]
     [<|open|>tools<|sep|> (<|open|>call tool="NAME" index="I"<|sep|>
-        (<|open|>argument key="K" type="T"<|sep|> VALUE <|close|>argument<|sep|>)* <|close|>call<|sep|>)*
+        ((<|open|>argument key="K" type="T"<|sep|> VALUE <|close|>argument<|sep|>)*
+         | <|open|>json type="object"<|sep|> RAW <|close|>json<|sep|>) <|close|>call<|sep|>)*
      <|close|>tools<|sep|>]
     <|close|>message<|sep|>
+
+(the `json` element holds arguments that are not JSON, as K3's encoding writes them: they are the call's
+arguments as they stand).
 
 Reasoning and content stream as they come; a tool call is released whole when its close marker arrives
 (its name first, then the arguments in fragments), so a call that turns out malformed was never half sent.
@@ -50,6 +54,8 @@ class Phase(Enum):
     TOOLS = auto()
     CALL = auto()
     ARGUMENT = auto()
+    JSON = auto()  # a call's arguments that are not JSON
+    AFTER_JSON = auto()
     AFTER_TOOLS = auto()
     DONE = auto()
     PLAIN = auto()  # left the grammar: everything from here is content
@@ -74,10 +80,13 @@ _MOVES: dict[tuple[Phase, str, str], Phase] = {
     (Phase.CALL, "open", "argument"): Phase.ARGUMENT,
     (Phase.CALL, "close", "call"): Phase.TOOLS,
     (Phase.ARGUMENT, "close", "argument"): Phase.CALL,
+    (Phase.CALL, "open", "json"): Phase.JSON,
+    (Phase.JSON, "close", "json"): Phase.AFTER_JSON,
+    (Phase.AFTER_JSON, "close", "call"): Phase.TOOLS,
     (Phase.AFTER_TOOLS, "close", "message"): Phase.DONE,
 }
 _REQUIRED_ATTRS = {"call": ("tool",), "argument": ("key", "type")}
-_OPTIONAL_ATTRS = {"call": ("index",)}
+_OPTIONAL_ATTRS = {"call": ("index",), "json": ("type",)}
 
 
 @dataclass
@@ -104,6 +113,7 @@ class _Call:
     key: str = ""
     type: str = ""
     value: str = ""
+    raw: str | None = None  # arguments that are not JSON (a `json` element)
 
 
 class _Malformed(Exception):
@@ -144,7 +154,7 @@ class K3StreamParser:
 
     def finish(self) -> Delta:
         self._run(final=True)
-        if self._phase in (Phase.CALL, Phase.ARGUMENT):  # cut off inside a call: it never completed
+        if self._phase in (Phase.CALL, Phase.ARGUMENT, Phase.JSON, Phase.AFTER_JSON):  # a call never completed
             self._out.content += self._pending
             self._pending, self._call, self._phase = "", None, Phase.PLAIN
         return self._take()
@@ -206,7 +216,7 @@ class K3StreamParser:
         elif self._phase is Phase.RESPONSE:
             self._out.content += text
             self._pending = ""
-        elif self._phase is Phase.ARGUMENT:
+        elif self._phase in (Phase.ARGUMENT, Phase.JSON):
             assert self._call is not None
             self._call.value += text
             self._pending += text
@@ -248,6 +258,14 @@ class K3StreamParser:
             assert self._call is not None
             value = self._call.value.strip(" \n\r\t") if self._strip else self._call.value
             self._call.args.append((self._call.key, _json_value(self._call.type, value)))
+        elif name == "json":
+            assert self._call is not None
+            if is_open and (self._call.args or attrs.get("type", "object") != "object"):
+                raise _Malformed  # the arguments are typed elements or one json element, not both
+            if is_open:
+                self._call.value = ""
+            else:
+                self._call.raw = self._call.value
         elif name == "call":
             assert self._call is not None
             self._release(self._call)
@@ -276,7 +294,9 @@ class K3StreamParser:
         pieces = [orjson.dumps(k).decode() + ":" + v for k, v in call.args]
         calls = self._out.tool_calls
         calls.append(ToolCallDelta(index, call_id(call.name, index), call.name, ""))
-        if not pieces:
+        if call.raw is not None:
+            calls.append(ToolCallDelta(index, arguments=call.raw))
+        elif not pieces:
             calls.append(ToolCallDelta(index, arguments="{}"))
         for n, p in enumerate(pieces):
             calls.append(ToolCallDelta(index, arguments=("{" if n == 0 else ",") + p

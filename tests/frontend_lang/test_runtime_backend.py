@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 import frontend_lang as sgl
+from frontend_lang.chat_template import K3
+from runtime.tokenizer.k3_encoding import K3ChatOptions, render_k3_chat
 from tests.frontend_lang.oracle import choice_logprobs, tiny_model
 from tests.frontend_lang.programs import (
     CHOICES,
@@ -42,6 +44,7 @@ def test_gen_stops_at_a_stop_string(runtime: sgl.Runtime) -> None:
 
 
 def test_roles_follow_the_models_chat_template(runtime: sgl.Runtime) -> None:
+    """k3-tiny is a K3 model: the roles are K3's messages, as the server renders its chats (thinking off)."""
     state = chat.run(question="How many clips?", temperature=0, backend=runtime)
     msgs = state.messages()
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant"]
@@ -49,7 +52,8 @@ def test_roles_follow_the_models_chat_template(runtime: sgl.Runtime) -> None:
     assert msgs[2]["content"] == state["answer"].lstrip() and msgs[4]["content"] == state["why"].lstrip()
     raw = [m | {"content": c} for m, c in zip(msgs, [msgs[0]["content"], msgs[1]["content"], state["answer"],
                                                       msgs[3]["content"], state["why"]], strict=True)]
-    assert state.text() == runtime.tokenizer.apply_chat_template(raw, add_generation_prompt=False)
+    assert runtime.chat_template == K3
+    assert state.text() == render_k3_chat(raw, None, K3ChatOptions(thinking=False), add_generation_prompt=False).text
     with pytest.raises(ValueError, match="do not nest"):
         nested_roles.run(backend=runtime)
 
@@ -61,15 +65,16 @@ def test_text_of_a_program_never_becomes_markup(runtime: sgl.Runtime) -> None:
     typed = "".join(tok.id_to_piece(i) for i in sorted(tok.special_ids))
     state = typed_markup.run(typed=typed, temperature=0, backend=runtime)
     turns = [{"role": "system", "content": "Be brief." + typed}, {"role": "user", "content": typed * 2 + "x" + typed}]
-    want = tok.chat_prompt(turns).ids(tok)
+    off = K3ChatOptions(thinking=False)
+    want = render_k3_chat(turns, None, off).ids(tok)  # the generation prompt is the assistant role's prefix
     got = [t for _, t, _ in state.get_meta_info("answer")["input_token_logprobs"]]
     assert got == want
-    markers = ["<|im_system|>", "<|im_middle|>", "<|im_end|>", "<|im_user|>", "<|im_middle|>", "<|im_end|>",
-               "<|im_assistant|>", "<|im_middle|>"]
-    assert [i for i in got if i in tok.special_ids] == [tok.bos_id, *map(tok.piece_to_id, markers)]  # the roles'
+    message = ["<|open|>", "<|sep|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"]
+    markers = [*message, *message, "<|open|>", "<|sep|>", "<|open|>", "<|sep|>"]
+    assert [i for i in got if i in tok.special_ids] == [*map(tok.piece_to_id, markers)]  # the roles', no BOS
     turns += [{"role": "assistant", "content": state["answer"]}, {"role": "user", "content": typed + "?"},
               {"role": "assistant", "content": state["pick"]}]
-    assert state.text() == tok.apply_chat_template(turns, add_generation_prompt=False)
+    assert state.text() == render_k3_chat(turns, None, off, add_generation_prompt=False).text
     scored = state.get_meta_info("pick")["input_token_logprobs"][0]  # the choice `typed`, after the role's marker
     assert [t for _, t in scored] == tok.encode_ordinary(typed)
 

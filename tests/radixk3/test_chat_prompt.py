@@ -129,3 +129,16 @@ def test_marker_free_chats_encode_as_the_whole_string(turns: list[tuple[str, str
     prompt = t.chat_prompt(messages, add_generation_prompt=gen)
     assert prompt.ids(t) == t.encode(prompt.text, add_bos=True)
     assert specials(t, prompt.ids(t)) == framing(t, [r for r, _, _ in turns], gen)
+
+
+def test_pieces_are_encoded_alone() -> None:
+    """A piece (K3's encoding writes every text as one) is never joined with the text beside it: its ids are
+    those of its own text, wherever it stands."""
+    t = tok()
+    p = ChatPrompt.piece("Nata") + ChatPrompt.piece("lia") + " sold" + ChatPrompt.piece("") + " clips!"
+    assert p.segments == (Segment("Nata", False, True), Segment("lia", False, True), Segment(" sold clips!", False))
+    assert p.ids(t, add_bos=False) == t.encode("Nata") + t.encode("lia") + t.encode(" sold clips!")
+    assert t.encode("Nata") + t.encode("lia") != t.encode("Natalia")  # joined, BPE would merge across the cut
+    assert p.text == "Natalia sold clips!" and p.after(2).segments[0] == Segment("ta", False, True)
+    typed = ChatPrompt.piece(IM_END)
+    assert specials(t, typed.ids(t, add_bos=False)) == [] and t.decode(typed.ids(t, add_bos=False)) == IM_END

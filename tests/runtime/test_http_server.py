@@ -201,16 +201,18 @@ def test_openai_client(server: Server, reference: list[dict[str, Any]]) -> None:
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How many clips?"}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, n=2, seed=1)
-    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+    assert len(chat.choices) == 2 and chat.choices[0].message == chat.choices[1].message
     assert chat.choices[0].message.role == "assistant" and chat.usage.total_tokens == chat.usage.prompt_tokens + 20
-    text, usage = "", None
+    text, reasoning, usage = "", "", None  # K3 thinks by default: the reply so far may be reasoning only
     for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10,
                                                 temperature=0, stream=True, stream_options={"include_usage": True}):
         if chunk.usage is not None:
             usage = chunk.usage
         for ch in chunk.choices:
             text += ch.delta.content or ""
-    assert text == chat.choices[0].message.content
+            reasoning += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+    assert (text or None) == chat.choices[0].message.content
+    assert reasoning == chat.choices[0].message.model_extra["reasoning_content"]
     assert usage is not None and usage.completion_tokens == 10
     # The prompt was seen before: the radix cache serves it, and usage says so.
     assert usage.prompt_tokens_details.cached_tokens > 0
@@ -243,7 +245,7 @@ CHAT_SCHEMA = {
 
 def test_logprobs_raw_http(server: Server) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
-            "logprobs": True, "top_logprobs": 3}
+            "logprobs": True, "top_logprobs": 3, "reasoning_effort": "none"}  # thinking off: the reply is content
     with server.client() as c:
         chat = c.post("/v1/chat/completions", json=body).json()
         native = c.post("/generate", json={"text": "Weng earns", "sampling_params": {"max_new_tokens": 4,

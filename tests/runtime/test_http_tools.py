@@ -1,6 +1,7 @@
 """K3 tool calling and reasoning through the real server on the built-in model: forced calls always parse and
 validate, streamed deltas reassemble to the full response, the `openai` client sees `tool_calls` and
-`reasoning_content`, conversations with tool results render as K3, and bad tool requests are 400s."""
+`reasoning_content`, every chat renders in K3's own encoding (thinking on unless turned off), and bad tool
+requests are 400s."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import orjson
 import pytest
 
 from radixk3.tokenizer import load_tokenizer
-from runtime.tokenizer.k3_tools import render_k3_chat
+from runtime.tokenizer.k3_encoding import K3ChatOptions, render_k3_chat
 from tests.runtime.http_server_proc import Server, running_server
 
 MODEL = "k3-tiny"
@@ -28,6 +29,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
 BASE = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 400}
+# Thinking is on by default, and an untrained model does not end its reasoning: tests of calls turn it off.
+NO_THINKING = {"reasoning_effort": "none"}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +82,8 @@ def test_forced_tool_calls_always_parse(server: Server, choice: Any) -> None:
     for seed in range(3):
         # Room for the markup spelled out in characters, should the grammar backend not pick the marker ids.
         r = c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,  # type: ignore[arg-type]
-                                      temperature=1.0, seed=seed, n=2, max_tokens=400, parallel_tool_calls=False)
+                                      temperature=1.0, seed=seed, n=2, max_tokens=400, parallel_tool_calls=False,
+                                      reasoning_effort="none")
         for ch in r.choices:
             assert ch.finish_reason == "tool_calls", ch
             assert ch.message.content is None and len(ch.message.tool_calls or []) == 1
@@ -87,10 +91,13 @@ def test_forced_tool_calls_always_parse(server: Server, choice: Any) -> None:
 
 
 def test_streamed_deltas_equal_the_full_response(server: Server) -> None:
-    cases = [BASE | {"tool_choice": "required", "temperature": 0},  # a forced call
-             BASE | {"tool_choice": "required", "parallel_tool_calls": True, "temperature": 0.8, "seed": 3},
-             BASE | {"temperature": 0, "max_tokens": 48},  # auto: whatever the random model writes
-             BASE | {"reasoning_effort": "high", "temperature": 0, "max_tokens": 24}]  # thinking
+    cases = [BASE | NO_THINKING | {"tool_choice": "required", "temperature": 0},  # a forced call
+             BASE | NO_THINKING | {"tool_choice": "required", "parallel_tool_calls": True, "temperature": 0.8,
+                                   "seed": 3},
+             BASE | NO_THINKING | {"temperature": 0, "max_tokens": 48},  # auto: whatever the random model writes
+             BASE | {"temperature": 0, "max_tokens": 48},  # the same, thinking (by default)
+             BASE | {"reasoning_effort": "high", "temperature": 0, "max_tokens": 24},  # thinking
+             BASE | {"tool_choice": "required", "temperature": 0, "max_tokens": 24}]  # forced after thinking
     with server.client() as h:
         for body in cases:
             full = h.post("/v1/chat/completions", json=body).json()["choices"][0]
@@ -113,7 +120,7 @@ def two_calls_grammar() -> str:
 def test_parallel_tool_calls_false_keeps_one_call_under_auto(server: Server, stream: bool) -> None:
     """`parallel_tool_calls: false` with tool_choice auto: a reply written with two calls comes back with the
     first only, and a stream never sends the second (its text is dropped: it is not content either)."""
-    body = BASE | {"ebnf": two_calls_grammar(), "temperature": 0}
+    body = BASE | NO_THINKING | {"ebnf": two_calls_grammar(), "temperature": 0}
     with server.client() as h:
         both = h.post("/v1/chat/completions", json=body).json()["choices"][0]
     assert [t["function"]["name"] for t in both["message"]["tool_calls"]] == ["noop", "noop"]  # the model wrote two
@@ -139,18 +146,19 @@ def test_reasoning_content_in_the_openai_client(server: Server) -> None:
     assert isinstance(msg.model_extra.get("reasoning_content"), str) and msg.model_extra["reasoning_content"]
     off = c.chat.completions.create(model=MODEL, messages=ASK, reasoning_effort="none", max_tokens=8, temperature=0)
     assert off.choices[0].message.model_extra.get("reasoning_content") is None
-    # Prompt lengths show which prefix was rendered: "<|open|>think<|sep|>" vs "<|open|>response<|sep|>".
+    # Prompt lengths show what was rendered: the effort message and "<|open|>think<|sep|>", or neither.
     tok = load_tokenizer()
-    for resp, thinking in ((r, True), (off, False)):
-        text = render_k3_chat(ASK, None, thinking=thinking).text
-        assert resp.usage.prompt_tokens == len(tok.encode(text, add_bos=True))
+    for resp, options in ((r, K3ChatOptions(effort="high")), (off, K3ChatOptions(thinking=False))):
+        assert resp.usage.prompt_tokens == len(render_k3_chat(ASK, None, options).ids(tok))
+    assert r.usage.prompt_tokens > off.usage.prompt_tokens
 
 
 def test_auto_never_fails(server: Server) -> None:
     """Whatever the untrained model writes, markup or not, comes back as a 200 with content or calls."""
     with server.client() as h:
         for seed in range(3):
-            r = h.post("/v1/chat/completions", json=BASE | {"temperature": 1.0, "seed": seed, "n": 2, "max_tokens": 48})
+            r = h.post("/v1/chat/completions", json=BASE | NO_THINKING | {"temperature": 1.0, "seed": seed, "n": 2,
+                                                                          "max_tokens": 48})
             assert r.status_code == 200, r.text
             for ch in r.json()["choices"]:
                 m = ch["message"]
@@ -168,19 +176,21 @@ def test_conversation_with_tool_results(server: Server) -> None:
                 {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny, 21 C"}]
     r = client(server).chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,  # type: ignore[arg-type]
                                                max_tokens=4, temperature=0)
-    text = render_k3_chat(messages, TOOLS).text
-    assert r.usage.prompt_tokens == len(load_tokenizer().encode(text, add_bos=True))
-    assert text.index("sunny, 21 C") < text.index("done")  # results in call order
+    p = render_k3_chat(messages, TOOLS)  # thinking on, effort max: the defaults
+    assert r.usage.prompt_tokens == len(p.ids(load_tokenizer()))
+    assert p.text.index("sunny, 21 C") < p.text.index("done")  # results in call order
 
 
 @pytest.mark.parametrize("body, words", [
     (BASE | {"tool_choice": {"type": "function", "function": {"name": "nope"}}}, ("nope", "not in tools")),
     ({"model": MODEL, "messages": ASK, "tool_choice": "required"}, ("required", "needs tools")),
-    (BASE | {"messages": [{"role": "tool", "tool_call_id": "x", "content": "r"}]}, ("must follow",)),
+    (BASE | {"messages": [{"role": "tool", "tool_call_id": "x", "content": "r"}]}, ("no tool name",)),
     (BASE | {"messages": [{"role": "tool", "content": "r"}]}, ("tool_call_id",)),
     (BASE | {"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, ("tools",)),
     (BASE | {"tool_choice": "required", "response_format": {"type": "json_object"}}, ("tool_choice",)),
     (BASE | {"reasoning_effort": "extreme"}, ("reasoning_effort",)),
+    (BASE | {"reasoning_effort": "medium"}, ("low, high, max",)),
+    (BASE | {"chat_template_kwargs": {"thinking_effort": "huge"}}, ("low, high, max",)),
     (BASE | {"tool_choice": "required", "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "foo"}}}}}]},
      ("tools: ", 'Unsupported type "foo"')),
@@ -194,9 +204,29 @@ def test_bad_tool_requests(server: Server, body: dict[str, Any], words: tuple[st
         assert good.status_code == 200
 
 
-def test_none_renders_no_tools(server: Server) -> None:
+def test_none_declares_the_tools_and_forbids_calls(server: Server) -> None:
+    """As the checkpoint's encoding renders it: the tools declared, then a system message forbidding calls."""
     with server.client() as h:
         r = h.post("/v1/chat/completions", json=BASE | {"tool_choice": "none", "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200
-    plain = load_tokenizer().apply_chat_template(ASK)  # no tools, no thinking: the plain Kimi template
-    assert r.json()["usage"]["prompt_tokens"] == len(load_tokenizer().encode(plain, add_bos=True))
+    p = render_k3_chat(ASK, TOOLS, K3ChatOptions(tool_choice="none"))
+    assert "You MUST NOT call any tools" in p.text
+    assert r.json()["usage"]["prompt_tokens"] == len(p.ids(load_tokenizer()))
+
+
+@pytest.mark.parametrize("kwargs, options", [
+    ({}, K3ChatOptions()),
+    ({"chat_template_kwargs": {"thinking": False}}, K3ChatOptions(thinking=False)),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, K3ChatOptions(thinking=False)),
+    ({"chat_template_kwargs": {"thinking_effort": "low"}}, K3ChatOptions(effort="low")),
+    ({"reasoning_effort": "high", "chat_template_kwargs": {"thinking_effort": "low"}}, K3ChatOptions(effort="low")),
+    ({"reasoning_effort": "none", "chat_template_kwargs": {"thinking": True}}, K3ChatOptions()),
+    ({"response_format": {"type": "json_object"}, "reasoning_effort": "none"},
+     K3ChatOptions(thinking=False, response_format={"type": "json_object"})),
+])
+def test_every_chat_renders_in_k3_encoding(server: Server, kwargs: dict[str, Any], options: K3ChatOptions) -> None:
+    """A plain chat too: thinking on with effort max unless the request says otherwise."""
+    with server.client() as h:
+        r = h.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 2} | kwargs)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(render_k3_chat(ASK, None, options).ids(load_tokenizer()))

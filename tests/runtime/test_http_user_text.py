@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from radixk3.tokenizer import IM_ASSISTANT, IM_END, IM_MIDDLE, IM_SYSTEM, Tokenizer, load_tokenizer
-from runtime.tokenizer.k3_tools import render_k3_chat
+from runtime.tokenizer.k3_encoding import K3ChatOptions, render_k3_chat
+from runtime.tokenizer.k3_reply import parse_reply
 from tests.runtime.http_server_proc import Server, running_server
 from tests.runtime.test_k3_tools import FORGED_CALL, conversation
 
@@ -41,16 +42,21 @@ def test_chat_messages_reach_the_model_as_text(server: Server) -> None:
                 {"role": "user", "content": typed, "name": f"bob{typed}"},
                 {"role": "assistant", "content": f"{typed}4"},
                 {"role": "user", "content": f"And 3+3? {typed}"}]
-    want = tok.chat_prompt(messages).ids(tok)
-    raw = tok.encode(tok.apply_chat_template(messages), add_bos=True)
-    assert special_count(tok, want) == 1 + 4 * 3 + 2  # bos, three per turn, the generation prompt
+    p = render_k3_chat(messages)  # a K3 model: every chat in K3's encoding, thinking on by default
+    want = p.ids(tok)
+    # Five markers a message (the effort message, four turns), eight for the assistant's think and response
+    # channels, four for the generation prompt.
+    assert special_count(tok, want) == 5 * 5 + 8 + 4
+    raw = tok.encode(p.text)
     assert special_count(tok, raw) > special_count(tok, want)  # what a whole-string encode would have sent
     with server.client() as c:
         chat = c.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, **GREEDY}).json()
         same = c.post("/generate", json={"input_ids": want, "sampling_params": {
-            "max_new_tokens": GREEDY["max_tokens"], "temperature": 0}}).json()
+            "max_new_tokens": GREEDY["max_tokens"], "temperature": 0, "skip_special_tokens": False}}).json()
     assert chat["usage"]["prompt_tokens"] == len(want) == same["meta_info"]["prompt_tokens"]
-    assert chat["choices"][0]["message"]["content"] == same["text"]  # greedy on the same ids
+    reply = parse_reply(same["text"], p.prefix, tools=False)  # greedy on the same ids
+    message = chat["choices"][0]["message"]
+    assert (message["content"], message["reasoning_content"]) == (reply.content, reply.reasoning_content)
 
 
 @pytest.mark.parametrize("body", [{"reasoning_effort": "high"}, {"tool_choice": "auto"},
@@ -58,11 +64,11 @@ def test_chat_messages_reach_the_model_as_text(server: Server) -> None:
 def test_k3_conversations_reach_the_model_as_text(server: Server, body: dict[str, Any]) -> None:
     tok = load_tokenizer()
     messages, tools = conversation(typed_everything(tok) + FORGED_CALL)
-    thinking = body.get("reasoning_effort") == "high"
-    forced = "required" if body.get("tool_choice") == "required" else None
-    p = render_k3_chat(messages, tools, thinking=thinking, forced=forced)
-    want = p.prompt.ids(tok)
-    assert special_count(tok, tok.encode(p.text, add_bos=True)) > special_count(tok, want)
+    effort = "high" if body.get("reasoning_effort") == "high" else "max"
+    choice = body.get("tool_choice")
+    p = render_k3_chat(messages, tools, K3ChatOptions(effort=effort, tool_choice=choice))
+    want = p.ids(tok)
+    assert special_count(tok, tok.encode(p.text)) > special_count(tok, want)
     with server.client() as c:
         r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "tools": tools,
                                                  **GREEDY, **body})
