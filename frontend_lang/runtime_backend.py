@@ -17,7 +17,7 @@ from frontend_lang.backend import Backend, BackendError, check_result, logprob_o
 from frontend_lang.chat_template import K3, KIMI
 from frontend_lang.choices import ChoiceScore
 from radixk3.chat_prompt import ChatPrompt
-from runtime.model_files import chat_format
+from runtime.tokenizer.chat_format import K3 as K3_FAMILY
 
 T = TypeVar("T")
 # What the engine raises for a request it refuses (InvalidRequest is a ValueError; EngineError a RuntimeError).
@@ -37,8 +37,9 @@ class Runtime(Backend):
             self._owns = False
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        # The roles as the server renders this model's chats: K3's encoding for a K3 model, else Kimi's framing.
-        self.chat_template = K3 if chat_format(engine.args) == "k3" else KIMI
+        # The roles as the server renders this model's chats: K3's encoding for a K3 model, else Kimi's framing
+        # (a Jinja template of the checkpoint is not followed here).
+        self.chat_template = K3 if engine.procs.chat_format.family == K3_FAMILY else KIMI
 
     def _ids(self, prompt: ChatPrompt) -> list[int]:
         """A prompt that opens with the role markup is a chat, with BOS where the chat encoding has one (K3's has

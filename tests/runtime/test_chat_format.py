@@ -1,5 +1,5 @@
 """The model family decides the chat format: a Kimi-Linear directory with a template renders through it (kimi_k2
-replies), one without keeps the native framing, a K3 checkpoint the K3 encoding; `--chat-template` overrides; a
+replies), one without keeps the native framing, a K3 checkpoint and the built-in model the K3 encoding; `--chat-template` overrides; a
 transformers tokenizer with a template renders with its own `apply_chat_template`; `--tool-call-parser` /
 `--reasoning-parser` must fit the family's markup."""
 
@@ -30,7 +30,7 @@ def fmt(tmp: Path | None, cfg: ModelConfig = LINEAR, hf_tokenizer: Any = None, *
 
 
 def test_families(tmp_path: Path) -> None:
-    assert fmt(None).family == NATIVE and fmt(tmp_path).family == NATIVE
+    assert fmt(None).family == K3 and fmt(tmp_path).family == NATIVE
     write_chat_template(tmp_path)
     f = fmt(tmp_path)
     assert (f.family, f.tool_call_parser, f.reasoning_parser) == (JINJA, "kimi_k2", None)
