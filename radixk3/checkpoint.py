@@ -90,7 +90,7 @@ def write_random_checkpoint(cfg: ModelConfig, out_dir: str | Path, *, seed: int 
     return write_checkpoint(build_model(cfg, seed=seed), out_dir, num_shards=num_shards)
 
 
-def _weight_files(path: Path) -> dict[str, Path]:
+def weight_files(path: Path) -> dict[str, Path]:
     """tensor name -> file holding it."""
     index = path / INDEX_FILE
     if index.is_file():
@@ -158,7 +158,7 @@ def load_model(path: str | Path, *, device: torch.device | str = "cpu", dtype: t
     # Public names; several may fill one fused parameter. Tensors that other ranks hold alone are expected too.
     expected = set(public_layout(skeleton)) | {n for n, s in shards.items() if s.index is None}
     files: dict[str, tuple[str, Path]] = {}  # public model name -> (checkpoint name, file)
-    for ckpt, f in sorted(_weight_files(path).items()):
+    for ckpt, f in sorted(weight_files(path).items()):
         name = model_name(cfg, ckpt)
         if name is None:  # skipped (vision tower, rotary buffers, MTP AttnRes), whatever its format
             continue

@@ -99,3 +99,38 @@ def write_quantised_checkpoint(model: KimiForCausalLM, out_dir: str | Path, expe
     config = model_config_to_dict(model.config.replace(expert_quant=quant))
     config["quantization_config"] = _library_config(quant).to_dict()
     return write_tensors(config, quantised_tensors(model, quant), out_dir, num_shards=num_shards)
+
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory (one file or sharded)."""
+    from safetensors.torch import load_file
+
+    from radixk3.checkpoint import weight_files
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(set(weight_files(Path(path)).values())):
+        out |= load_file(f)
+    return out
+
+
+def write_dequantised_checkpoint(src: str | Path, out_dir: str | Path) -> Path:
+    """The dense checkpoint holding what compressed-tensors decompresses a quantised one's experts to (in the
+    model's dtype): what a packed model must compute like."""
+    from radixk3.config_formats import load_model_config
+
+    cfg = load_model_config(src)
+    quant = cfg.expert_quant
+    if quant is None:
+        raise ValueError(f"{src} holds no quantised experts (config.json has no quantization_config)")
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    dense: dict[str, torch.Tensor] = {}
+    for name, t in read_tensors(src).items():
+        module, _, suffix = name.rpartition(".")
+        if _ROUTED_WEIGHT.fullmatch(module + ".weight") and suffix in (quant.data_suffix, "weight_scale",
+                                                                        "weight_shape"):
+            modules.setdefault(module, {})[suffix] = t
+        else:
+            dense[name] = t
+    for module, tensors in modules.items():
+        dense[f"{module}.weight"] = decompress_weight(tensors, quant).to(cfg.torch_dtype)
+    return write_tensors(model_config_to_dict(cfg.replace(expert_quant=None)), dense, out_dir)
