@@ -148,3 +148,23 @@ def test_malformed_packed_tensors_are_refused(checkpoints: dict, tmp_path: Path)
     dense = good | {name + "packed": torch.zeros(1)}
     with pytest.raises(CheckpointError, match="has shape"):
         load_with(dense, "c")
+
+
+def test_plan_reads_the_checkpoints_format(checkpoints: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    """`radixk3 plan --model DIR` counts the packed experts the loaded model holds (exactly), and its whole weight
+    bytes are the loaded model's within 2%."""
+    from radixk3.cli import main
+
+    path = checkpoints["k3-tiny-native", "mxfp4"]
+    assert main(["plan", "--model", str(path), "--json"]) == 0
+    weights = json.loads(capsys.readouterr().out)["weights"]
+    model = load_model(path)
+    packed = sum(b.numel() * b.element_size() for m in _experts(model).values() for b in m.buffers())
+    assert weights["routed_experts"] == packed
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert abs(weights["total"] - held) <= 0.02 * held
+    # The flag's estimate for the same format agrees (int4 has a weight_shape per expert besides).
+    assert main(["plan", "--preset", "k3-tiny-native", "--expert-format", "mxfp4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weights"]["routed_experts"] == packed
+    assert main(["plan", "--model", str(path), "--expert-format", "fp8"]) == 2
+    assert "the checkpoint's experts are mxfp4 already" in capsys.readouterr().err
