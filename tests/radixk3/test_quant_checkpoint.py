@@ -168,3 +168,42 @@ def test_plan_reads_the_checkpoints_format(checkpoints: dict, capsys: pytest.Cap
     assert json.loads(capsys.readouterr().out)["weights"]["routed_experts"] == packed
     assert main(["plan", "--model", str(path), "--expert-format", "fp8"]) == 2
     assert "the checkpoint's experts are mxfp4 already" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tp_and_ep_shards_of_packed_experts_sum_to_the_whole(kind: str) -> None:
+    """Each rank of --tp 2 (w1 / w3 rows and w2 input columns cut, with their scales) and of --tp 2 --ep 2 (whole
+    experts) holds its part of the packed tensors as the loader reads it (`Shard.index` into the checkpoint
+    tensor); the ranks' partial routed outputs add up to the unsharded packed experts' output."""
+    from radixk3.quant_checkpoint import compress_weight, expert_quant_for
+    from radixk3.tensor_names import public_shards, public_tensors
+
+    inter = 256 if kind == "fp8" else 64  # two fp8 blocks / two groups: one per rank
+    cfg = preset("k3-tiny").replace(moe_intermediate_size=inter, expert_quant=expert_quant_for(kind, "float32"))
+    full = MoE(cfg).eval()
+    whole = public_tensors(full)
+    gen = torch.Generator().manual_seed(3)
+    for e in range(cfg.num_experts):
+        for w, shape in (("w1", (inter, 64)), ("w2", (64, inter)), ("w3", (inter, 64))):
+            packed = compress_weight(torch.randn(shape, generator=gen) / 8, cfg.expert_quant)
+            for suffix, t in packed.items():
+                whole[f"experts.{e}.{w}.{suffix}"].copy_(t)
+    x = torch.randn(9, 64, generator=gen)
+    weights, ids = full.gate(x)
+    with torch.no_grad():
+        ref = full.experts(x, weights, ids)
+    for ep in (1, 2):
+        total = torch.zeros_like(ref)
+        for rank in range(2):
+            set_parallel_state(ParallelState(tp_rank=rank, tp_size=2, ep_rank=rank if ep == 2 else 0, ep_size=ep))
+            try:
+                shard = MoE(cfg).eval()
+            finally:
+                set_parallel_state(ParallelState())
+            shards = public_shards(shard)
+            for name, view in public_tensors(shard).items():
+                s = shards.get(name)
+                view.copy_(whole[name] if s is None else whole[name][s.index])
+            with torch.no_grad():
+                total += shard.experts(x, weights, ids)
+        torch.testing.assert_close(total, ref, rtol=0, atol=1e-5, msg=f"{kind} ep {ep}")
