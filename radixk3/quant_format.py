@@ -149,6 +149,8 @@ def parse_quantization_config(raw: Any, model_dtype: str) -> ExpertQuant | None:
         method = raw.get("quant_method") if isinstance(raw, dict) else raw
         raise ConfigError(f"{where}: quant_method {method!r} is not supported (compressed-tensors only)")
     groups = raw.get("config_groups")
+    if groups is None and raw.get("format") == CT_FORMAT["mxfp4"]:
+        return ExpertQuant("mxfp4", "uint8")  # the format alone fixes the scheme: e2m1, an e8m0 scale per 32
     if not isinstance(groups, dict) or len(groups) != 1:
         raise ConfigError(f"{where}.config_groups: expected one group (the routed experts), got {groups!r}")
     (name, group), = groups.items()

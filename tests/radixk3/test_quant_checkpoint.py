@@ -97,6 +97,11 @@ def test_config_round_trips_and_refuses_what_it_cannot_load(checkpoints: dict) -
         assert parse_quantization_config(raw, "float32") == ExpertQuant(kind, "uint8" if kind == "mxfp4" else
                                                                          "float32")
     assert parse_quantization_config(None, "bfloat16") is None
+    # MXFP4's format alone fixes its scheme; pack-quantized needs its group's bits.
+    mxfp4 = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+    assert parse_quantization_config(mxfp4, "bfloat16") == ExpertQuant("mxfp4", "uint8")
+    with pytest.raises(ConfigError, match="expected one group"):
+        parse_quantization_config(mxfp4 | {"format": "pack-quantized"}, "bfloat16")
     int4 = _quant_config(checkpoints["k3-tiny", "int4"])
     assert parse_quantization_config(int4, "bfloat16").scale_dtype == "bfloat16"  # K2-Thinking's bf16 scales
     group = int4["config_groups"]["group_0"]
