@@ -1,6 +1,7 @@
 """A model with packed (compressed-tensors) routed experts through the engine: greedy outputs equal the no-cache
-forward of the same packed model, token for token, radix on and off, page sizes 1 and 16, under retraction; and
-the multi-process engine at --tp 2 and --tp 2 --ep 2 (the packed tensors and their scales sharded) equals --tp 1."""
+forward of the same packed model, token for token, radix on and off, page sizes 1 and 16, under retraction, with
+MTP speculation (the MTP layer's experts packed too); and the multi-process engine at --tp 2 and --tp 2 --ep 2 (the
+packed tensors and their scales sharded) equals --tp 1."""
 
 from __future__ import annotations
 
@@ -63,3 +64,18 @@ def test_packed_tp2_ep2_equal_tp1(parallel: dict, packed: dict) -> None:
             assert [r["output_ids"] for r in engine.generate(wave, GREEDY, timeout=120)] == ref
     finally:
         engine.shutdown()
+
+
+def test_packed_native_k3_with_mtp_speculation(tmp_path: Path) -> None:
+    """K3 as shipped: LatentMoE and MTP layers, every routed expert MXFP4 (the MTP layer's too); greedy with MTP
+    drafts (k 3, radix on) equals the packed model's no-cache forward."""
+    from tests.runtime.test_spec_mtp import GREEDY as MTP_GREEDY
+    from tests.runtime.test_spec_mtp import _workload
+
+    path = write_quantised_checkpoint(build_model(preset("k3-tiny-native"), seed=11), tmp_path / "k3", "mxfp4")
+    model = load_model(path)
+    assert model.model.mtp_layers[0].block_sparse_moe.experts.quant is not None
+    prompts, refs = _workload(model)
+    eng = LocalEngine(ServerArgs(speculative_algorithm="mtp", speculative_num_draft_tokens=3), model, check=True)
+    assert eng.generate(prompts, MTP_GREEDY) == refs
+    assert eng.scheduler.metrics.verify_steps > 0 and eng.scheduler.metrics.draft_tokens > 0
