@@ -44,8 +44,8 @@ class PackedWeights(nn.Module):
         if cols is not None:
             data_index[1], scale_index[1] = quant.col_index(cols, full_cols)
         self.data_index, self.scale_index = tuple(data_index), tuple(scale_index)
-        self.partial = rows is not None and _length(rows, full_rows) < full_rows or \
-            cols is not None and _length(cols, full_cols) < full_cols
+        self.partial = ((rows is not None and _length(rows, full_rows) < full_rows)
+                        or (cols is not None and _length(cols, full_cols) < full_cols))
         e = len(held)
         data_shape = [_length(i, n) for i, n in zip(data_index, self.data_full, strict=True)]
         scale_shape = [_length(i, n) for i, n in zip(scale_index, self.scale_full, strict=True)]
