@@ -14,6 +14,9 @@
 - row_fallback_cuda: a row that cannot be sampled fails alone on CUDA, in a decode step and in a verify step
   (n-gram speculation): the sampler's row-by-row fallback builds its placeholders on the logits' device, so its
   batch-mates finish with their `--tp 1` greedy tokens.
+- quant_cuda: the compiled Triton dequantisation of packed experts (MXFP4, INT4, FP8 blocks; fp32 and bf16) equals
+  compressed-tensors' decompression bit for bit, and a model with MXFP4 experts on CUDA gives its no-cache greedy
+  tokens through the engine.
 
 Each check prints PASS, FAIL or SKIP with its reason; the last line is a one-line JSON summary. Exit status 1 if
 a check failed. Without a CUDA device it says so, prints the summary and exits 0.
@@ -160,8 +163,55 @@ def row_fallback_cuda() -> Outcome:
     return Outcome("PASS", "a bad row failed alone in a decode and in a verify step; batch-mates == tp 1")
 
 
+def quant_cuda() -> Outcome:
+    import tempfile
+
+    from kernels.quant import dequant_experts
+    from radixk3.checkpoint import load_model
+    from radixk3.config import preset
+    from radixk3.model import build_model
+    from radixk3.quant_checkpoint import (
+        compress_weight,
+        decompress_weight,
+        expert_quant_for,
+        write_quantised_checkpoint,
+    )
+    from runtime.local_engine import LocalEngine
+    from runtime.server_args import ServerArgs
+
+    gen = torch.Generator().manual_seed(0)
+    for kind in ("mxfp4", "int4", "fp8"):
+        for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+            quant = expert_quant_for(kind, name)
+            experts = [compress_weight((torch.randn(200, 320, generator=gen) * 0.05 * 3.0**e).to(dtype), quant)
+                       for e in range(4)]
+            data = torch.stack([x[quant.data_suffix] for x in experts]).cuda()
+            scale = torch.stack([x["weight_scale"] for x in experts]).cuda()
+            refs = [decompress_weight(experts[e], quant) for e in (0, 2, 3)]
+            got = dequant_experts(kind, data, scale, torch.tensor([0, 2, 3], device="cuda"), refs[0].dtype).cpu()
+            for g, r in zip(got, refs, strict=True):
+                if not torch.equal(g.view(torch.int16 if g.element_size() == 2 else torch.int32),
+                                   r.view(torch.int16 if r.element_size() == 2 else torch.int32)):
+                    return Outcome("FAIL", f"{kind} {name}: the CUDA dequantisation differs from the library's")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_quantised_checkpoint(build_model(preset("k3-tiny"), seed=3), tmp, "mxfp4")
+        model = load_model(path, device="cuda")
+        want = []
+        with torch.inference_mode():
+            for prompt in PROMPTS:  # the no-cache forward, token after token
+                seq = list(prompt)
+                for _ in range(GREEDY["max_new_tokens"]):
+                    seq.append(int(model(torch.tensor(seq, device="cuda"))[-1].argmax()))
+                want.append(seq[len(prompt):])
+        got = LocalEngine(ServerArgs(device="cuda", mem_bytes=MEM), model).generate(PROMPTS, GREEDY)
+    if got != want:
+        return Outcome("FAIL", f"mxfp4 model on CUDA: engine greedy {got} != no-cache {want}")
+    return Outcome("PASS", "CUDA dequantisation == compressed-tensors (3 formats x 2 dtypes); mxfp4 engine greedy "
+                           "== no-cache forward on CUDA")
+
+
 CHECKS: tuple[Callable[[], Outcome], ...] = (backend_choice, cpu_ranks_on_gpu_machine, cuda_tp2, dp_attention_nccl,
-                                             mem_fraction_cuda, row_fallback_cuda)
+                                             mem_fraction_cuda, row_fallback_cuda, quant_cuda)
 
 
 def main(argv: list[str] | None = None) -> int:

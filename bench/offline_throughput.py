@@ -23,8 +23,15 @@ transformers ratios, the radix cache on/off ratio, the prefill tokens the engine
 against an ideal cache, and how far radixk3's tokens agree with transformers' (share of tokens before the
 first divergence, and share of identical sequences). Ratios are measured in this run.
 
+`--expert-format mxfp4|int4|fp8` also writes the same model with its routed experts quantised through
+compressed-tensors and runs radixk3 on it over the decode workloads (b1..b64): the CPU cost of dequantising the
+routed experts each step against what it saves in bytes. Each column's JSON then has `expert_format`:
+{"format", "decode_tok_s" {bN: packed tok/s}, "dense_decode_tok_s" {bN: the dense run's, same run},
+"ratio" {bN: packed / dense}, "expert_bytes" (the packed routed experts, from `radixk3 plan --model`),
+"dense_expert_bytes" (the same experts in the model dtype)}.
+
     python bench/offline_throughput.py [--backend radixk3|transformers|both] [--dtypes float32,bfloat16]
-                                       [--quick] [--json]
+                                       [--expert-format none|mxfp4|int4|fp8] [--quick] [--json]
 """
 
 from __future__ import annotations
@@ -171,6 +178,40 @@ def run_radixk3(ckpt: Path, dtype: str, workloads: list[Workload], burst: Worklo
     return out
 
 
+def run_packed(ckpt: Path, dtype: str, decodes: list[Workload], vocab: int, a: argparse.Namespace) -> dict[str, Run]:
+    """radixk3 on the checkpoint with packed experts, over the decode workloads (radix on)."""
+    import radixk3
+
+    out: dict[str, Run] = {}
+    with radixk3.Engine(model=str(ckpt), **engine_kwargs(dtype, a, True)) as engine:
+        engine.generate(warm_prompts(vocab), params(4))
+        for w in decodes:
+            t0 = time.perf_counter()
+            outs = [r["output_ids"] for r in engine.generate(w.prompts, params(w.new_tokens))]
+            dt = time.perf_counter() - t0
+            out[w.name] = Run(sum(map(len, outs)) / dt, outs, dt)
+            print(f"  radixk3 {a.expert_format:<5}{dtype:<9} {w.name:<18} {out[w.name].tok_s:9.1f} tok/s  "
+                  f"({dt:6.1f} s)", flush=True)
+    return out
+
+
+def expert_bytes(ckpt: Path, dtype: str) -> int:
+    """The routed experts' bytes a loaded model holds on one rank (`radixk3 plan --model`)."""
+    from radixk3.config_formats import load_model_config
+    from radixk3.plan import weight_bytes
+
+    cfg = load_model_config(ckpt)
+    return weight_bytes(cfg if dtype == "auto" else cfg.replace(dtype=dtype)).routed_experts
+
+
+def packed_column(rk: dict[str, Run], packed: dict[str, Run], dense_ckpt: Path, packed_ckpt: Path, dtype: str,
+                  fmt_name: str) -> dict[str, Any]:
+    dense = {k: rk[k].tok_s for k in packed if k in rk}
+    return {"format": fmt_name, "decode_tok_s": {k: v.tok_s for k, v in packed.items()}, "dense_decode_tok_s": dense,
+            "ratio": {k: ratio(v.tok_s, dense.get(k)) for k, v in packed.items()},
+            "expert_bytes": expert_bytes(packed_ckpt, dtype), "dense_expert_bytes": expert_bytes(dense_ckpt, dtype)}
+
+
 def load_transformers(ckpt: Path, dtype: str) -> Any:  # noqa: ANN401
     import transformers
 
@@ -292,6 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--chunked-prefill-size", type=int, default=2048)
     ap.add_argument("--tf-batch", type=int, default=0, help="transformers batch size (0: the whole workload)")
+    ap.add_argument("--expert-format", choices=("none", "mxfp4", "int4", "fp8"), default="none",
+                    help="also run radixk3 with the routed experts quantised (compressed-tensors) over the decodes")
     a = ap.parse_args(argv)
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     if bad := [d for d in dtypes if d not in DTYPES]:
@@ -323,12 +366,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         workloads = [burst, *decodes]
         for w in workloads:
             print(f"workload {w.name}: {w.shape}")
+        packed_ckpt = None
+        if a.expert_format != "none":
+            from radixk3.checkpoint import load_model
+            from radixk3.quant_checkpoint import write_quantised_checkpoint
+
+            packed_ckpt = write_quantised_checkpoint(load_model(ckpt), Path(tmp) / a.expert_format, a.expert_format)
+            print(f"checkpoint: the same model with {a.expert_format} routed experts (compressed-tensors)")
         cols: dict[str, dict[str, Any]] = {}
         for dtype in dtypes:
             rk = run_radixk3(Path(ckpt), dtype, workloads, burst, vocab, a) if a.backend != "transformers" else {}
             tf = run_transformers(Path(ckpt), dtype, workloads, vocab, a) if a.backend != "radixk3" else {}
             cols[dtype] = column(rk, tf, workloads, burst)
+            if packed_ckpt is not None:
+                packed = run_packed(packed_ckpt, dtype, decodes, vocab, a)
+                cols[dtype]["expert_format"] = packed_column(rk, packed, Path(ckpt), packed_ckpt, dtype,
+                                                             a.expert_format)
     print_table(cols, workloads)
+    for name, c in cols.items():
+        if "expert_format" in c:
+            q = c["expert_format"]
+            ratios = ", ".join(f"{k} {fmt(v, '.2f', 'x')}" for k, v in q["ratio"].items())
+            print(f"{name}: {q['format']} experts {q['expert_bytes'] / 1e6:.1f} MB vs "
+                  f"{q['dense_expert_bytes'] / 1e6:.1f} MB dense; decode tok/s packed / dense: {ratios}")
     print("ratios: radixk3 / transformers output tok/s, measured in this run; agreement: share of transformers' "
           "tokens that radixk3 reproduces before the first divergence")
     for name, c in cols.items():
@@ -340,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = {"machine": mach, "dtype": dtypes[0],
                    "workloads": {w.name: w.shape for w in workloads}}
         keys = [f"ratio_{w.name}" for w in workloads] + ["radix_on_off", "prefill_vs_ideal", "agreement",
-                                                         "agreement_sequences", "tok_s"]
+                                                         "agreement_sequences", "tok_s", "expert_format"]
         summary |= {k: first.get(k) for k in keys}
         summary["columns"] = cols
         print(json.dumps(summary))

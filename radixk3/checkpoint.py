@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from radixk3.config import ModelConfig
 from radixk3.config_formats import load_model_config, model_config_to_dict
 from radixk3.model import KimiForCausalLM, build_model
+from radixk3.packed_experts import PACKED_ATTRS, PackedWeights
 from radixk3.tensor_names import (
     Shard,
     checkpoint_name,
@@ -44,17 +45,29 @@ def builtin_tokenizer_path() -> Path:
     return Path(__file__).parent / "assets" / "tokenizer.model"
 
 
-def write_checkpoint(model: KimiForCausalLM, out_dir: str | Path, *, num_shards: int = 1) -> Path:
+def checkpoint_tensors(model: KimiForCausalLM) -> dict[str, torch.Tensor]:
+    """Every tensor of an unsharded model under its checkpoint name, on CPU, each with its own storage."""
     if public_shards(model):
         raise CheckpointError("this model is a tensor-parallel shard (it holds part of some tensors): save the "
                               "unsharded model (built or loaded without --tp) instead")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(model_config_to_dict(model.config), indent=2) + "\n")
     cfg = model.config
     # Cloned: the public tensors are views of fused parameters, and safetensors refuses shared storage.
-    tensors = {checkpoint_name(cfg, k): v.detach().to("cpu", copy=True).contiguous()
-               for k, v in public_tensors(model).items()}
+    return {checkpoint_name(cfg, k): v.detach().to("cpu", copy=True).contiguous()
+            for k, v in public_tensors(model).items()}
+
+
+def write_checkpoint(model: KimiForCausalLM, out_dir: str | Path, *, num_shards: int = 1) -> Path:
+    return write_tensors(model_config_to_dict(model.config), checkpoint_tensors(model), out_dir,
+                         num_shards=num_shards)
+
+
+def write_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor], out_dir: str | Path, *,
+                  num_shards: int = 1) -> Path:
+    """A checkpoint directory: config.json, the tensors (sharded over `num_shards` files with an index) and the
+    built-in tokenizer."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     names = sorted(tensors)
     if num_shards <= 1:
         save_file(tensors, out / SINGLE_FILE, metadata={"format": "pt"})
@@ -77,7 +90,7 @@ def write_random_checkpoint(cfg: ModelConfig, out_dir: str | Path, *, seed: int 
     return write_checkpoint(build_model(cfg, seed=seed), out_dir, num_shards=num_shards)
 
 
-def _weight_files(path: Path) -> dict[str, Path]:
+def weight_files(path: Path) -> dict[str, Path]:
     """tensor name -> file holding it."""
     index = path / INDEX_FILE
     if index.is_file():
@@ -145,14 +158,15 @@ def load_model(path: str | Path, *, device: torch.device | str = "cpu", dtype: t
     # Public names; several may fill one fused parameter. Tensors that other ranks hold alone are expected too.
     expected = set(public_layout(skeleton)) | {n for n, s in shards.items() if s.index is None}
     files: dict[str, tuple[str, Path]] = {}  # public model name -> (checkpoint name, file)
-    for ckpt, f in sorted(_weight_files(path).items()):
+    for ckpt, f in sorted(weight_files(path).items()):
         name = model_name(cfg, ckpt)
         if name is None:  # skipped (vision tower, rotary buffers, MTP AttnRes), whatever its format
             continue
         reason = quantised_reason(ckpt)
-        if reason is not None:
-            raise CheckpointError(f"tensor {ckpt!r} holds {reason}: quantised expert formats are not supported "
-                                  "yet; use a bf16/fp32 checkpoint")
+        if reason is not None and name not in expected:
+            why = ("config.json has no quantization_config" if cfg.expert_quant is None
+                   else "only the routed experts may be quantised")
+            raise CheckpointError(f"tensor {ckpt!r} holds {reason}: {why}")
         if name in files:
             raise CheckpointError(f"tensor {ckpt!r} and {files[name][0]!r} both fill {name!r}")
         files[name] = (ckpt, f)
@@ -164,6 +178,7 @@ def load_model(path: str | Path, *, device: torch.device | str = "cpu", dtype: t
         raise CheckpointError(f"unexpected tensor {_first({files[n][0] for n in unexpected})}")
     model = build_model(cfg)  # allocated, cast to cfg's dtype with fp32 gates; filled below
     state = public_tensors(model)  # views into the fused parameters: copying into one fills its part
+    packed = {n for n, (attr, _) in public_layout(model).items() if attr.rsplit(".", 1)[-1] in PACKED_ATTRS}
     by_file: dict[Path, list[str]] = {}
     for name, (_, f) in files.items():
         by_file.setdefault(f, []).append(name)
@@ -175,8 +190,19 @@ def load_model(path: str | Path, *, device: torch.device | str = "cpu", dtype: t
                     continue  # another rank's: present in the checkpoint, not read here
                 ckpt = files[name][0]
                 t = _read(sf, name, ckpt, tuple(state[name].shape), shard)
+                if name in packed:  # stored as the format stores it: no conversion
+                    if t.dtype != state[name].dtype:
+                        raise CheckpointError(f"tensor {ckpt!r} has dtype {t.dtype}; its format "
+                                              f"({cfg.expert_quant}) stores {state[name].dtype}")
+                    state[name].copy_(t)
+                    continue
                 reason = quantised_reason(ckpt, t.dtype)
                 if reason is not None:
-                    raise CheckpointError(f"tensor {ckpt!r} has {reason}: quantised weights are not supported yet")
+                    raise CheckpointError(f"tensor {ckpt!r} has {reason}: only the routed experts may be quantised, "
+                                          "as config.json's quantization_config says")
                 state[name].copy_(t.to(state[name].dtype))
+    for mname, sub in model.named_modules():
+        bad = sub.check_shapes() if isinstance(sub, PackedWeights) else None
+        if bad is not None:
+            raise CheckpointError(f"{mname}: {bad}")
     return model.to(device).eval()

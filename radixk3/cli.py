@@ -21,15 +21,17 @@ from radixk3.plan import EXPERT_FORMATS, memory_plan, parallel_plan, parse_bytes
 
 
 def _plan(args: argparse.Namespace) -> None:
-    cfg = preset(args.preset)
+    cfg = preset(args.preset) if args.model is None else load_model_config(args.model)
+    name = args.preset if args.model is None else str(args.model)
     mem = None if args.mem_bytes is None else parse_bytes(args.mem_bytes)
     par = parallel_plan(cfg, args.tp, args.ep, args.dp, args.enable_dp_attention, mem, args.expert_format)
     plan = memory_plan(cfg, par.attn_tp)
     if args.json:
-        print(orjson.dumps(plan._asdict() | par.as_dict() | {"preset": args.preset}).decode())
+        source = {"preset": args.preset} if args.model is None else {"model": str(args.model)}
+        print(orjson.dumps(plan._asdict() | par.as_dict() | source).decode())
         return
     mtp = f" (+ {cfg.num_nextn_predict_layers} MTP)" if cfg.num_nextn_predict_layers else ""
-    print(f"preset {args.preset} ({cfg.model_type}), TP={par.tp} EP={par.ep} DP={par.dp}"
+    print(f"{'model' if args.model else 'preset'} {name} ({cfg.model_type}), TP={par.tp} EP={par.ep} DP={par.dp}"
           f"{' with DP attention' if par.dp_attention else ''} on {par.devices} devices: {cfg.num_kda_layers} KDA + "
           f"{cfg.num_mla_layers} MLA layers{mtp}")
     if par.dp_attention:
@@ -46,8 +48,9 @@ def _plan(args: argparse.Namespace) -> None:
     if plan.mtp_kv_bytes_per_token:
         print(f"  MTP draft KV per token per rank: {plan.mtp_kv_bytes_per_token} bytes (not in the pool figures)")
     w = par.weights
+    expert_format = args.expert_format or (cfg.expert_quant.kind if cfg.expert_quant else cfg.dtype)
     print(f"  weights per rank: {w.total / 1e9:.2f} GB (routed experts {w.routed_experts / 1e9:.2f} GB as "
-          f"{args.expert_format or cfg.dtype}, other split tensors {w.sharded / 1e9:.2f} GB, replicated "
+          f"{expert_format}, other split tensors {w.sharded / 1e9:.2f} GB, replicated "
           f"{w.replicated / 1e9:.2f} GB)")
     if par.mem_bytes is None or par.pool_bytes is None:
         print("  (give --mem-bytes for the pool: device memory per rank less the weights)")
@@ -143,13 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="per-rank KDA state, MLA KV, weight and pool sizes under a parallel layout")
     plan.add_argument("--preset", default="kimi-k3", choices=sorted(PRESETS))
+    plan.add_argument("--model", type=Path, default=None,
+                      help="a checkpoint directory: its config and its experts' format (instead of --preset)")
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     plan.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides --tp)")
     plan.add_argument("--dp", type=int, default=1, help="data-parallel replicas, or DP attention groups")
     plan.add_argument("--enable-dp-attention", action="store_true", help="attention data-parallel over the TP ranks")
     plan.add_argument("--mem-bytes", default=None, help="device memory per rank (e.g. 141GB, 141e9, 128GiB)")
     plan.add_argument("--expert-format", default=None, choices=sorted(EXPERT_FORMATS),
-                      help="routed experts stored quantised (default: the model dtype)")
+                      help="routed experts stored quantised (default: the model dtype, or with --model the "
+                           "checkpoint's own format)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(fn=_plan)
 

@@ -15,9 +15,12 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from radixk3.quant_format import ExpertQuant
 
 
 class ConfigError(ValueError):
@@ -102,6 +105,8 @@ class ModelConfig:
     activation_situ_linear_beta: float | None = None
     num_nextn_predict_layers: int = 0  # MTP layers, checkpoint layers num_hidden_layers + i
     vision: VisionSpec | None = None
+    # The routed experts' packed format (config.json `quantization_config`); None: stored in `dtype`.
+    expert_quant: ExpertQuant | None = None
 
     def __post_init__(self) -> None:
         layers = sorted(self.kda_layers + self.mla_layers)

@@ -22,6 +22,7 @@ from radixk3.decoder_layer import DecoderLayer
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.layers import RMSNorm
 from radixk3.mtp import MTPLayer, MTPOutput, run_mtp_layer
+from radixk3.packed_experts import PACKED_ATTRS
 from radixk3.parallel import parallel_state
 from radixk3.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 from radixk3.tensor_names import public_shards, public_tensors
@@ -196,6 +197,8 @@ class KimiForCausalLM(nn.Module):
         for name, p in self.named_parameters():
             p.data = p.data.float() if name.endswith(keep) else p.data.to(dtype)
         for name, b in self.named_buffers():
+            if name.rsplit(".", 1)[-1] in PACKED_ATTRS:
+                continue  # packed expert weights keep the checkpoint's storage
             b.data = b.data.float() if name.endswith(keep) else b.data.to(dtype)
         return self
 

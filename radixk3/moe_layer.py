@@ -24,8 +24,10 @@ from kernels.moe import moe_experts
 from kernels.moe_route import MoERoute, moe_route
 from radixk3.config import ConfigError, ModelConfig
 from radixk3.layers import GLU, MLP, PublicPart, RMSNorm
+from radixk3.packed_experts import PackedWeights
 from radixk3.parallel import ParallelState, parallel_state, shard_range, tp_all_reduce
 from radixk3.parallel_linear import TPRank
+from radixk3.quant_format import ExpertQuant
 from radixk3.tensor_names import Shard
 
 
@@ -78,18 +80,28 @@ def combine_local(y: torch.Tensor, pairs: ExpertPairs, num_tokens: int) -> torch
 class Experts(nn.Module):
     """The routed experts held here, stacked for grouped GEMMs: w13_weight [E_held, 2I_part, D] (rows [:I_part]
     the gate, checkpoint `experts.{e}.w1`; rows [I_part:] the up projection, `experts.{e}.w3`) and w2_weight
-    [E_held, D, I_part] (`experts.{e}.w2`). Unsharded: every expert, whole."""
+    [E_held, D, I_part] (`experts.{e}.w2`). Unsharded: every expert, whole.
+
+    With `quant` (a packed checkpoint) they are held packed instead, one `PackedWeights` per projection (w1, w3,
+    w2), and each step dequantises the experts it routes to (in expert order, so the grouped GEMMs are those of
+    the dense experts holding the dequantised values)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: glu.GLU,
-                 held: range | None = None, inter: slice | None = None) -> None:
+                 held: range | None = None, inter: slice | None = None, quant: ExpertQuant | None = None) -> None:
         super().__init__()
         self.num_experts, self.hidden, self.full_intermediate = num_experts, hidden, intermediate
         self.held = range(num_experts) if held is None else held
         self.inter = slice(0, intermediate) if inter is None else inter
         self.intermediate = self.inter.stop - self.inter.start
-        self.w13_weight = nn.Parameter(torch.zeros(len(self.held), 2 * self.intermediate, hidden))
-        self.w2_weight = nn.Parameter(torch.zeros(len(self.held), hidden, self.intermediate))
+        self.quant = quant
         self.act = act
+        if quant is None:
+            self.w13_weight = nn.Parameter(torch.zeros(len(self.held), 2 * self.intermediate, hidden))
+            self.w2_weight = nn.Parameter(torch.zeros(len(self.held), hidden, self.intermediate))
+            return
+        self.w1 = PackedWeights(quant, num_experts, self.held, intermediate, hidden, rows=self.inter)
+        self.w3 = PackedWeights(quant, num_experts, self.held, intermediate, hidden, rows=self.inter)
+        self.w2 = PackedWeights(quant, num_experts, self.held, hidden, intermediate, cols=self.inter)
 
     @property
     def holds_all(self) -> bool:
@@ -100,12 +112,22 @@ class Experts(nn.Module):
         (`kernels.moe.moe_experts`); a partial sum when the experts are sharded."""
         route = MoERoute(weights, ids)
         if self.holds_all:
-            return moe_experts(x, route, self.w13_weight, self.w2_weight, self.act)
+            return self._experts(x, route)
         pairs = dispatch_local(route, self.held)
-        y = moe_experts(x[pairs.tokens], pairs.route, self.w13_weight, self.w2_weight, self.act)
+        y = self._experts(x[pairs.tokens], pairs.route)
         return combine_local(y, pairs, x.shape[0])
 
+    def _experts(self, x: torch.Tensor, route: MoERoute) -> torch.Tensor:
+        if self.quant is None:
+            return moe_experts(x, route, self.w13_weight, self.w2_weight, self.act)
+        active = route.experts.unique()  # sorted: the routed experts keep their order, so their GEMM order
+        w13 = torch.cat([self.w1.dequant(active, x.dtype), self.w3.dequant(active, x.dtype)], dim=1)
+        w2 = self.w2.dequant(active, x.dtype)
+        return moe_experts(x, MoERoute(route.weights, torch.searchsorted(active, route.experts)), w13, w2, self.act)
+
     def public_parts(self, local_name: str) -> Iterator[PublicPart]:
+        if self.quant is not None:
+            return  # the packed projections declare their own
         i = self.intermediate
         for j, e in enumerate(self.held):
             yield "w13_weight", f"{local_name}.{e}.w1.weight", (j, slice(0, i))
@@ -113,7 +135,7 @@ class Experts(nn.Module):
             yield "w13_weight", f"{local_name}.{e}.w3.weight", (j, slice(i, 2 * i))
 
     def public_shards(self, local_name: str) -> Iterator[tuple[str, Shard]]:
-        if self.holds_all and _whole(self.inter, self.full_intermediate):
+        if self.quant is not None or self.holds_all and _whole(self.inter, self.full_intermediate):
             return
         d, i = self.hidden, self.full_intermediate
         for e in range(self.num_experts):
@@ -159,7 +181,7 @@ class MoE(nn.Module, TPRank):
         self.shard = moe_shard(cfg, parallel_state())
         self.gate = Router(cfg)
         self.experts = Experts(cfg.num_experts, expert_dim, cfg.moe_intermediate_size, act,
-                               self.shard.experts, self.shard.inter)
+                               self.shard.experts, self.shard.inter, cfg.expert_quant)
         # Column/row-parallel over the intermediate dim, left unreduced: its partial output joins the routed one
         # in the block's single all-reduce.
         self.shared_experts = (

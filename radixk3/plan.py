@@ -32,13 +32,16 @@ from typing import NamedTuple
 import torch
 
 from radixk3.config import ConfigError, ModelConfig
+from radixk3.quant_format import DATA, SCALE, SHAPE, ExpertQuant
 
 # runtime.pool_layout.ALIGN: every state region starts on this many bytes (checked equal in a test).
 ALIGN = 256
-# Bytes per routed-expert weight as stored: the model dtype, or a quantised checkpoint's format with its scales.
+# Bytes per routed-expert weight as stored: the model dtype, or a quantised checkpoint's format with its scales
+# (`--expert-format` without a checkpoint; with `--model` the checkpoint's own format is counted exactly).
 EXPERT_FORMATS = {
-    "fp8": Fraction(1) + Fraction(4, 128 * 128),  # e4m3 + one fp32 scale per 128x128 block
-    "mxfp4": Fraction(1, 2) + Fraction(1, 32),  # e2m1 + one e8m0 scale per 32 values
+    "fp8": ExpertQuant("fp8", "float32").bytes_per_weight(),  # e4m3 + one fp32 scale per 128x128 block
+    "mxfp4": ExpertQuant("mxfp4", "uint8").bytes_per_weight(),  # e2m1 + one e8m0 scale per 32 values
+    "int4": ExpertQuant("int4", "bfloat16").bytes_per_weight(),  # 4 bits + one bf16 scale per 32 (K2-Thinking)
 }
 
 
@@ -78,10 +81,16 @@ class WeightBytes(NamedTuple):
         return self.routed_experts + self.sharded + self.replicated
 
 
+class _Held(NamedTuple):
+    numel: int
+    routed_expert: bool
+    packed_bytes: int | None  # a packed expert tensor's bytes (stored in the checkpoint's dtype), else None
+
+
 @functools.lru_cache(maxsize=8)  # one `radixk3 plan` builds each layout once
-def _meta_params(cfg: ModelConfig, tp: int, ep: int) -> dict[str, tuple[int, bool]]:
-    """name -> (elements, is a routed expert tensor) of rank 0's parameters, from the model itself built on the
-    meta device under that layout (no memory: the true-size presets too)."""
+def _meta_params(cfg: ModelConfig, tp: int, ep: int) -> dict[str, _Held]:
+    """name -> what rank 0 holds of each parameter (and each packed expert tensor of a quantised checkpoint),
+    from the model itself built on the meta device under that layout (no memory: the true-size presets too)."""
     from radixk3.model import KimiForCausalLM
     from radixk3.parallel import ParallelState, parallel_state, set_parallel_state
 
@@ -92,32 +101,41 @@ def _meta_params(cfg: ModelConfig, tp: int, ep: int) -> dict[str, tuple[int, boo
             model = KimiForCausalLM(cfg)
     finally:
         set_parallel_state(saved)
-    return {n: (p.numel(), n.endswith(("experts.w13_weight", "experts.w2_weight")) and "shared" not in n)
+    held = {n: _Held(p.numel(), n.endswith(("experts.w13_weight", "experts.w2_weight")) and "shared" not in n, None)
             for n, p in model.named_parameters()}
+    for n, b in model.named_buffers():
+        if n.rsplit(".", 1)[-1] in (DATA, SCALE, SHAPE):
+            held[n] = _Held(b.numel(), True, b.numel() * b.element_size())
+    return held
 
 
 def weight_bytes(cfg: ModelConfig, tp: int = 1, ep: int = 1, attn_tp: int | None = None,
                  expert_format: str | None = None) -> WeightBytes:
     """Rank 0's weight bytes under `--tp tp --ep ep`; `attn_tp` (DP attention: tp / dp) splits the attention
-    layers that many ways instead; `expert_format` stores the routed experts as fp8 or mxfp4."""
+    layers that many ways instead; `expert_format` stores the routed experts as fp8, mxfp4 or int4 (a model whose
+    config has the checkpoint's own format, `expert_quant`, counts its packed tensors exactly)."""
     if expert_format is not None and expert_format not in EXPERT_FORMATS:
         raise ConfigError(f"unknown expert format {expert_format!r}; choose one of {sorted(EXPERT_FORMATS)}")
+    if expert_format is not None and cfg.expert_quant is not None:
+        raise ConfigError(f"--expert-format {expert_format}: the checkpoint's experts are {cfg.expert_quant.kind} "
+                          "already (its quantization_config)")
     elt = cfg.torch_dtype.itemsize
     expert_elt = EXPERT_FORMATS[expert_format] if expert_format else Fraction(elt)
     whole = _meta_params(cfg, 1, 1)
     main = _meta_params(cfg, tp, ep)
     attn = main if attn_tp in (None, tp) else _meta_params(cfg, attn_tp, 1)
-    routed = sharded = replicated = 0
-    for name, (n, is_expert) in main.items():
-        if ".self_attn." in name:
-            n = attn[name][0]
-        if is_expert:
+    routed = packed = sharded = replicated = 0
+    for name, held in main.items():
+        n = attn[name].numel if ".self_attn." in name else held.numel
+        if held.packed_bytes is not None:
+            packed += held.packed_bytes
+        elif held.routed_expert:
             routed += n
-        elif n == whole[name][0]:
+        elif n == whole[name].numel:
             replicated += n
         else:
             sharded += n
-    return WeightBytes(int(-(-routed * expert_elt // 1)), sharded * elt, replicated * elt)
+    return WeightBytes(int(-(-routed * expert_elt // 1)) + packed, sharded * elt, replicated * elt)
 
 
 def round_up(n: int, multiple: int) -> int:

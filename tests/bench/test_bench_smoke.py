@@ -65,6 +65,17 @@ def test_offline_throughput_quick_json(capsys: pytest.CaptureFixture[str]) -> No
     assert 0 <= out["agreement"] <= 1
 
 
+def test_offline_throughput_expert_format_json(capsys: pytest.CaptureFixture[str]) -> None:
+    m = bench("offline_throughput")
+    assert m.main(["--quick", "--dtypes", "float32", "--backend", "radixk3", "--expert-format", "mxfp4", "--json"]) == 0
+    q = last_json(capsys)["expert_format"]
+    assert q["format"] == "mxfp4"
+    assert set(q["decode_tok_s"]) == set(q["dense_decode_tok_s"]) == set(q["ratio"]) == {"b1", "b8", "b32", "b64"}
+    assert all(v > 0 for v in q["decode_tok_s"].values())
+    # e2m1 + an e8m0 scale per 32 values against fp32: 17/128 of the bytes.
+    assert q["expert_bytes"] * 128 == q["dense_expert_bytes"] * 17
+
+
 # --- engine_throughput ---------------------------------------------------------------------------------
 def test_engine_throughput_scheduler_only_json(capsys: pytest.CaptureFixture[str]) -> None:
     m = bench("engine_throughput")
