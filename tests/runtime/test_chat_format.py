@@ -1,7 +1,7 @@
 """The model family decides the chat format: a Kimi-Linear directory with a template renders through it (kimi_k2
-replies), one without keeps the native framing, a K3 checkpoint and the built-in model the K3 encoding; `--chat-template` overrides; a
-transformers tokenizer with a template renders with its own `apply_chat_template`; `--tool-call-parser` /
-`--reasoning-parser` must fit the family's markup."""
+replies), one without keeps the native framing, a K3 checkpoint and the built-in model the K3 encoding;
+`--chat-template` overrides; a transformers tokenizer with a template renders with its own `apply_chat_template`;
+`--tool-call-parser` / `--reasoning-parser` must fit the family's markup."""
 
 from __future__ import annotations
 
