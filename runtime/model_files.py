@@ -8,7 +8,7 @@ from pathlib import Path
 from radixk3.config import BUILTIN_PRESET, ModelConfig, preset
 from radixk3.config_formats import load_model_config
 from radixk3.generation_config import FILE_NAME, load_generation_config
-from radixk3.tokenizer import Tokenizer, load_tokenizer
+from radixk3.tokenizer import Tokenizer, has_tokenizer_files, load_tokenizer
 from runtime.errors import InvalidRequest
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
@@ -19,9 +19,11 @@ def model_config(args: ServerArgs) -> ModelConfig:
 
 
 def tokenizer_for(args: ServerArgs) -> Tokenizer:
-    if args.model is not None and (Path(args.model) / "tokenizer.model").is_file():
-        return load_tokenizer(Path(args.model) / "tokenizer.model")
-    return load_tokenizer()
+    """The model directory's tokenizer by `--tokenizer-mode`; the built-in one for the built-in model and for a
+    directory without tokenizer files (a checkpoint radixk3 wrote for its built-in tokenizer)."""
+    if args.model is None or not has_tokenizer_files(Path(args.model)):
+        return load_tokenizer()
+    return load_tokenizer(args.model, args.tokenizer_mode, args.trust_remote_code)
 
 
 def stop_ids(args: ServerArgs, tok: Tokenizer, cfg: ModelConfig) -> frozenset[int]:

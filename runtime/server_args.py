@@ -19,11 +19,18 @@ _ALIASES: dict[str, tuple[str, ...]] = {
 }
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 SAMPLING_DEFAULTS = ("model", "openai")
+TOKENIZER_MODES = ("auto", "native", "hf")  # radixk3.tokenizer's (the scheduler's args import no model code)
 
 
 @dataclass
 class ServerArgs:
     model: str | None = None  # checkpoint dir; None = the built-in tiny model
+    tokenizer_mode: str = field(default="auto", metadata={"help": (
+        "native: radixk3's own tokenizer (a sentencepiece tokenizer.model, or Kimi's tiktoken.model with its "
+        "tokenizer_config.json); hf: the checkpoint's own class through transformers' AutoTokenizer; auto: native "
+        "when it recognises the files, else hf")})
+    trust_remote_code: bool = field(default=False, metadata={"help": (
+        "let --tokenizer-mode hf run the checkpoint's own tokenizer code (tokenizer_config.json's auto_map)")})
     page_size: int = 1
     mem_bytes: int = field(default=64 << 20, metadata={"help": (
         "bytes of each worker rank's unified pool (KDA states and MLA KV, and the speculative scratch)")})
@@ -167,6 +174,9 @@ class ServerArgs:
             raise ValueError(f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size}")
         if self.enable_dp_attention and self.tp_size % self.dp_size:
             raise ValueError(f"--dp-size {self.dp_size} must divide --tp-size {self.tp_size} with DP attention")
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(f"--tokenizer-mode must be one of {', '.join(TOKENIZER_MODES)}, "
+                             f"got {self.tokenizer_mode!r}")
         if self.sampling_defaults not in SAMPLING_DEFAULTS:
             raise ValueError(f"--sampling-defaults must be one of {', '.join(SAMPLING_DEFAULTS)}, "
                              f"got {self.sampling_defaults!r}")
