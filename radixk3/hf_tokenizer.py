@@ -82,8 +82,8 @@ class HfTokenizer(Tokenizer):
         self.has_xtml = all(m in self._special_names for m in XTML_MARKERS)
         self.im_end_id = self._special_names.get(IM_END)
         self.end_of_msg_id = self._special_names.get(END_OF_MSG)
-        names_longest_first = sorted(self._special_names, key=len, reverse=True)
-        self._special_pattern = re.compile("|".join(map(re.escape, names_longest_first))) if names else None
+        longest_first = sorted(self._special_names, key=len, reverse=True)
+        self._special_pattern = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
         if hf.eos_token_id is None:
             raise ValueError("the tokenizer names no eos token")
 

@@ -36,7 +36,8 @@ from radixk3.tokenizer_base import (
     XTML_SEP,
 )
 
-TINY_TIKTOKEN_VOCAB_SIZE = 3840  # base ranks + NUM_RESERVED_SPECIAL_TOKENS
+TINY_TIKTOKEN_VOCAB_SIZE = 3840  # base ranks + NUM_RESERVED_SPECIAL_TOKENS: a checkpoint's config vocab_size
+TINY_TIKTOKEN_BASE = TINY_TIKTOKEN_VOCAB_SIZE - NUM_RESERVED_SPECIAL_TOKENS  # the first special id ([BOS])
 BOS, EOS, UNK, PAD = "[BOS]", "[EOS]", "[UNK]", "[PAD]"
 TOOL_CALL_MARKERS = (
     "<|tool_calls_section_begin|>",
@@ -45,7 +46,8 @@ TOOL_CALL_MARKERS = (
     "<|tool_call_argument_begin|>",
     "<|tool_call_end|>",
 )
-# Offsets from the base vocabulary (see the module's docstring).
+# Offsets from the base vocabulary (see the module's docstring); a config's bos / eos / pad ids are
+# TINY_TIKTOKEN_BASE + the offsets of BOS, EOS and PAD.
 SPECIAL_OFFSETS: dict[int, str] = {
     0: BOS, 1: EOS, 2: END_OF_MSG, 3: XTML_OPEN, 4: XTML_CLOSE, 5: XTML_SEP,
     6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: IM_SYSTEM,
@@ -76,10 +78,9 @@ def tiny_ranks() -> dict[bytes, int]:
             for k in range(2, len(token)):  # a character no two tokens join: its byte prefixes first
                 add(token[:k])
         add(token)
-    base = TINY_TIKTOKEN_VOCAB_SIZE - NUM_RESERVED_SPECIAL_TOKENS
-    if len(ranks) < base:
-        raise ValueError(f"the built-in model gives {len(ranks)} ranks, fewer than {base}")
-    return {t: r for t, r in ranks.items() if r < base}
+    if len(ranks) < TINY_TIKTOKEN_BASE:
+        raise ValueError(f"the built-in model gives {len(ranks)} ranks, fewer than {TINY_TIKTOKEN_BASE}")
+    return {t: r for t, r in ranks.items() if r < TINY_TIKTOKEN_BASE}
 
 
 def added_tokens_decoder(base: int) -> dict[str, dict[str, object]]:

@@ -33,6 +33,7 @@ from radixk3.tokenizer_base import (
     IM_SYSTEM,
     IM_USER,
     SEPARATOR,
+    TOKENIZER_MODES,
     XTML_CLOSE,
     XTML_MARKERS,
     XTML_OPEN,
@@ -45,13 +46,13 @@ from radixk3.tokenizer_base import (
 )
 
 __all__ = [
-    "BOS_ID", "BUILTIN_MODEL", "CHAT_MARKERS", "END_OF_MSG", "EOS_ID", "IM_ASSISTANT", "IM_END", "IM_MIDDLE",
-    "IM_SYSTEM", "IM_USER", "MODEL_FILENAME", "PAD_ID", "SEPARATOR", "TOKENIZER_MODES", "UNK_ID", "USER_SYMBOLS",
-    "XTML_CLOSE", "XTML_MARKERS", "XTML_OPEN", "XTML_SEP", "Encoder", "IncrementalDecoder", "RemoteCodeRequired",
-    "SentencePieceTokenizer", "Tokenizer", "chat_turn", "has_tokenizer_files", "load_tokenizer", "turn_start",
+    "BOS_ID", "BUILTIN_MODEL", "CHAT_MARKERS", "END_OF_MSG", "EOS_ID", "Encoder", "IM_ASSISTANT", "IM_END",
+    "IM_MIDDLE", "IM_SYSTEM", "IM_USER", "IncrementalDecoder", "MODEL_FILENAME", "PAD_ID", "RemoteCodeRequired",
+    "SEPARATOR", "SentencePieceTokenizer", "TOKENIZER_MODES", "Tokenizer", "UNK_ID", "USER_SYMBOLS", "XTML_CLOSE",
+    "XTML_MARKERS", "XTML_OPEN", "XTML_SEP", "chat_turn", "checkpoint_tokenizer", "has_tokenizer_files",
+    "load_tokenizer", "tokenizer_kind", "turn_start",
 ]
 
-TOKENIZER_MODES = ("auto", "native", "hf")
 NATIVE_FILES = (MODEL_FILENAME, TIKTOKEN_FILENAME)
 # What transformers' AutoTokenizer reads a tokenizer from.
 HF_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -70,11 +71,30 @@ def _names_remote_code(directory: Path) -> bool:
     return config.is_file() and "auto_map" in json.loads(config.read_text())
 
 
-def load_tokenizer(path: str | Path | None = None, mode: str = "auto", trust_remote_code: bool = False) -> Tokenizer:
-    """The built-in tokenizer when `path` is None; else the tokenizer of a directory (by `mode`, see the module's
-    docstring), or a sentencepiece `tokenizer.model` file."""
+def tokenizer_kind(directory: str | Path, mode: str = "auto", trust_remote_code: bool = False) -> str:
+    """Which tokenizer `load_tokenizer` gives a directory: "sentencepiece", "tiktoken" or "hf" (by `mode`, see the
+    module's docstring), checked without loading it: FileNotFoundError for native mode without native files,
+    RemoteCodeRequired for the checkpoint's own class without `trust_remote_code`."""
     if mode not in TOKENIZER_MODES:
         raise ValueError(f"--tokenizer-mode must be one of {', '.join(TOKENIZER_MODES)}, got {mode!r}")
+    where = Path(directory)
+    if mode != "hf":
+        if (where / MODEL_FILENAME).is_file():
+            return "sentencepiece"
+        if (where / TIKTOKEN_FILENAME).is_file():
+            return "tiktoken"
+        if mode == "native":
+            raise FileNotFoundError(f"{where} holds no tokenizer radixk3 reads natively ({' or '.join(NATIVE_FILES)});"
+                                    " --tokenizer-mode hf loads it through transformers")
+    if _names_remote_code(where) and not trust_remote_code:
+        raise RemoteCodeRequired(f"{where}'s tokenizer_config.json names its own tokenizer class (auto_map): "
+                                 "loading it runs the checkpoint's code, which needs --trust-remote-code")
+    return "hf"
+
+
+def load_tokenizer(path: str | Path | None = None, mode: str = "auto", trust_remote_code: bool = False) -> Tokenizer:
+    """The built-in tokenizer when `path` is None; else the tokenizer of a directory (`tokenizer_kind`), or of a
+    sentencepiece `tokenizer.model` file or a `tiktoken.model` file (with its `tokenizer_config.json` beside it)."""
     if path is None:
         return load_sentencepiece(BUILTIN_MODEL)
     where = Path(path)
@@ -82,20 +102,22 @@ def load_tokenizer(path: str | Path | None = None, mode: str = "auto", trust_rem
         if where.name == TIKTOKEN_FILENAME:  # its special tokens are named beside it
             return load_tiktoken(where.parent)
         return load_sentencepiece(where)
-    if mode != "hf":
-        if (where / MODEL_FILENAME).is_file():
-            return load_sentencepiece(where / MODEL_FILENAME)
-        if (where / TIKTOKEN_FILENAME).is_file():
-            return load_tiktoken(where)
-        if mode == "native":
-            raise FileNotFoundError(f"{where} holds no tokenizer radixk3 reads natively ({' or '.join(NATIVE_FILES)});"
-                                    " --tokenizer-mode hf loads it through transformers")
-    if _names_remote_code(where) and not trust_remote_code:
-        raise RemoteCodeRequired(f"{where}'s tokenizer_config.json names its own tokenizer class (auto_map): "
-                                 "loading it runs the checkpoint's code, which needs --trust-remote-code")
+    kind = tokenizer_kind(where, mode, trust_remote_code)
+    if kind == "sentencepiece":
+        return load_sentencepiece(where / MODEL_FILENAME)
+    if kind == "tiktoken":
+        return load_tiktoken(where)
     try:
         from radixk3.hf_tokenizer import HfTokenizer  # transformers loads only for this mode
     except ModuleNotFoundError as e:
         raise ModuleNotFoundError(f"--tokenizer-mode hf needs transformers (pip install radixk3[hf]): {e}") from e
-
     return HfTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
+
+
+def checkpoint_tokenizer(directory: str | Path | None, mode: str = "auto",
+                         trust_remote_code: bool = False) -> Tokenizer:
+    """A model directory's tokenizer; the built-in one for the built-in model (None) and for a directory without
+    tokenizer files (a checkpoint radixk3 wrote for its built-in tokenizer), unless `mode` is hf."""
+    if directory is None or (mode != "hf" and not has_tokenizer_files(Path(directory))):
+        return load_tokenizer()
+    return load_tokenizer(directory, mode, trust_remote_code)

@@ -34,6 +34,9 @@ XTML_SEP = "<|sep|>"
 END_OF_MSG = "<|end_of_msg|>"
 XTML_MARKERS = (XTML_OPEN, XTML_CLOSE, XTML_SEP, END_OF_MSG)
 
+# --tokenizer-mode (see radixk3.tokenizer); here, so that ServerArgs reads it without loading a tokenizer library.
+TOKENIZER_MODES = ("auto", "native", "hf")
+
 _ROLE_MARKERS = {"system": IM_SYSTEM, "user": IM_USER, "assistant": IM_ASSISTANT}
 
 

@@ -3,12 +3,10 @@ default sampling parameters of its generation_config.json (the built-in model wh
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from radixk3.config import BUILTIN_PRESET, ModelConfig, preset
 from radixk3.config_formats import load_model_config
 from radixk3.generation_config import FILE_NAME, load_generation_config
-from radixk3.tokenizer import Tokenizer, has_tokenizer_files, load_tokenizer
+from radixk3.tokenizer import Tokenizer, checkpoint_tokenizer
 from runtime.errors import InvalidRequest
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
@@ -19,11 +17,8 @@ def model_config(args: ServerArgs) -> ModelConfig:
 
 
 def tokenizer_for(args: ServerArgs) -> Tokenizer:
-    """The model directory's tokenizer by `--tokenizer-mode`; the built-in one for the built-in model and for a
-    directory without tokenizer files (a checkpoint radixk3 wrote for its built-in tokenizer)."""
-    if args.model is None or not has_tokenizer_files(Path(args.model)):
-        return load_tokenizer()
-    return load_tokenizer(args.model, args.tokenizer_mode, args.trust_remote_code)
+    """The model directory's tokenizer by `--tokenizer-mode` (`radixk3.tokenizer.checkpoint_tokenizer`)."""
+    return checkpoint_tokenizer(args.model, args.tokenizer_mode, args.trust_remote_code)
 
 
 def stop_ids(args: ServerArgs, tok: Tokenizer, cfg: ModelConfig) -> frozenset[int]:

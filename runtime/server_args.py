@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixk3.config import BUILTIN_SEED
+from radixk3.tokenizer_base import TOKENIZER_MODES
 
 SPECULATIVE_ALGORITHMS = ("ngram", "mtp", "draft", "dspark")
 MAX_DRAFT_TOKENS = 16
@@ -19,7 +20,6 @@ _ALIASES: dict[str, tuple[str, ...]] = {
 }
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 SAMPLING_DEFAULTS = ("model", "openai")
-TOKENIZER_MODES = ("auto", "native", "hf")  # radixk3.tokenizer's (the scheduler's args import no model code)
 
 
 @dataclass
