@@ -8,9 +8,10 @@ multi-byte character that no two tokens join gets its byte prefixes first. The b
 base + 256 special ids is `TINY_TIKTOKEN_VOCAB_SIZE`, what a checkpoint using it must give as `vocab_size`.
 
 The special ids follow Kimi's `added_tokens_decoder` layouts: K3's ([BOS] +0, [EOS] +1, `<|end_of_msg|>` +2,
-`<|open|>` +3, `<|close|>` +4, `<|sep|>` +5, [UNK] +254, [PAD] +255) where K2 / Kimi-Linear put their turn markers
-(`<|im_end|>`, `<|im_user|>`, `<|im_assistant|>` at +2..+4), which therefore move to free slots; K2's other ids
-are kept (`<|im_system|>` +10, the tool-call markers +11..+15, `<|im_middle|>` +17).
+`<|open|>` +3, `<|close|>` +4, `<|sep|>` +5, the image markers `<|media_begin|>` ... `<|media_pad|>` +18..+21,
+[UNK] +254, [PAD] +255) where K2 / Kimi-Linear put their turn markers (`<|im_end|>`, `<|im_user|>`,
+`<|im_assistant|>` at +2..+4), which therefore move to slots neither names (+22..+24); K2's other ids are kept
+(`<|im_system|>` +10, the tool-call markers +11..+15, `<|im_middle|>` +17).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ SPECIAL_OFFSETS: dict[int, str] = {
     0: BOS, 1: EOS, 2: END_OF_MSG, 3: XTML_OPEN, 4: XTML_CLOSE, 5: XTML_SEP,
     6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: IM_SYSTEM,
     **{11 + k: m for k, m in enumerate(TOOL_CALL_MARKERS)},
-    17: IM_MIDDLE, 18: IM_END, 19: IM_USER, 20: IM_ASSISTANT,
+    17: IM_MIDDLE, 18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>",
+    22: IM_END, 23: IM_USER, 24: IM_ASSISTANT,
     254: UNK, 255: PAD,
 }
 
