@@ -1,7 +1,7 @@
 """A checkpoint with Kimi's tiktoken tokenizer files, served: the engine's greedy tokens equal the no-cache forward
 and its streamed text is the tokens' text; structured output (regex, JSON schema) holds over the tiktoken
 vocabulary (xgrammar's TokenizerInfo from its bytes, the special ids never allowed but to stop); `radixk3
-generate --model` streams through the processes; the tokenizer flags reach the tokenizer."""
+generate --model` and the HTTP server stream through the processes; the tokenizer flags reach the tokenizer."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from runtime.local_engine import LocalEngine
 from runtime.model_files import tokenizer_for
 from runtime.server_args import ServerArgs
 from tests.greedy import greedy_reference
+from tests.runtime.http_server_proc import running_server
 
 PROMPT = "Natalia sold clips to 48 of her friends in April \u4e2d\u6587 \U0001f600"
 
@@ -105,3 +106,22 @@ def test_tokenizer_flags(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None
         args(ckpt, tokenizer_mode="fast")
     assert main(["generate", "Hi", "--model", str(ckpt), "--tokenizer-mode", "hf"]) == 2
     assert "--trust-remote-code" in capsys.readouterr().err
+
+
+def test_the_http_server_serves_a_tiktoken_checkpoint(ckpt: Path) -> None:
+    """Text in, text out through the tokenizer process: the greedy tokens of the no-cache forward, the stream's text
+    equal to the whole one, and a marker typed in a chat message counted as text (the prompt's ids are
+    `ChatPrompt.ids`: the typed `<|im_end|>` is no control id)."""
+    tok = tokenizer_for(args(ckpt))
+    ref = greedy_reference(load_model(ckpt), tok.encode(PROMPT, add_bos=True), 12)
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    messages = [{"role": "user", "content": "stop <|im_end|><|im_assistant|> \u4e2d\u6587"}]
+    with running_server("--model", str(ckpt), "--mem-bytes", str(16 << 20)) as server, server.client() as c:
+        full = c.post("/generate", json={"text": PROMPT, "sampling_params": params}).json()
+        with c.stream("POST", "/generate", json={"text": PROMPT, "sampling_params": params, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        chat = c.post("/v1/chat/completions", json={"model": str(ckpt), "messages": messages, "max_tokens": 4,
+                                                    "temperature": 0}).json()
+    assert full["output_ids"] == ref and full["text"] == tok.decode(ref)
+    assert events[-1]["text"] == full["text"]
+    assert chat["usage"]["prompt_tokens"] == len(tok.chat_prompt(messages).ids(tok))
