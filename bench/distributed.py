@@ -256,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse(argv)
     from radixk3.checkpoint import write_random_checkpoint
     from radixk3.config import preset
-    from radixk3.tokenizer import load_tokenizer
+    from radixk3.tokenizer import checkpoint_tokenizer
 
     t_start = time.perf_counter()
     mach = machine()
@@ -267,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, Run] = {}
     with tempfile.TemporaryDirectory(prefix="radixk3-distributed-") as tmp:
         ckpt = write_random_checkpoint(preset(a.preset), Path(tmp) / a.preset, seed=0)
-        tok = load_tokenizer(ckpt / "tokenizer.model" if (ckpt / "tokenizer.model").is_file() else None)
+        tok = checkpoint_tokenizer(ckpt)
         prompts = [tok.encode(w.prefix + q, add_bos=True) for q in w.questions]
         print(f"workload: gsm8k burst, {len(prompts)} prompts at once ({a.num_shots}-shot prefix, "
               f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens), {a.max_new_tokens} new tokens each, "

@@ -252,9 +252,9 @@ def run(a: argparse.Namespace, w: Workload, tmp: Path) -> tuple[Outcome, str, An
 
         ckpt = write_random_checkpoint(preset(a.preset), tmp / a.preset, seed=0)
     what = f"{'random ' + a.preset + ' (seed 0)' if a.model is None else ckpt.name}"
-    from radixk3.tokenizer import load_tokenizer
+    from radixk3.tokenizer import checkpoint_tokenizer
 
-    tok = load_tokenizer(ckpt / "tokenizer.model" if (ckpt / "tokenizer.model").is_file() else None)
+    tok = checkpoint_tokenizer(ckpt)
     if a.backend == "transformers":
         return run_transformers(w, ckpt, tok, a), f"transformers KimiLinearForCausalLM.generate on {what}", tok
     from frontend_lang import Runtime

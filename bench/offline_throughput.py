@@ -344,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from radixk3.checkpoint import write_random_checkpoint
     from radixk3.config import preset
-    from radixk3.tokenizer import load_tokenizer
+    from radixk3.tokenizer import checkpoint_tokenizer
 
     mach = machine()
     print(f"machine: {mach['cpu']}, {mach['cores']} cores, {mach['torch_threads']} torch threads, torch "
@@ -354,8 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ckpt is None:
             ckpt = write_random_checkpoint(preset("k3-small"), Path(tmp) / "k3-small", seed=0)
             print("checkpoint: random k3-small (seed 0) written by radixk3 into a temp dir")
-        tok_file = Path(ckpt) / "tokenizer.model"
-        tok = load_tokenizer(tok_file if tok_file.is_file() else None)
+        tok = checkpoint_tokenizer(ckpt)
         vocab = json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"]
         if a.quick:
             burst = gsm8k_burst(tok, 4, 100, 16, 4, shots_n=1)

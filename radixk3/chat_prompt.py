@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from radixk3.tokenizer import Encoder
+    from radixk3.tokenizer_base import Encoder
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,15 @@ class GenerateError(RuntimeError):
     """The engine refused or failed the request."""
 
 
+def _check_tokenizer(model: str | None, mode: str, trust_remote_code: bool) -> None:
+    """The tokenizer the flags pick is one that loads (native files for --tokenizer-mode native; remote code only
+    with --trust-remote-code), said in one line before any process starts."""
+    from radixk3.tokenizer import has_tokenizer_files, tokenizer_kind
+
+    if model is not None and (mode == "hf" or has_tokenizer_files(Path(model))):
+        tokenizer_kind(model, mode, trust_remote_code)
+
+
 def _generate(args: argparse.Namespace) -> None:
     # Imported here so that `plan` and `make-checkpoint` stay instant (no engine, no ZeroMQ).
     from runtime.server_args import ServerArgs
@@ -96,6 +105,7 @@ def _generate(args: argparse.Namespace) -> None:
     server_args = ServerArgs.from_cli_args(args)
     # Checked here, before any process starts, so that a bad directory gets a one-line error.
     cfg = preset(BUILTIN_PRESET) if server_args.model is None else load_model_config(server_args.model)
+    _check_tokenizer(server_args.model, server_args.tokenizer_mode, server_args.trust_remote_code)
     try:
         engine = Engine(**dataclasses.asdict(server_args))
     except EngineError as e:
@@ -130,6 +140,7 @@ def _serve(args: argparse.Namespace) -> None:
     if server_args.model is not None:
         load_model_config(server_args.model)  # a bad directory gets a one-line error before any process starts
         load_generation_config(server_args.model)
+        _check_tokenizer(server_args.model, server_args.tokenizer_mode, server_args.trust_remote_code)
     if server_args.node_rank > 0:  # another node: only its ranks, serving node 0's plans until it stops
         from runtime.node_main import run_node
 

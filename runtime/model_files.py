@@ -3,12 +3,10 @@ default sampling parameters of its generation_config.json (the built-in model wh
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from radixk3.config import BUILTIN_PRESET, ModelConfig, preset
 from radixk3.config_formats import load_model_config
 from radixk3.generation_config import FILE_NAME, load_generation_config
-from radixk3.tokenizer import Tokenizer, load_tokenizer
+from radixk3.tokenizer import Tokenizer, checkpoint_tokenizer
 from runtime.errors import InvalidRequest
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
@@ -19,9 +17,8 @@ def model_config(args: ServerArgs) -> ModelConfig:
 
 
 def tokenizer_for(args: ServerArgs) -> Tokenizer:
-    if args.model is not None and (Path(args.model) / "tokenizer.model").is_file():
-        return load_tokenizer(Path(args.model) / "tokenizer.model")
-    return load_tokenizer()
+    """The model directory's tokenizer by `--tokenizer-mode` (`radixk3.tokenizer.checkpoint_tokenizer`)."""
+    return checkpoint_tokenizer(args.model, args.tokenizer_mode, args.trust_remote_code)
 
 
 def stop_ids(args: ServerArgs, tok: Tokenizer, cfg: ModelConfig) -> frozenset[int]:

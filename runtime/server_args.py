@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixk3.config import BUILTIN_SEED
+from radixk3.tokenizer_base import TOKENIZER_MODES
 
 SPECULATIVE_ALGORITHMS = ("ngram", "mtp", "draft", "dspark")
 MAX_DRAFT_TOKENS = 16
@@ -26,6 +27,12 @@ REASONING_PARSERS = ("kimi_k2", "kimi", "kimi_k3")
 @dataclass
 class ServerArgs:
     model: str | None = None  # checkpoint dir; None = the built-in tiny model
+    tokenizer_mode: str = field(default="auto", metadata={"help": (
+        "native: radixk3's own tokenizer (a sentencepiece tokenizer.model, or Kimi's tiktoken.model with its "
+        "tokenizer_config.json); hf: the checkpoint's own class through transformers' AutoTokenizer; auto: native "
+        "when it recognises the files, else hf")})
+    trust_remote_code: bool = field(default=False, metadata={"help": (
+        "let --tokenizer-mode hf run the checkpoint's own tokenizer code (tokenizer_config.json's auto_map)")})
     page_size: int = 1
     mem_bytes: int = field(default=64 << 20, metadata={"help": (
         "bytes of each worker rank's unified pool (KDA states and MLA KV, and the speculative scratch)")})
@@ -181,6 +188,9 @@ class ServerArgs:
             raise ValueError(f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size}")
         if self.enable_dp_attention and self.tp_size % self.dp_size:
             raise ValueError(f"--dp-size {self.dp_size} must divide --tp-size {self.tp_size} with DP attention")
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(f"--tokenizer-mode must be one of {', '.join(TOKENIZER_MODES)}, "
+                             f"got {self.tokenizer_mode!r}")
         if self.sampling_defaults not in SAMPLING_DEFAULTS:
             raise ValueError(f"--sampling-defaults must be one of {', '.join(SAMPLING_DEFAULTS)}, "
                              f"got {self.sampling_defaults!r}")

@@ -298,11 +298,11 @@ def test_training_is_deterministic_and_matches_shipped_model() -> None:
 def test_a_tokenizer_without_k3_markup_still_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tokenizers trained before K3's markup tokens existed load, with tools and reasoning off."""
     import radixk3.tokenizer_train as tt
-    from radixk3.tokenizer import XTML_MARKERS, Tokenizer
+    from radixk3.tokenizer import XTML_MARKERS, SentencePieceTokenizer
 
     monkeypatch.setattr(tt, "USER_SYMBOLS", tuple(s for s in tt.USER_SYMBOLS if s not in XTML_MARKERS))
     texts = ["Natalia sold clips to 48 of her friends in April.", "Weng earns $12 an hour for babysitting."] * 20
-    old = Tokenizer(tt.train_tokenizer(texts, tt.TokenizerTrainConfig(vocab_size=340)))
+    old = SentencePieceTokenizer(tt.train_tokenizer(texts, tt.TokenizerTrainConfig(vocab_size=340)))
     assert not old.has_xtml and old.end_of_msg_id is None
     assert old.stop_ids == (old.eos_id, old.im_end_id)
     assert old.decode(old.encode("Natalia sold clips")) == "Natalia sold clips"
