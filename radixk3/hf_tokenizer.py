@@ -54,7 +54,7 @@ def _byte_scheme(hf: PreTrainedTokenizerBase) -> str:
 
 class HfTokenizer(Tokenizer):
     def __init__(self, hf: PreTrainedTokenizerBase) -> None:
-        self._hf = hf
+        self._hf = self.hf = hf
         added: dict[int, Any] = dict(hf.added_tokens_decoder)
         self.special_ids = frozenset({*hf.all_special_ids, *(i for i, t in added.items() if t.special)})
         size = max(len(hf), max(added, default=-1) + 1)

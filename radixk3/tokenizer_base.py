@@ -17,7 +17,7 @@ from __future__ import annotations
 import codecs
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from radixk3.chat_prompt import ChatPrompt
 
@@ -77,6 +77,9 @@ class Tokenizer(ABC):
     has_xtml: bool  # K3's markup tokens (tools, reasoning) are single special tokens
     im_end_id: int | None  # Kimi's end of turn, where the vocabulary names it
     end_of_msg_id: int | None  # K3's end of message, where the vocabulary names it
+    # A transformers tokenizer behind this one (`--tokenizer-mode hf`), whose own `apply_chat_template` renders
+    # the checkpoint's chats; None for the native tokenizers.
+    hf: Any = None
 
     @property
     @abstractmethod

@@ -78,7 +78,7 @@ class EngineProcesses:
                                  "not an engine")
             self.config: ModelConfig = model_config(args)
             self.tokenizer: Tokenizer = tokenizer_for(args)
-            self.chat_format: ChatFormat = chat_format_for(args, self.config, self.tokenizer)
+            self.chat_format: ChatFormat = chat_format_for(args, self.config, self.tokenizer, self.tokenizer.hf)
             self.sampling_defaults = sampling_defaults(args)
             self.ipc_dir = tempfile.mkdtemp(prefix="radixk3-")
             self.topology = Topology.for_args(args, self.ipc_dir)
