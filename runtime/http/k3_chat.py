@@ -12,22 +12,17 @@ from typing import Any
 
 import orjson
 
-from radixk3.tokenizer import Tokenizer
 from runtime.errors import InvalidRequest
 from runtime.grammar_compile import error_message
 from runtime.grammar_schema import vet_json_schema
 from runtime.http.api_errors import APIError
+from runtime.http.chat_reply import check_forcing_grammar_size, vet_tool_parameters
 from runtime.http.openai_protocol import (
-    AssistantMessage,
     ChatCompletionRequest,
-    DeltaMessage,
-    DeltaToolCall,
-    FunctionCallOut,
     NamedToolChoice,
-    ToolCallOut,
 )
 from runtime.tokenizer.k3_encoding import K3ChatOptions, K3Prompt, RenderError, render_k3_chat, thinking_options
-from runtime.tokenizer.k3_reply import ReplyAssembler, without_stop_text
+from runtime.tokenizer.k3_reply import ReplyAssembler
 from runtime.tokenizer.k3_tools import forcing_grammar, request_grammar_after_thinking
 
 _GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema")
@@ -40,6 +35,10 @@ class K3Chat:
     grammar: str | None  # EBNF in place of the request's own grammar: a forced call, or its own after thinking
     forced: bool  # a tool call is forced (tool_choice "required" or named)
     parallel_calls: bool  # OpenAI's parallel_tool_calls: off, a reply keeps its first call only
+
+    def parser(self) -> ReplyAssembler:
+        return ReplyAssembler(self.prompt.prefix, tools=self.parse_tools, forced=self.forced,
+                              parallel=self.parallel_calls)
 
 
 def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
@@ -61,12 +60,7 @@ def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
         if own:
             raise APIError(400, "a forced tool call (tool_choice 'required' or named) cannot be combined with"
                            " response_format, regex or ebnf", "invalid_request_error", param="tool_choice")
-        for i, tool in enumerate(tools):
-            field = f"tools[{i}].function.parameters"
-            try:
-                vet_json_schema(orjson.dumps(tool.get("function", {}).get("parameters", {})).decode())
-            except InvalidRequest as e:
-                raise APIError(400, e.message.replace("json_schema", field, 1), param=field) from None
+        vet_tool_parameters(tools)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     kw = req.chat_template_kwargs or {}
     try:
@@ -80,9 +74,8 @@ def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
         raise APIError(400, str(e), "invalid_request_error", param="messages") from None
     except (ValueError, RuntimeError) as e:  # xgrammar refusing a tool's parameter schema
         raise APIError(400, f"tools: {error_message(e)}", "invalid_request_error", param="tools") from None
-    if grammar is not None and (size := len(grammar.encode())) > max_grammar_bytes:
-        raise APIError(400, f"tools: the grammar that forces the tool call is {size} bytes, over the limit of "
-                       f"{max_grammar_bytes} bytes (--max-grammar-bytes)", param="tools")
+    if grammar is not None:
+        check_forcing_grammar_size(grammar, max_grammar_bytes)
     if thinking and len(own) == 1:  # more than one: the sampling parameters refuse them
         grammar = _own_grammar_after_thinking(*next(iter(own.items())))
     return K3Chat(prompt, bool(tools) and choice != "none", grammar, forced is not None, req.parallel_tool_calls)
@@ -109,37 +102,3 @@ def k3_sampling(chat: K3Chat, sampling: dict[str, Any]) -> dict[str, Any]:
     if chat.grammar is not None:
         out = {k: v for k, v in out.items() if k not in _GRAMMAR_FIELDS} | {"ebnf": chat.grammar}
     return out
-
-
-class K3Reply:
-    """One choice: `push` each chunk of the engine's text (the stop token's own text is dropped at the end)."""
-
-    def __init__(self, chat: K3Chat, tokenizer: Tokenizer) -> None:
-        self._reply = ReplyAssembler(chat.prompt.prefix, tools=chat.parse_tools, forced=chat.forced,
-                                     parallel=chat.parallel_calls)
-        self._tok = tokenizer
-
-    def push(self, text: str, finished: str | None, last_ids: list[int]) -> DeltaMessage:
-        if finished is not None:
-            text = without_stop_text(self._tok, text, last_ids)
-        d = self._reply.push(text, final=finished is not None)
-        calls = [DeltaToolCall(index=c.index, id=c.id, type="function" if c.name is not None else None,
-                               function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in d.tool_calls]
-        return DeltaMessage(content=d.content or None, reasoning_content=d.reasoning or None,
-                            tool_calls=calls or None)
-
-    def message(self) -> AssistantMessage:
-        r = self._reply.reply()
-        calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
-                 for c in r.tool_calls]
-        return AssistantMessage(content=r.content, reasoning_content=r.reasoning_content, tool_calls=calls or None)
-
-    def finish_reason(self, finished: str | None) -> str | None:
-        return self._reply.finish_reason(finished)
-
-
-def k3_message(chat: K3Chat, tokenizer: Tokenizer, text: str, finished: str | None, ids: list[int]
-               ) -> tuple[AssistantMessage, str | None]:
-    reply = K3Reply(chat, tokenizer)
-    reply.push(text, finished or "length", ids)
-    return reply.message(), reply.finish_reason(finished)

@@ -21,6 +21,7 @@ from starlette.responses import Response
 
 from radixk3.tokenizer import Tokenizer
 from runtime.http.api_errors import APIError, OrjsonResponse, parse_body, request_failed, stream_failed
+from runtime.http.chat_reply import ChatReply, ReplyParser, whole_reply
 from runtime.http.handles import (
     ClientDisconnected,
     collect_all,
@@ -30,7 +31,7 @@ from runtime.http.handles import (
     submit_all,
     unless_disconnected,
 )
-from runtime.http.k3_chat import K3Chat, K3Reply, k3_message, k3_sampling, plan_k3_chat
+from runtime.http.k3_chat import K3Chat, k3_sampling, plan_k3_chat
 from runtime.http.metrics import RequestTimer
 from runtime.http.openai_protocol import (
     AssistantMessage,
@@ -56,9 +57,7 @@ from runtime.http.sse import DONE, event, sse_response
 from runtime.http.state import ServerState, state_of
 from runtime.http.template_chat import (
     TemplateChat,
-    TemplateReply,
     plan_template_chat,
-    template_message,
     template_sampling,
 )
 from runtime.sampling_params import SamplingParams
@@ -273,22 +272,25 @@ def _chat_sampling(req: ChatCompletionRequest, k3: K3Chat | None, tpl: TemplateC
     return sampling if k3 is None else k3_sampling(k3, sampling)
 
 
-def _reply(tok: Tokenizer, k3: K3Chat | None, tpl: TemplateChat | None) -> K3Reply | TemplateReply | None:
-    """The parser of one choice's text, when the chat's replies are parsed."""
+def _parser(k3: K3Chat | None, tpl: TemplateChat | None) -> ReplyParser | None:
+    """The reader of one choice's text, when the chat's replies are parsed."""
     if k3 is not None:
-        return K3Reply(k3, tok)
+        return k3.parser()
     if tpl is not None and tpl.parses:
-        return TemplateReply(tpl, tok)
+        return tpl.parser()
     return None
+
+
+def _reply(tok: Tokenizer, k3: K3Chat | None, tpl: TemplateChat | None) -> ChatReply | None:
+    parser = _parser(k3, tpl)
+    return None if parser is None else ChatReply(parser, tok)
 
 
 def _chat_choice(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None, tpl: TemplateChat | None,
                  s: Sample) -> ChatChoice:
     message, finish = AssistantMessage(content=s.text), s.finished
-    if k3 is not None:
-        message, finish = k3_message(k3, tok, s.text, s.finished, s.output_ids)
-    elif tpl is not None and tpl.parses:
-        message, finish = template_message(tpl, tok, s.text, s.finished, s.output_ids)
+    if (parser := _parser(k3, tpl)) is not None:
+        message, finish = whole_reply(parser, tok, s.text, s.finished, s.output_ids)
     lp = _chat_logprobs(tok, s.output_ids, s.logprobs, s.top_logprobs) if req.logprobs else None
     return ChatChoice(index=s.index, message=message, finish_reason=finish, logprobs=lp)
 

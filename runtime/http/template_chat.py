@@ -8,26 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from radixk3.chat_prompt import ChatPrompt
 from radixk3.chat_template import ChatTemplateError, hf_chat_ids
 from radixk3.tokenizer import Tokenizer
-from runtime.errors import InvalidRequest
 from runtime.grammar_compile import error_message
-from runtime.grammar_schema import vet_json_schema
 from runtime.http.api_errors import APIError
+from runtime.http.chat_reply import check_forcing_grammar_size, vet_tool_parameters
 from runtime.http.openai_protocol import (
-    AssistantMessage,
     ChatCompletionRequest,
-    DeltaMessage,
-    DeltaToolCall,
-    FunctionCallOut,
     NamedToolChoice,
-    ToolCallOut,
 )
 from runtime.tokenizer.chat_format import ChatFormat
-from runtime.tokenizer.k3_reply import without_stop_text
 from runtime.tokenizer.kimi_k2_grammar import kimi_k2_forcing_grammar
 from runtime.tokenizer.kimi_k2_parser import KimiK2Reply
 
@@ -45,6 +36,9 @@ class TemplateChat:
     @property
     def parses(self) -> bool:
         return self.tools or self.reasoning is not None
+
+    def parser(self) -> KimiK2Reply:
+        return KimiK2Reply(tools=self.tools, reasoning=self.reasoning, parallel_calls=self.parallel_calls)
 
     def ids(self, tokenizer: Tokenizer) -> list[int]:
         """The prompt's ids; no bos of radixk3's own: a template writes its bos if it wants one."""
@@ -77,19 +71,12 @@ def plan_template_chat(req: ChatCompletionRequest, fmt: ChatFormat, max_grammar_
 
 def _forcing_grammar(tools: list[dict[str, Any]], forced: str | dict[str, Any], reasoning: bool, parallel: bool,
                      max_grammar_bytes: int) -> str:
-    for i, tool in enumerate(tools):
-        field = f"tools[{i}].function.parameters"
-        try:
-            vet_json_schema(orjson.dumps(tool.get("function", {}).get("parameters", {})).decode())
-        except InvalidRequest as e:
-            raise APIError(400, e.message.replace("json_schema", field, 1), param=field) from None
+    vet_tool_parameters(tools)
     try:
         grammar = kimi_k2_forcing_grammar(tools, forced, reasoning, parallel)
     except (ValueError, RuntimeError) as e:  # xgrammar refusing a tool's parameter schema
         raise APIError(400, f"tools: {error_message(e)}", "invalid_request_error", param="tools") from None
-    if (size := len(grammar.encode())) > max_grammar_bytes:
-        raise APIError(400, f"tools: the grammar that forces the tool call is {size} bytes, over the limit of "
-                       f"{max_grammar_bytes} bytes (--max-grammar-bytes)", param="tools")
+    check_forcing_grammar_size(grammar, max_grammar_bytes)
     return grammar
 
 
@@ -103,36 +90,3 @@ def template_sampling(chat: TemplateChat, sampling: dict[str, Any]) -> dict[str,
                            " response_format, regex or ebnf", "invalid_request_error", param="tool_choice")
         out["ebnf"] = chat.grammar
     return out
-
-
-class TemplateReply:
-    """One choice: `push` each chunk of the engine's text (the stop token's own text is dropped at the end)."""
-
-    def __init__(self, chat: TemplateChat, tokenizer: Tokenizer) -> None:
-        self._reply = KimiK2Reply(tools=chat.tools, reasoning=chat.reasoning, parallel_calls=chat.parallel_calls)
-        self._tok = tokenizer
-
-    def push(self, text: str, finished: str | None, last_ids: list[int]) -> DeltaMessage:
-        if finished is not None:
-            text = without_stop_text(self._tok, text, last_ids)
-        d = self._reply.push(text, final=finished is not None)
-        calls = [DeltaToolCall(index=c.index, id=c.id, type="function",
-                               function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in d.tool_calls]
-        return DeltaMessage(content=d.content or None, reasoning_content=d.reasoning or None,
-                            tool_calls=calls or None)
-
-    def message(self) -> AssistantMessage:
-        r = self._reply.reply()
-        calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
-                 for c in r.tool_calls]
-        return AssistantMessage(content=r.content, reasoning_content=r.reasoning_content, tool_calls=calls or None)
-
-    def finish_reason(self, finished: str | None) -> str | None:
-        return self._reply.finish_reason(finished)
-
-
-def template_message(chat: TemplateChat, tokenizer: Tokenizer, text: str, finished: str | None, ids: list[int]
-                     ) -> tuple[AssistantMessage, str | None]:
-    reply = TemplateReply(chat, tokenizer)
-    reply.push(text, finished or "length", ids)
-    return reply.message(), reply.finish_reason(finished)
