@@ -24,7 +24,7 @@ from radixk3.chat_template import CHAT_TEMPLATE_FILE
 from radixk3.checkpoint import INDEX_FILE, load_model
 from radixk3.cli import main
 from radixk3.config_formats import load_model_config
-from radixk3.generation_config import load_generation_config
+from radixk3.generation_config import GenerationConfig, load_generation_config
 from radixk3.model import KimiForCausalLM
 from radixk3.tiktoken_tokenizer import KIMI_PAT_STR, TiktokenTokenizer
 from radixk3.tiktoken_writer import TINY_TIKTOKEN_BASE, TINY_TIKTOKEN_VOCAB_SIZE
@@ -82,6 +82,19 @@ def test_the_directory_holds_what_a_published_checkpoint_holds(k3_dir: Path, k3_
     # Packed in memory, the MTP layer's experts too.
     assert k3_model.config.expert_quant is not None and k3_model.config.expert_quant.kind == "mxfp4"
     assert k3_model.model.mtp_layers[0].block_sparse_moe.experts.quant is not None
+
+
+def test_the_sentencepiece_layout(tmp_path: Path) -> None:
+    """The built-in tokenizer in the same layout: the preset's vocabulary, Kimi's template for the Kimi-Linear
+    format, generation_config.json ending at `<|im_end|>`, FP8 experts over 2 shards."""
+    out = make_checkpoint(tmp_path / "sp", "--preset", "k3-tiny", "--tokenizer", "sentencepiece", "--expert-format",
+                          "fp8", "--shards", "2")
+    assert (out / "tokenizer.model").is_file() and (out / CHAT_TEMPLATE_FILE).is_file()
+    assert not (out / "tiktoken.model").exists() and (out / INDEX_FILE).is_file()
+    tok = load_tokenizer(out)
+    cfg = load_model(out).config
+    assert cfg.vocab_size == tok.vocab_size and cfg.expert_quant is not None and cfg.expert_quant.kind == "fp8"
+    assert load_generation_config(out) == GenerationConfig({"temperature": 0.6, "top_p": 1.0}, (tok.im_end_id,))
 
 
 def test_bad_combinations_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
