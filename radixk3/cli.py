@@ -71,7 +71,12 @@ DRAFTER_PRESETS = {"k3-tiny-dspark": "k3-tiny-native"}
 
 
 def _make_checkpoint(args: argparse.Namespace) -> None:
+    packed = args.expert_format not in (None, "none")
     if args.preset in DRAFTER_PRESETS:
+        if packed or args.tokenizer is not None:
+            raise ConfigError(f"preset {args.preset!r} is a DSpark drafter: it has no routed experts to quantise "
+                              "and no tokenizer of its own (it uses its target's); drop --expert-format and "
+                              "--tokenizer")
         from radixk3.dspark_checkpoint import write_random_dspark
         from radixk3.model import build_model
 
@@ -80,8 +85,22 @@ def _make_checkpoint(args: argparse.Namespace) -> None:
         return
     if args.preset in TRUE_SIZE_PRESETS:
         raise ConfigError(f"preset {args.preset!r} is a true-size plan; random checkpoints are for test presets")
-    out = write_random_checkpoint(preset(args.preset), args.out, seed=args.seed, num_shards=args.shards)
-    print(f"wrote {args.preset} (seed {args.seed}) to {out}")
+    if args.tokenizer is not None:  # the published layout: tokenizer files, template, generation_config.json
+        from radixk3.published_checkpoint import write_published_checkpoint
+
+        out = write_published_checkpoint(args.preset, args.out, tokenizer=args.tokenizer,
+                                         expert_format=args.expert_format or "none", num_shards=args.shards,
+                                         seed=args.seed)
+    elif packed:
+        from radixk3.model import build_model
+        from radixk3.quant_checkpoint import write_quantised_checkpoint
+
+        out = write_quantised_checkpoint(build_model(preset(args.preset), seed=args.seed), args.out,
+                                         args.expert_format, num_shards=args.shards)
+    else:
+        out = write_random_checkpoint(preset(args.preset), args.out, seed=args.seed, num_shards=args.shards)
+    what = "".join(f", {k} {v}" for k, v in (("experts", args.expert_format), ("tokenizer", args.tokenizer)) if v)
+    print(f"wrote {args.preset} (seed {args.seed}{what}) to {out}")
 
 
 class GenerateError(RuntimeError):
@@ -175,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--preset", default=BUILTIN_PRESET, choices=sorted([*PRESETS, *DRAFTER_PRESETS]))
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--shards", type=int, default=1, help="safetensors shards (>1 writes an index)")
+    mk.add_argument("--expert-format", default=None, choices=("mxfp4", "int4", "fp8", "none"),
+                    help="routed experts (MTP layers' included) packed by compressed-tensors, with its "
+                         "quantization_config in config.json (default: dense)")
+    mk.add_argument("--tokenizer", default=None, choices=("tiktoken", "sentencepiece"),
+                    help="the published layout: Kimi's tiktoken.model + tokenizer_config.json (vocab_size and "
+                         "special ids to match) or the built-in sentencepiece model, Kimi's Jinja template for "
+                         "the Kimi-Linear format, generation_config.json (default: the built-in tokenizer only)")
     mk.set_defaults(fn=_make_checkpoint)
 
     from runtime.server_args import ServerArgs  # settings only: imports neither the engine nor ZeroMQ

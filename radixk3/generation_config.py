@@ -51,3 +51,15 @@ def load_generation_config(model_dir: str | Path | None) -> GenerationConfig:
                                                 for i in ids)):
         raise ValueError(f"{path.name}: eos_token_id must be a token id or a list of them, got {eos!r}")
     return GenerationConfig(sampling, tuple(ids))
+
+
+def write_generation_config(out_dir: str | Path, eos_token_ids: list[int], sampling: dict[str, Any]) -> Path:
+    """Write `generation_config.json` as transformers saves one: the eos ids (one id as an int, several as a
+    list), the default sampling fields (`SAMPLING_FIELDS`) and `do_sample` (true when the temperature samples)."""
+    if unknown := sorted(set(sampling) - set(SAMPLING_FIELDS)):
+        raise ValueError(f"{FILE_NAME}: unknown sampling fields {unknown}")
+    raw: dict[str, Any] = {"eos_token_id": eos_token_ids[0] if len(eos_token_ids) == 1 else list(eos_token_ids)}
+    raw |= {"do_sample": bool(sampling.get("temperature", 0)), **sampling}
+    path = Path(out_dir) / FILE_NAME
+    path.write_text(json.dumps(raw, indent=2) + "\n")
+    return path
