@@ -161,8 +161,9 @@ def finish(tok: Any, ids: list[int]) -> tuple[str, int]:  # noqa: ANN401
 def run_transformers(w: Workload, ckpt: Path, tok: Any, a: argparse.Namespace) -> Outcome:  # noqa: ANN401
     import torch
 
-    if "transformers" not in sys.modules and not torch.cuda.is_available():
-        sys.modules["fla"] = None  # type: ignore[assignment]  # fla's kernels need a GPU: take the torch fallbacks
+    from bench.transformers_cpu import hide_fla
+
+    hide_fla(torch.cuda.is_available())
     import transformers
 
     dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32

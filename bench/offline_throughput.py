@@ -57,10 +57,9 @@ import torch  # noqa: E402
 
 from bench.ideal_cache import ideal_prefill  # noqa: E402
 from bench.machine_info import cpu_name  # noqa: E402
+from bench.transformers_cpu import hide_fla  # noqa: E402
 
-if "transformers" not in sys.modules and not torch.cuda.is_available():
-    # fla's Triton kernels need a GPU driver; hidden, transformers' KimiLinear takes its torch fallbacks.
-    sys.modules["fla"] = None  # type: ignore[assignment]
+hide_fla(torch.cuda.is_available())
 
 Prompts = list[list[int]]
 DTYPES = ("auto", "float32", "bfloat16")

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import sys
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+
+from bench.transformers_cpu import hide_fla
 
 
 @cache
@@ -32,8 +33,7 @@ def fla_naive_kda() -> ModuleType:
 @cache
 def transformers_module() -> ModuleType:
     """transformers with fla hidden, so KimiLinear runs its torch fallbacks on CPU."""
-    if "transformers" not in sys.modules:
-        sys.modules["fla"] = None  # type: ignore[assignment]
+    hide_fla(cuda=False)  # the oracles run on the CPU
     import transformers
 
     return transformers
