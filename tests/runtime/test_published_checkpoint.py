@@ -1,7 +1,8 @@
 """Checkpoints in the published layout, written by `radixk3 make-checkpoint --tokenizer ...`, served as a user's
 download would be: a native K3 (`k3-tiny-native`, Kimi's tiktoken files, 3 shards, MXFP4 routed experts, its MTP
-layer's too) through the whole engine exactness matrix, MTP speculation, the HTTP server (native and OpenAI APIs,
-K3's chat encoding, tools, structured output, the `openai` client) and the gsm8k harness; a Kimi-Linear one
+layer's too) through the whole engine exactness matrix, MTP speculation, DP attention with expert parallelism, a
+frontend program, the HTTP server (native and OpenAI APIs, K3's chat encoding, tools, structured output, the
+`openai` client) and the gsm8k harness; a Kimi-Linear one
 (`k3-tiny`, tiktoken, INT4 experts, Kimi's Jinja template) served through its template, natively and with
 `--tokenizer-mode hf` on a transformers tokenizer of the same vocabulary that carries the template."""
 
@@ -31,6 +32,7 @@ from radixk3.tiktoken_writer import TINY_TIKTOKEN_BASE, TINY_TIKTOKEN_VOCAB_SIZE
 from radixk3.tokenizer import load_tokenizer
 from runtime.local_engine import LocalEngine
 from runtime.server_args import ServerArgs
+from runtime.tokenizer.engine import Engine
 from runtime.tokenizer.k3_encoding import K3ChatOptions, render_k3_chat
 from tests.greedy import greedy_reference
 from tests.runtime.http_server_proc import Server, running_server
@@ -147,6 +149,41 @@ def test_mtp_speculation_equals_the_no_cache_forward(k3_dir: Path, k3_model: Kim
     assert eng.generate(prompts, MTP_GREEDY) == refs
     assert eng.scheduler.metrics.verify_steps > 0 and eng.scheduler.metrics.draft_tokens > 0
     eng.scheduler.grammar.close()
+
+
+def test_dp_attention_with_expert_parallelism_equals_the_no_cache_forward(k3_dir: Path,
+                                                                         workload: tuple[list, list]) -> None:
+    """--tp 2 --ep 2 --dp 2 --enable-dp-attention on the packed directory: two attention groups of one rank, the
+    MXFP4 experts split whole between the ranks (a TP cut would split their 32-wide scale groups)."""
+    waves, refs = workload
+    engine = Engine(str(k3_dir), mem_bytes=int(MEM), tp_size=2, ep_size=2, dp_size=2, enable_dp_attention=True)
+    try:
+        for wave, ref in zip(waves[:2], refs[:2], strict=True):
+            assert [r["output_ids"] for r in engine.generate(wave, GREEDY, timeout=120)] == ref
+        assert all(d["prompt_tokens"] > 0 for d in engine.get_metrics()["dp_ranks"])
+    finally:
+        engine.shutdown()
+
+
+def test_a_frontend_program(k3_dir: Path, k3_model: KimiForCausalLM) -> None:
+    """SGLang-style programs on the directory: the tokenizer is its tiktoken one; select scores each choice as the
+    packed model's no-cache forward does."""
+    import frontend_lang as sgl
+    from tests.frontend_lang.oracle import choice_logprobs
+    from tests.frontend_lang.programs import CHOICES, PREFIX, pick
+
+    runtime = sgl.Runtime(model_path=k3_dir, mem_bytes=int(MEM))
+    try:
+        assert isinstance(runtime.tokenizer, TiktokenTokenizer)
+        truth = [choice_logprobs(k3_model, runtime.tokenizer, PREFIX, c) for c in CHOICES]
+        means = [sum(t) / len(t) for t in truth]
+        state = pick.run(prefix=PREFIX, choices=CHOICES, backend=runtime)
+        got = state.get_meta_info("pick")["input_token_logprobs"]
+        for lps, want in zip(got, truth, strict=True):
+            assert [lp for lp, _ in lps] == pytest.approx(want, abs=1e-4)
+        assert state["pick"] == CHOICES[means.index(max(means))]
+    finally:
+        runtime.shutdown()
 
 
 # --- HTTP ------------------------------------------------------------------------------------------------
