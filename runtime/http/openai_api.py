@@ -69,7 +69,9 @@ router = APIRouter(prefix="/v1")
 
 
 def _check_model(st: ServerState, model: str) -> None:
-    if model != st.model_name:
+    """SGLang's names of the served model: the served name, "default" (SGLang's documentation sends it) and the
+    model path; any other name is a 404, as in vLLM."""
+    if model not in (st.model_name, "default", st.args.model):
         raise APIError(404, f"the model {model!r} does not exist; this server serves {st.model_name!r}",
                        "invalid_request_error", param="model", code="model_not_found")
 

@@ -220,6 +220,8 @@ def test_openai_client(server: Server, reference: list[dict[str, Any]]) -> None:
         client.chat.completions.create(model=MODEL, messages=messages, temperature=-1)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4", messages=messages)
+    # SGLang's documentation sends "default": it names the served model, which the response names.
+    assert client.chat.completions.create(model="default", messages=messages, max_tokens=1).model == MODEL
 
 
 CHAT_SCHEMA = {

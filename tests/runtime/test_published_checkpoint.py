@@ -245,13 +245,15 @@ def test_json_schema_with_thinking_off(k3_server: Server) -> None:
     assert isinstance(json.loads(body["choices"][0]["message"]["content"])["n"], int)
 
 
-def test_the_openai_client(k3_server: Server) -> None:
+def test_the_openai_client(k3_server: Server, k3_dir: Path) -> None:
     client = openai.OpenAI(base_url=f"{k3_server.url}/v1", api_key="none", timeout=60.0)
     r = client.chat.completions.create(model=NAME, messages=ASK, max_tokens=4, temperature=0,  # type: ignore[arg-type]
                                        reasoning_effort="none")
     assert r.usage is not None and r.usage.completion_tokens <= 4
     c = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0)
     assert c.choices[0].text is not None
+    # The model path names the served model too (as in SGLang), answered under the served name.
+    assert client.completions.create(model=str(k3_dir), prompt=PROMPT, max_tokens=1).model == NAME
 
 
 # --- the gsm8k harness -----------------------------------------------------------------------------------
