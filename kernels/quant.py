@@ -14,6 +14,7 @@ exact: an e2m1 value times a power of two), then cast to `dtype`. Bit for bit th
 from __future__ import annotations
 
 import sys
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -41,38 +42,38 @@ def e8m0_to_float(scale: Tensor) -> Tensor:
     """2^(s - 127) in fp32 for uint8 s, from the bits (s = 0 is 2^-127, a subnormal)."""
     s = scale.to(torch.int32)
     normal = (s << 23).view(torch.float32)
-    return torch.where(s == 0, torch.tensor(2.0**-127), normal)
+    return torch.where(s == 0, 2.0**-127, normal)
 
 
-def _byte_pairs(low: Tensor, high: Tensor) -> Tensor:
-    """[256, 2]: what each byte's two nibbles stand for (low nibble first), from the 16 values of a nibble."""
-    byte = torch.arange(256, device=low.device)
-    return torch.stack((low[byte & 0xF], high[byte >> 4]), dim=-1)
+@cache
+def _byte_pairs(kind: str, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """[256, 2]: what each packed byte's two nibbles stand for (low nibble first), built once per format, dtype
+    and device (the decode step dequantises every expert it routes to, three times a layer)."""
+    if kind == "mxfp4":  # -0.0 for code 8, as the library
+        nibble = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=dtype, device=device)
+    else:  # int4: q + 8 in a nibble
+        nibble = torch.arange(-8, 8, dtype=dtype, device=device)
+    byte = torch.arange(256, device=device)
+    return torch.stack((nibble[byte & 0xF], nibble[byte >> 4]), dim=-1)
+
+
+def _lookup(kind: str, byte: Tensor, dtype: torch.dtype) -> Tensor:
+    """[..., R, B] packed bytes -> [..., R, 2B / GROUP, GROUP] values: one lookup a byte, both its values."""
+    pairs = _byte_pairs(kind, dtype, byte.device)[byte.long()]
+    return pairs.view(*byte.shape[:-1], byte.shape[-1] * 2 // GROUP, GROUP)
 
 
 def dequant_mxfp4(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """[..., R, C/2] uint8 codes and [..., R, C/32] uint8 exponents -> [..., R, C]. One lookup per byte (its two
-    values at once) rather than one per nibble: the CPU decode step dequantises every expert it routes to."""
-    table = torch.tensor(E2M1 + tuple(-v for v in E2M1), device=data.device)  # -0.0 for code 8, as the library
-    values = _byte_pairs(table, table)[data.long()].view(*data.shape[:-1], data.shape[-1] * 2 // GROUP, GROUP)
-    return (values * e8m0_to_float(scale)[..., None]).flatten(-2).to(dtype)
-
-
-def unpack_int4(data: Tensor) -> Tensor:
-    """[..., R, C/8] int32 words -> [..., R, C] int8 q in [-8, 7]."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=data.device)
-    return (((data[..., None] >> shifts) & 0xF) - 8).flatten(-2).to(torch.int8)
+    """[..., R, C/2] uint8 codes and [..., R, C/32] uint8 exponents -> [..., R, C]."""
+    return (_lookup("mxfp4", data, torch.float32) * e8m0_to_float(scale)[..., None]).flatten(-2).to(dtype)
 
 
 def dequant_int4(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """[..., R, C/8] int32 and [..., R, C/32] scales -> [..., R, C]. Read as bytes (element 2j is byte j's low
-    nibble on a little-endian machine), one lookup a byte, as `dequant_mxfp4`."""
+    """[..., R, C/8] int32 and [..., R, C/32] scales -> [..., R, C], read as bytes: element 2j is byte j's low
+    nibble, as a little-endian machine stores the words."""
     if sys.byteorder != "little":
-        q = unpack_int4(data).to(scale.dtype).unflatten(-1, (-1, GROUP))
-        return (q * scale[..., None]).flatten(-2).to(dtype)
-    nibble = torch.arange(-8, 8, dtype=scale.dtype, device=data.device)
-    byte = data.contiguous().view(torch.uint8)  # [..., R, C/2]
-    q = _byte_pairs(nibble, nibble)[byte.long()].view(*byte.shape[:-1], byte.shape[-1] * 2 // GROUP, GROUP)
+        raise NotImplementedError("INT4 packed weights are read as little-endian bytes")
+    q = _lookup("int4", data.contiguous().view(torch.uint8), scale.dtype)
     return (q * scale[..., None]).flatten(-2).to(dtype)
 
 

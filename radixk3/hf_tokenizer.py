@@ -54,7 +54,7 @@ def _byte_scheme(hf: PreTrainedTokenizerBase) -> str:
 
 class HfTokenizer(Tokenizer):
     def __init__(self, hf: PreTrainedTokenizerBase) -> None:
-        self._hf = self.hf = hf
+        self.hf = hf
         added: dict[int, Any] = dict(hf.added_tokens_decoder)
         self.special_ids = frozenset({*hf.all_special_ids, *(i for i, t in added.items() if t.special)})
         size = max(len(hf), max(added, default=-1) + 1)
@@ -98,31 +98,31 @@ class HfTokenizer(Tokenizer):
 
     @property
     def bos_id(self) -> int:
-        bos = self._hf.bos_token_id
+        bos = self.hf.bos_token_id
         return self.eos_id if bos is None else bos  # a tokenizer without bos begins with eos, as GPT-2's does
 
     @property
     def eos_id(self) -> int:
-        return self._hf.eos_token_id
+        return self.hf.eos_token_id
 
     @property
     def pad_id(self) -> int:
-        pad = self._hf.pad_token_id
+        pad = self.hf.pad_token_id
         return self.eos_id if pad is None else pad
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = [self.bos_id] if add_bos else []
-        return ids + self._hf.encode(text, add_special_tokens=False)
+        return ids + self.hf.encode(text, add_special_tokens=False)
 
     def encode_ordinary(self, text: str) -> list[int]:
-        ids = self._hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+        ids = self.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
         if self._special_pattern is None or not self.special_ids.intersection(ids):
             return ids
         ids, start = [], 0
         while (m := self._special_pattern.search(text, start)) is not None:
-            ids.extend(self._hf.encode(text[start : m.start() + 1], add_special_tokens=False))
+            ids.extend(self.hf.encode(text[start : m.start() + 1], add_special_tokens=False))
             start = m.start() + 1
-        ids.extend(self._hf.encode(text[start:], add_special_tokens=False))
+        ids.extend(self.hf.encode(text[start:], add_special_tokens=False))
         return ids
 
     def _id_bytes(self, token_id: int) -> bytes:

@@ -4,13 +4,14 @@ read by the format's parser and mapped to OpenAI's message fields."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import orjson
 
 from radixk3.tokenizer import Tokenizer
 from runtime.errors import InvalidRequest
+from runtime.grammar_compile import error_message
 from runtime.grammar_schema import vet_json_schema
 from runtime.http.api_errors import APIError
 from runtime.http.openai_protocol import AssistantMessage, DeltaMessage, DeltaToolCall, FunctionCallOut, ToolCallOut
@@ -28,10 +29,26 @@ def vet_tool_parameters(tools: Sequence[dict[str, Any]]) -> None:
             raise APIError(400, e.message.replace("json_schema", field, 1), param=field) from None
 
 
-def check_forcing_grammar_size(grammar: str, max_grammar_bytes: int) -> None:
+GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema")  # a request's own grammar, which a forced call cannot join
+
+
+def refuse_own_grammar() -> APIError:
+    return APIError(400, "a forced tool call (tool_choice 'required' or named) cannot be combined with"
+                    " response_format, regex or ebnf", "invalid_request_error", param="tool_choice")
+
+
+def forcing_grammar_checked(tools: Sequence[dict[str, Any]], build: Callable[[], str], max_grammar_bytes: int) -> str:
+    """The grammar forcing a tool call, `build()` (the chat format's), after its tools' checks: 400 naming the
+    tools when xgrammar refuses a parameter schema or the grammar is over `--max-grammar-bytes`."""
+    vet_tool_parameters(tools)
+    try:
+        grammar = build()
+    except (ValueError, RuntimeError) as e:  # xgrammar refusing a tool's parameter schema
+        raise APIError(400, f"tools: {error_message(e)}", "invalid_request_error", param="tools") from None
     if (size := len(grammar.encode())) > max_grammar_bytes:
         raise APIError(400, f"tools: the grammar that forces the tool call is {size} bytes, over the limit of "
                        f"{max_grammar_bytes} bytes (--max-grammar-bytes)", param="tools")
+    return grammar
 
 
 class ReplyParser(Protocol):

@@ -16,7 +16,7 @@ from runtime.errors import InvalidRequest
 from runtime.grammar_compile import error_message
 from runtime.grammar_schema import vet_json_schema
 from runtime.http.api_errors import APIError
-from runtime.http.chat_reply import check_forcing_grammar_size, vet_tool_parameters
+from runtime.http.chat_reply import GRAMMAR_FIELDS, forcing_grammar_checked, refuse_own_grammar
 from runtime.http.openai_protocol import (
     ChatCompletionRequest,
     NamedToolChoice,
@@ -24,8 +24,6 @@ from runtime.http.openai_protocol import (
 from runtime.tokenizer.k3_encoding import K3ChatOptions, K3Prompt, RenderError, render_k3_chat, thinking_options
 from runtime.tokenizer.k3_reply import ReplyAssembler
 from runtime.tokenizer.k3_tools import forcing_grammar, request_grammar_after_thinking
-
-_GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema")
 
 
 @dataclass(frozen=True)
@@ -55,12 +53,9 @@ def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
         forced = choice.model_dump()
     elif tools and choice == "required":
         forced = "required"
-    own = {k: v for k, v in req.sampling(req.max_new_tokens).items() if k in _GRAMMAR_FIELDS}
-    if forced is not None:
-        if own:
-            raise APIError(400, "a forced tool call (tool_choice 'required' or named) cannot be combined with"
-                           " response_format, regex or ebnf", "invalid_request_error", param="tool_choice")
-        vet_tool_parameters(tools)
+    own = {k: v for k, v in req.sampling(req.max_new_tokens).items() if k in GRAMMAR_FIELDS}
+    if forced is not None and own:
+        raise refuse_own_grammar()
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     kw = req.chat_template_kwargs or {}
     try:
@@ -69,13 +64,14 @@ def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
         fmt = req.response_format.model_dump(by_alias=True, exclude_none=True) if req.response_format else None
         options = K3ChatOptions(thinking, effort, choice if isinstance(choice, str) else None, fmt, forced is not None)
         prompt = render_k3_chat(messages, tools, options)
-        grammar = None if forced is None else forcing_grammar(tools, forced, thinking, req.parallel_tool_calls)
     except RenderError as e:
         raise APIError(400, str(e), "invalid_request_error", param="messages") from None
-    except (ValueError, RuntimeError) as e:  # xgrammar refusing a tool's parameter schema
+    except (ValueError, RuntimeError) as e:  # a tool's schema the declaration cannot write
         raise APIError(400, f"tools: {error_message(e)}", "invalid_request_error", param="tools") from None
-    if grammar is not None:
-        check_forcing_grammar_size(grammar, max_grammar_bytes)
+    grammar = None
+    if forced is not None:
+        grammar = forcing_grammar_checked(
+            tools, lambda: forcing_grammar(tools, forced, thinking, req.parallel_tool_calls), max_grammar_bytes)
     if thinking and len(own) == 1:  # more than one: the sampling parameters refuse them
         grammar = _own_grammar_after_thinking(*next(iter(own.items())))
     return K3Chat(prompt, bool(tools) and choice != "none", grammar, forced is not None, req.parallel_tool_calls)
@@ -100,5 +96,5 @@ def k3_sampling(chat: K3Chat, sampling: dict[str, Any]) -> dict[str, Any]:
     the request's own after thinking) takes the place of the request's."""
     out = dict(sampling, skip_special_tokens=False)
     if chat.grammar is not None:
-        out = {k: v for k, v in out.items() if k not in _GRAMMAR_FIELDS} | {"ebnf": chat.grammar}
+        out = {k: v for k, v in out.items() if k not in GRAMMAR_FIELDS} | {"ebnf": chat.grammar}
     return out

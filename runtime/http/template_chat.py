@@ -11,9 +11,8 @@ from typing import Any
 from radixk3.chat_prompt import ChatPrompt
 from radixk3.chat_template import ChatTemplateError, hf_chat_ids
 from radixk3.tokenizer import Tokenizer
-from runtime.grammar_compile import error_message
 from runtime.http.api_errors import APIError
-from runtime.http.chat_reply import check_forcing_grammar_size, vet_tool_parameters
+from runtime.http.chat_reply import GRAMMAR_FIELDS, forcing_grammar_checked, refuse_own_grammar
 from runtime.http.openai_protocol import (
     ChatCompletionRequest,
     NamedToolChoice,
@@ -21,8 +20,6 @@ from runtime.http.openai_protocol import (
 from runtime.tokenizer.chat_format import ChatFormat
 from runtime.tokenizer.kimi_k2_grammar import kimi_k2_forcing_grammar
 from runtime.tokenizer.kimi_k2_parser import KimiK2Reply
-
-_GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema")
 
 
 @dataclass(frozen=True)
@@ -64,20 +61,10 @@ def plan_template_chat(req: ChatCompletionRequest, fmt: ChatFormat, max_grammar_
     grammar = None
     if tools is not None and req.tool_choice not in (None, "auto"):
         forced = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else "required"
-        grammar = _forcing_grammar(tools, forced, fmt.reasoning_parser is not None, req.parallel_tool_calls,
-                                   max_grammar_bytes)
+        reasoning, parallel = fmt.reasoning_parser is not None, req.parallel_tool_calls
+        grammar = forcing_grammar_checked(
+            tools, lambda: kimi_k2_forcing_grammar(tools, forced, reasoning, parallel), max_grammar_bytes)
     return TemplateChat(prompt, tools is not None, fmt.reasoning_parser, req.parallel_tool_calls, grammar)
-
-
-def _forcing_grammar(tools: list[dict[str, Any]], forced: str | dict[str, Any], reasoning: bool, parallel: bool,
-                     max_grammar_bytes: int) -> str:
-    vet_tool_parameters(tools)
-    try:
-        grammar = kimi_k2_forcing_grammar(tools, forced, reasoning, parallel)
-    except (ValueError, RuntimeError) as e:  # xgrammar refusing a tool's parameter schema
-        raise APIError(400, f"tools: {error_message(e)}", "invalid_request_error", param="tools") from None
-    check_forcing_grammar_size(grammar, max_grammar_bytes)
-    return grammar
 
 
 def template_sampling(chat: TemplateChat, sampling: dict[str, Any]) -> dict[str, Any]:
@@ -85,8 +72,7 @@ def template_sampling(chat: TemplateChat, sampling: dict[str, Any]) -> dict[str,
     grammar."""
     out = dict(sampling, skip_special_tokens=False) if chat.parses else dict(sampling)
     if chat.grammar is not None:
-        if any(k in out for k in _GRAMMAR_FIELDS):
-            raise APIError(400, "a forced tool call (tool_choice 'required' or named) cannot be combined with"
-                           " response_format, regex or ebnf", "invalid_request_error", param="tool_choice")
+        if any(k in out for k in GRAMMAR_FIELDS):
+            raise refuse_own_grammar()
         out["ebnf"] = chat.grammar
     return out

@@ -67,6 +67,7 @@ class KimiK2Parser:
         self._parallel = parallel_calls
         self._phase = _Phase.THINK_START if self._think is not None else _Phase.CONTENT
         self._buf = ""
+        self._searched = 0  # how much of the buffer is known to hold no whole CALL_END (a call's body streams)
         self._held = ""  # raw markup consumed since the last certain point (section start or released call)
         self._calls = 0
 
@@ -141,7 +142,8 @@ class KimiK2Parser:
                 return False
             return self._leave_grammar(content)
         if phase is _Phase.CALL:
-            if (i := buf.find(CALL_END)) < 0:
+            if (i := buf.find(CALL_END, max(0, self._searched - len(CALL_END) + 1))) < 0:
+                self._searched = len(buf)  # a long argument is searched once, not again with every token
                 return False
             body = buf[:i]
             call = self._call(body)
@@ -180,6 +182,7 @@ class KimiK2Parser:
 
     def _take(self, n: int) -> str:
         out, self._buf = self._buf[:n], self._buf[n:]
+        self._searched = 0
         return out
 
 

@@ -79,13 +79,13 @@ def test_slow_fallback_cuts_at_markers(pair: tuple[TiktokenTokenizer, HfTokenize
     """A tokenizer class that ignores split_special_tokens (a slow remote class) still never gets a control id
     from text: the text is cut inside each marker name."""
     _, hf = pair
-    real = hf._hf.encode
+    real = hf.hf.encode
 
     def ignores_the_flag(text: str, **kwargs: object) -> list[int]:
         kwargs.pop("split_special_tokens", None)
         return real(text, **kwargs)
 
-    monkeypatch.setattr(hf._hf, "encode", ignores_the_flag)
+    monkeypatch.setattr(hf.hf, "encode", ignores_the_flag)
     for text in MARKER_TEXTS:
         ids = hf.encode_ordinary(text)
         assert not hf.special_ids.intersection(ids) and hf.decode(ids) == text
