@@ -13,6 +13,8 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
 	$(VENV)/bin/pip install -q -e '.[test]'
+	# SGLang's frontend and bench_serving, the client under test: without its deps (they pin a CUDA torch).
+	$(VENV)/bin/pip install -q --no-deps sglang==0.5.23
 	touch $@
 
 run: $(VENV)/.installed
