@@ -14,6 +14,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -68,7 +69,7 @@ from runtime.tokenizer.request_stream import Sample, StreamChunk, token_text
 router = APIRouter(prefix="/v1")
 
 
-def _check_model(st: ServerState, model: str) -> None:
+def check_model(st: ServerState, model: str) -> None:
     """SGLang's names of the served model: the served name, "default" (SGLang's documentation sends it) and the
     model path; any other name is a 404, as in vLLM."""
     if model not in (st.model_name, "default", st.args.model):
@@ -174,7 +175,7 @@ async def models(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     st = state_of(request)
     req = await parse_body(request, CompletionRequest)
-    _check_model(st, req.model)
+    check_model(st, req.model)
     params = st.tm.parse_sampling(req.sampling(req.max_tokens))
     raw = req.prompts()
     _check_limits(st, params, len(raw), req.logprobs or 0, "logprobs",
@@ -225,18 +226,10 @@ async def _completion_stream(st: ServerState, req: CompletionRequest, handles: l
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     req = await parse_body(request, ChatCompletionRequest)
-    _check_model(st, req.model)
-    k3, tpl = None, None
-    if st.chat_format.templated:  # the checkpoint's own template (runtime.tokenizer.chat_format)
-        tpl = await asyncio.to_thread(plan_template_chat, req, st.chat_format, st.args.max_grammar_bytes)
-    elif _renders_k3(st, req):  # a forced call's grammar is built off the loop
-        k3 = await asyncio.to_thread(plan_k3_chat, req, st.args.max_grammar_bytes)
-    params = st.tm.parse_sampling(_chat_sampling(req, k3, tpl))
-    top = req.top_logprobs or 0
-    _check_limits(st, params, 1, top, "top_logprobs", [sum(len(m.text()) for m in req.messages)], "messages")
-    # Messages are text: markers only where rendered.
-    prompt = tpl.ids(st.tokenizer) if tpl is not None else _chat_prompt(st.tokenizer, req, k3)
-    handles, timers = await _submit(st, [prompt], params, req.rid, req.logprobs, top)
+    check_model(st, req.model)
+    plan = await plan_chat(st, req)
+    k3, tpl = plan.k3, plan.tpl
+    handles, timers = await _submit(st, [plan.prompt], plan.params, req.rid, req.logprobs, req.top_logprobs or 0)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         return sse_response(_chat_stream(st, req, handles, timers, cid, created, k3, tpl))
@@ -246,6 +239,37 @@ async def chat_completions(request: Request) -> Response:
     choices = [_chat_choice(st.tokenizer, req, k3, tpl, s) for s in groups[0]]
     body = ChatCompletionResponse(id=cid, created=created, model=st.model_name, choices=choices, usage=_usage(groups))
     return OrjsonResponse(body.model_dump())
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat request made ready for the engine: its prompt, its sampling parameters, and how its replies are
+    read (K3's encoding, a Jinja template, or neither: the model's own framing, replies as plain text)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    k3: K3Chat | None
+    tpl: TemplateChat | None
+
+    def reply(self, tok: Tokenizer) -> ChatReply | None:
+        """A reader of one choice's text, when the chat's replies are parsed."""
+        return _reply(tok, self.k3, self.tpl)
+
+
+async def plan_chat(st: ServerState, req: ChatCompletionRequest) -> ChatPlan:
+    """The chat's prompt and parameters, after the door's limits (what /v1/responses and /v1/chat/completions
+    share)."""
+    k3, tpl = None, None
+    if st.chat_format.templated:  # the checkpoint's own template (runtime.tokenizer.chat_format)
+        tpl = await asyncio.to_thread(plan_template_chat, req, st.chat_format, st.args.max_grammar_bytes)
+    elif _renders_k3(st, req):  # a forced call's grammar is built off the loop
+        k3 = await asyncio.to_thread(plan_k3_chat, req, st.args.max_grammar_bytes)
+    params = st.tm.parse_sampling(_chat_sampling(req, k3, tpl))
+    _check_limits(st, params, 1, req.top_logprobs or 0, "top_logprobs", [sum(len(m.text()) for m in req.messages)],
+                  "messages")
+    # Messages are text: markers only where rendered.
+    prompt = tpl.ids(st.tokenizer) if tpl is not None else _chat_prompt(st.tokenizer, req, k3)
+    return ChatPlan(prompt, params, k3, tpl)
 
 
 def _renders_k3(st: ServerState, req: ChatCompletionRequest) -> bool:

@@ -12,6 +12,7 @@ from radixk3.config import BUILTIN_PRESET
 from radixk3.tokenizer import Tokenizer
 from runtime.engine_processes import EngineProcesses
 from runtime.http.metrics import ServerMetrics
+from runtime.http.responses_store import ResponseStore
 from runtime.server_args import ServerArgs
 from runtime.tokenizer.chat_format import ChatFormat
 from runtime.tokenizer.manager import RequestHandle, TokenizerManager
@@ -26,6 +27,7 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     # Requests by the id they were submitted with; weak: a finished request's handle is dropped with its route.
     live: weakref.WeakValueDictionary[str, RequestHandle] = field(default_factory=weakref.WeakValueDictionary)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept for previous_response_id
 
     @property
     def tokenizer(self) -> Tokenizer:
