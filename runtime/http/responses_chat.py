@@ -36,15 +36,15 @@ _RESPONSES_NAMES = {"messages": "input", "reasoning_effort": "reasoning.effort",
 
 
 def in_responses_terms(e: APIError) -> APIError:
-    """A chat-side error with the field it names as the Responses API names it."""
+    """A chat-side error with the field it names as the Responses API names it (a chat message's index is not an
+    input item's: a message's error names the input)."""
     if e.param is None:
         return e
-    head, dot, rest = e.param.partition(".")
-    head, _, index = head.partition("[")
+    head = e.param.split(".", 1)[0].split("[", 1)[0]
     if head not in _RESPONSES_NAMES:
         return e
-    param = _RESPONSES_NAMES[head] + (f"[{index}" if index else "") + dot + rest
-    message = e.message.replace(e.param, param, 1) if e.message.startswith(e.param) else e.message
+    param = "input" if head == "messages" else _RESPONSES_NAMES[head] + e.param[len(head):]
+    message = param + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
     return APIError(e.status, message, e.type, param, e.code)
 
 
