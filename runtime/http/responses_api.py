@@ -3,9 +3,9 @@ route's rendering, sampling and reply parsers (`runtime.http.responses_chat` mak
 
 A response is one sample. Streams are server-sent events named by their type, numbered by `sequence_number`:
 `response.created`, `response.in_progress`, each output item's events (`runtime.http.responses_output`), then
-`response.completed` (or `response.incomplete` when `max_output_tokens` cut the reply, `response.failed` when the
-engine failed it). A stored response (`store`, on by default) continues through `previous_response_id` while the
-server keeps it (`runtime.http.responses_store`); an id it does not hold is a 404.
+`response.completed` (or `response.incomplete` when `max_output_tokens` cut the reply or an abort cancelled it,
+`response.failed` when the engine failed it). A stored response (`store`, on by default) continues through
+`previous_response_id` while the server keeps it (`runtime.http.responses_store`); an id it does not hold is a 404.
 """
 
 from __future__ import annotations
@@ -69,13 +69,15 @@ class _Turn:
         return self.out.push(self.reader.push(text, finished, ids))
 
     def finish(self, s: Sample) -> list[Event]:
-        """The last items' events; the response completed (or incomplete), and stored when asked."""
+        """The last items' events; the response finished, and stored when asked."""
         finish = s.finished if self.reader is None else self.reader.finish_reason(s.finished)
-        complete = finish != "length"
+        # An abort (`/abort_request`) cancels it; max_output_tokens leaves it incomplete.
+        status = {"length": "incomplete", "abort": "cancelled"}.get(finish or "", "completed")
+        complete = status == "completed"
         events = self.out.finish(complete)
         body = self.body
-        body.status = "completed" if complete else "incomplete"
-        body.incomplete_details = None if complete else IncompleteDetails(reason="max_output_tokens")
+        body.status = status  # type: ignore[assignment]
+        body.incomplete_details = IncompleteDetails(reason="max_output_tokens") if finish == "length" else None
         body.completed_at = int(time.time()) if complete else None
         body.output = self.out.items
         reasoning = _reasoning_tokens(self.plan, self.st.tokenizer, s.output_ids, self.out)

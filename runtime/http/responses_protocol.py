@@ -386,7 +386,7 @@ class ResponseObject(BaseModel):
     object: Literal["response"] = "response"
     created_at: int
     completed_at: int | None = None
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["in_progress", "completed", "incomplete", "cancelled", "failed"]
     model: str
     output: list[OutputItem] = Field(default_factory=list)
     error: ResponseError | None = None

@@ -132,6 +132,21 @@ def test_stream_rebuilds_the_response(client: openai.OpenAI, kw: dict[str, Any])
         exclude={"input_tokens_details"})  # the second prompt is cached
 
 
+def test_an_aborted_stream_is_cancelled(client: openai.OpenAI, server: Server) -> None:
+    """`request_id` (SGLang's extra) names the request for /abort_request: the stream ends, cancelled."""
+    events = []
+    with client.responses.create(model=MODEL, input=ASK, max_output_tokens=300, temperature=0, stream=True,
+                                 extra_body={"request_id": "resp-to-abort"}, **NO_THINKING) as stream:  # type: ignore[arg-type]
+        for e in stream:
+            events.append(e)
+            if e.type == "response.output_text.delta" and len(events) == 5:
+                assert httpx.post(f"{server.url}/abort_request", json={"rid": "resp-to-abort"}).status_code == 200
+    check_events(events)
+    final = events[-1].response
+    assert events[-1].type == "response.incomplete" and final.status == "cancelled"
+    assert final.usage.output_tokens < 300 and final.output[0].status == "incomplete"
+
+
 def test_forced_function_call(client: openai.OpenAI, forced_call: Any) -> None:
     r = forced_call
     assert r.status == "completed" and [type(o) for o in r.output] == [ResponseFunctionToolCall]
