@@ -61,6 +61,10 @@ def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
     try:
         thinking, effort = thinking_options(kw.get("thinking", kw.get("enable_thinking")), kw.get("thinking_effort"),
                                             req.reasoning_effort)
+    except RenderError as e:  # an effort K3 does not know: the field that gave it
+        field = "chat_template_kwargs" if "thinking_effort" in kw else "reasoning_effort"
+        raise APIError(400, f"{field}: {e}", "invalid_request_error", param=field) from None
+    try:
         fmt = req.response_format.model_dump(by_alias=True, exclude_none=True) if req.response_format else None
         options = K3ChatOptions(thinking, effort, choice if isinstance(choice, str) else None, fmt, forced is not None)
         prompt = render_k3_chat(messages, tools, options)

@@ -132,6 +132,30 @@ def test_stream_rebuilds_the_response(client: openai.OpenAI, kw: dict[str, Any])
         exclude={"input_tokens_details"})  # the second prompt is cached
 
 
+def test_a_codex_shaped_request_on_the_wire(server: Server) -> None:
+    """What Codex sends (stateless: no store, reasoning sealed; a developer message; function tools not strict;
+    a cache key), and the stream as it reads it: each event a `event: TYPE` line and its JSON, no [DONE]."""
+    tool = TOOLS[0] | {"strict": False}
+    body = {"model": MODEL, "instructions": "You are a coding agent.", "stream": True, "store": False,
+            "include": ["reasoning.encrypted_content"], "prompt_cache_key": "session-1", "tools": [tool],
+            "tool_choice": "auto", "parallel_tool_calls": False, "reasoning": {"effort": "high", "summary": "auto"},
+            "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "env"}]},
+                      {"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK}]}],
+            "max_output_tokens": 3}
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=300.0) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        frames = r.read().decode().strip().split("\n\n")
+    events = []
+    for frame in frames:
+        name, data = frame.split("\n")
+        assert name.startswith("event: ") and data.startswith("data: ")
+        events.append(orjson.loads(data[6:]))
+        assert events[-1]["type"] == name[7:]
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["store"] is False
+    (item,) = events[-1]["response"]["output"]
+    assert item["type"] == "reasoning" and item["encrypted_content"]
+
+
 def test_an_aborted_stream_is_cancelled(client: openai.OpenAI, server: Server) -> None:
     """`request_id` (SGLang's extra) names the request for /abort_request: the stream ends, cancelled."""
     events = []
@@ -249,7 +273,7 @@ def test_store_false_and_unknown_ids(client: openai.OpenAI, server: Server) -> N
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
      ("input_image",)),
     ({"reasoning": {"effort": "xhigh"}}, "reasoning.effort", ("'low'", "'max'")),
-    ({"reasoning": {"effort": "medium"}}, "input", ("low, high, max",)),
+    ({"reasoning": {"effort": "medium"}}, "reasoning.effort", ("reasoning.effort: ", "low, high, max")),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, None, ("tool_choice", "not in tools")),
     ({"input": [{"type": "function_call_output", "call_id": "x", "output": "r"}]}, "input", ("no tool name",)),
     ({"max_output_tokens": -1}, "max_output_tokens", ()),
