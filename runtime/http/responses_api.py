@@ -22,6 +22,7 @@ from radixk3.tokenizer import Tokenizer
 from runtime.errors import InvalidRequest
 from runtime.http.api_errors import APIError, OrjsonResponse, bad_request, parse_body, request_failed, stream_failed
 from runtime.http.handles import ClientDisconnected, collect_all, failed, metered, submit_all, unless_disconnected
+from runtime.http.metrics import RequestTimer
 from runtime.http.openai_api import ChatPlan, check_model, plan_chat
 from runtime.http.openai_protocol import DeltaMessage
 from runtime.http.responses_chat import chat_request, in_responses_terms, output_messages
@@ -119,13 +120,13 @@ async def _start(st: ServerState, req: ResponsesRequest) -> tuple[_Turn, Request
     try:
         plan = await plan_chat(st, chat)
         await st.tm.check_grammars([plan.params])  # parsed in a thread: a large grammar never stalls others
+        turn = _Turn(st, req, plan, conversation + added)
+        handle = submit_all(st.tm, st.live, [plan.prompt], [plan.params], [req.request_id or turn.id],
+                            return_logprob=False, top_logprobs_num=0)[0]
     except APIError as e:
         raise in_responses_terms(e) from None
-    except InvalidRequest as e:
+    except InvalidRequest as e:  # the engine's checks (a prompt over the context, ...), in its names
         raise in_responses_terms(bad_request(str(e), e.param)) from None
-    turn = _Turn(st, req, plan, conversation + added)
-    handle = submit_all(st.tm, st.live, [plan.prompt], [plan.params], [req.request_id or turn.id],
-                        return_logprob=False, top_logprobs_num=0)[0]
     return turn, handle
 
 
@@ -143,14 +144,14 @@ async def create_response(request: Request) -> Response:
     except ClientDisconnected:
         return Response(status_code=499)
     if (err := failed(groups[0])) is not None:
-        raise err
+        raise in_responses_terms(err)
     s = groups[0][0]
     turn.push(s.text, s.finished or "length", s.output_ids)
     turn.finish(s)
     return OrjsonResponse(turn.body.model_dump())
 
 
-async def _stream(turn: _Turn, handle: RequestHandle, timer: Any) -> AsyncIterator[bytes]:
+async def _stream(turn: _Turn, handle: RequestHandle, timer: RequestTimer) -> AsyncIterator[bytes]:
     seq = 0
 
     def numbered(e: Event) -> bytes:

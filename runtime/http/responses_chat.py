@@ -32,7 +32,8 @@ _ITEMS: TypeAdapter[list[Any]] = TypeAdapter(list[InputItem])
 
 # The chat route's names of the Responses API's fields (and the engine's, for the sampling parameters' checks).
 _RESPONSES_NAMES = {"messages": "input", "reasoning_effort": "reasoning.effort", "max_tokens": "max_output_tokens",
-                    "max_new_tokens": "max_output_tokens", "response_format": "text.format", "rid": "request_id"}
+                    "max_new_tokens": "max_output_tokens", "response_format": "text.format", "rid": "request_id",
+                    "json_schema": "text.format", "prompt": "input"}
 
 
 def in_responses_terms(e: APIError) -> APIError:
@@ -43,7 +44,7 @@ def in_responses_terms(e: APIError) -> APIError:
     head = e.param.split(".", 1)[0].split("[", 1)[0]
     if head not in _RESPONSES_NAMES:
         return e
-    param = "input" if head == "messages" else _RESPONSES_NAMES[head] + e.param[len(head):]
+    param = _RESPONSES_NAMES[head] if head in ("messages", "prompt") else _RESPONSES_NAMES[head] + e.param[len(head):]
     message = param + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
     return APIError(e.status, message, e.type, param, e.code)
 

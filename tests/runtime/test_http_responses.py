@@ -277,6 +277,7 @@ def test_store_false_and_unknown_ids(client: openai.OpenAI, server: Server) -> N
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, None, ("tool_choice", "not in tools")),
     ({"input": [{"type": "function_call_output", "call_id": "x", "output": "r"}]}, "input", ("no tool name",)),
     ({"max_output_tokens": -1}, "max_output_tokens", ()),
+    ({"max_output_tokens": 10**8}, "max_output_tokens", ("capacity",)),
     ({"nonsense": 1}, "nonsense", ("unknown field",)),
 ])
 def test_refusals_name_the_field(server: Server, extra: dict[str, Any], param: str | None, words: tuple[str, ...]
