@@ -10,6 +10,7 @@ A response is one sample. Streams are server-sent events named by their type, nu
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -69,7 +70,7 @@ class _Turn:
             return self.out.push(DeltaMessage(content=text or None))
         return self.out.push(self.reader.push(text, finished, ids))
 
-    def finish(self, s: Sample) -> list[Event]:
+    async def finish(self, s: Sample) -> list[Event]:
         """The last items' events; the response finished, and stored when asked."""
         finish = s.finished if self.reader is None else self.reader.finish_reason(s.finished)
         # An abort (`/abort_request`) cancels it; max_output_tokens leaves it incomplete.
@@ -81,7 +82,8 @@ class _Turn:
         body.incomplete_details = IncompleteDetails(reason="max_output_tokens") if finish == "length" else None
         body.completed_at = int(time.time()) if complete else None
         body.output = self.out.items
-        reasoning = _reasoning_tokens(self.plan, self.st.tokenizer, s.output_ids, self.out)
+        # Off the loop: a long reply is decoded and read a few times over.
+        reasoning = await asyncio.to_thread(_reasoning_tokens, self.plan, self.st.tokenizer, s.output_ids, self.out)
         body.usage = ResponseUsage.of(s.prompt_tokens, len(s.output_ids), s.cached_tokens, reasoning)
         if body.store:
             self.st.responses.put(self.id, stored(body.model_dump(), self.history + output_messages(self.out.items)))
@@ -147,7 +149,7 @@ async def create_response(request: Request) -> Response:
         raise in_responses_terms(err)
     s = groups[0][0]
     turn.push(s.text, s.finished or "length", s.output_ids)
-    turn.finish(s)
+    await turn.finish(s)
     return OrjsonResponse(turn.body.model_dump())
 
 
@@ -169,7 +171,7 @@ async def _stream(turn: _Turn, handle: RequestHandle, timer: RequestTimer) -> As
                 raise request_failed(c)
             for e in turn.push(c.text, c.finished, c.token_ids):
                 yield numbered(e)
-        for e in turn.finish(s):
+        for e in await turn.finish(s):
             yield numbered(e)
         kind = "response.completed" if turn.body.status == "completed" else "response.incomplete"
         yield numbered({"type": kind, "response": turn.body.model_dump()})
