@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Discriminator,
     Field,
     StrictBool,
@@ -27,7 +28,14 @@ from pydantic import (
     model_validator,
 )
 
-from runtime.http.openai_protocol import NonEmptyStr, Stop, ToolName, _Strict
+from runtime.http.openai_protocol import NonEmptyStr, Stop, ToolName
+
+
+class _Strict(BaseModel):
+    """As the chat route's requests: unknown fields refused, no coercion, no NaN or infinities."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
 
 # --- input items --------------------------------------------------------------------------------------------
 
