@@ -14,6 +14,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -68,7 +69,7 @@ from runtime.tokenizer.request_stream import Sample, StreamChunk, token_text
 router = APIRouter(prefix="/v1")
 
 
-def _check_model(st: ServerState, model: str) -> None:
+def check_model(st: ServerState, model: str) -> None:
     """SGLang's names of the served model: the served name, "default" (SGLang's documentation sends it) and the
     model path; any other name is a 404, as in vLLM."""
     if model not in (st.model_name, "default", st.args.model):
@@ -174,7 +175,7 @@ async def models(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     st = state_of(request)
     req = await parse_body(request, CompletionRequest)
-    _check_model(st, req.model)
+    check_model(st, req.model)
     params = st.tm.parse_sampling(req.sampling(req.max_tokens))
     raw = req.prompts()
     _check_limits(st, params, len(raw), req.logprobs or 0, "logprobs",
@@ -225,18 +226,10 @@ async def _completion_stream(st: ServerState, req: CompletionRequest, handles: l
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     req = await parse_body(request, ChatCompletionRequest)
-    _check_model(st, req.model)
-    k3, tpl = None, None
-    if st.chat_format.templated:  # the checkpoint's own template (runtime.tokenizer.chat_format)
-        tpl = await asyncio.to_thread(plan_template_chat, req, st.chat_format, st.args.max_grammar_bytes)
-    elif _renders_k3(st, req):  # a forced call's grammar is built off the loop
-        k3 = await asyncio.to_thread(plan_k3_chat, req, st.args.max_grammar_bytes)
-    params = st.tm.parse_sampling(_chat_sampling(req, k3, tpl))
-    top = req.top_logprobs or 0
-    _check_limits(st, params, 1, top, "top_logprobs", [sum(len(m.text()) for m in req.messages)], "messages")
-    # Messages are text: markers only where rendered.
-    prompt = tpl.ids(st.tokenizer) if tpl is not None else _chat_prompt(st.tokenizer, req, k3)
-    handles, timers = await _submit(st, [prompt], params, req.rid, req.logprobs, top)
+    check_model(st, req.model)
+    plan = await plan_chat(st, req)
+    k3, tpl = plan.chat.k3, plan.chat.tpl
+    handles, timers = await _submit(st, [plan.prompt], plan.params, req.rid, req.logprobs, req.top_logprobs or 0)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         return sse_response(_chat_stream(st, req, handles, timers, cid, created, k3, tpl))
@@ -246,6 +239,52 @@ async def chat_completions(request: Request) -> Response:
     choices = [_chat_choice(st.tokenizer, req, k3, tpl, s) for s in groups[0]]
     body = ChatCompletionResponse(id=cid, created=created, model=st.model_name, choices=choices, usage=_usage(groups))
     return OrjsonResponse(body.model_dump())
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """A chat rendered in the model's chat format: K3's encoding, a Jinja template's, or neither (the model's
+    own framing); the same for every API that speaks in chats (chat completions, Anthropic's Messages)."""
+
+    req: ChatCompletionRequest
+    k3: K3Chat | None
+    tpl: TemplateChat | None
+
+    def ids(self, tok: Tokenizer) -> list[int]:
+        # Messages are text: markers only where rendered.
+        return self.tpl.ids(tok) if self.tpl is not None else _chat_prompt(tok, self.req, self.k3)
+
+    def sampling(self) -> dict[str, Any]:
+        return _chat_sampling(self.req, self.k3, self.tpl)
+
+    def parser(self) -> ReplyParser | None:
+        return _parser(self.k3, self.tpl)
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat ready to submit: its prompt's ids and its sampling parameters, checked against the door's limits."""
+
+    chat: RenderedChat
+    prompt: list[int]
+    params: SamplingParams
+
+
+async def render_chat(st: ServerState, req: ChatCompletionRequest) -> RenderedChat:
+    k3, tpl = None, None
+    if st.chat_format.templated:  # the checkpoint's own template (runtime.tokenizer.chat_format)
+        tpl = await asyncio.to_thread(plan_template_chat, req, st.chat_format, st.args.max_grammar_bytes)
+    elif _renders_k3(st, req):  # a forced call's grammar is built off the loop
+        k3 = await asyncio.to_thread(plan_k3_chat, req, st.args.max_grammar_bytes)
+    return RenderedChat(req, k3, tpl)
+
+
+async def plan_chat(st: ServerState, req: ChatCompletionRequest) -> ChatPlan:
+    chat = await render_chat(st, req)
+    params = st.tm.parse_sampling(chat.sampling())
+    _check_limits(st, params, 1, req.top_logprobs or 0, "top_logprobs",
+                  [sum(len(m.text()) for m in req.messages)], "messages")
+    return ChatPlan(chat, chat.ids(st.tokenizer), params)
 
 
 def _renders_k3(st: ServerState, req: ChatCompletionRequest) -> bool:
