@@ -101,7 +101,8 @@ async def _stream(st: ServerState, req: MessagesRequest, plan: ChatPlan, handle:
         async for c in metered(handle, timer):
             sample.add(c)
             if c.finished == "error":
-                yield _named(anthropic_error(request_failed(c).status, request_failed(c).message))
+                err = request_failed(c)
+                yield _named(anthropic_error(err.status, err.message))
                 return
             delta = DeltaMessage(content=c.text) if reply is None else reply.push(c.text, c.finished, c.token_ids)
             for e in blocks.push(delta):

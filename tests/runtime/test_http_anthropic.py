@@ -179,6 +179,8 @@ def test_tool_use_and_tool_result_round_trip(server: Server, client: anthropic.A
     ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS}, 400, "invalid_request_error", ("nope",)),
     ({"messages": [*ASK, {"role": "assistant", "content": "Sure"}]}, 400, "invalid_request_error", ("prefill",)),
     ({"max_tokens": 0}, 400, "invalid_request_error", ("max_tokens",)),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "foo"}}}}, 400,
+     "invalid_request_error", ("foo",)),
     ({"unknown_field": 1}, 400, "invalid_request_error", ("unknown_field",)),
 ])
 def test_errors_in_anthropic_shape(server: Server, body: dict[str, Any], status: int, kind: str,
