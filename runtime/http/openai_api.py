@@ -271,15 +271,18 @@ class ChatPlan:
 
 
 async def render_chat(st: ServerState, req: ChatCompletionRequest) -> RenderedChat:
+    """The chat in the model's format (a 400 for what the format cannot render); a forced call's grammar is
+    built off the event loop."""
     k3, tpl = None, None
     if st.chat_format.templated:  # the checkpoint's own template (runtime.tokenizer.chat_format)
         tpl = await asyncio.to_thread(plan_template_chat, req, st.chat_format, st.args.max_grammar_bytes)
-    elif _renders_k3(st, req):  # a forced call's grammar is built off the loop
+    elif _renders_k3(st, req):
         k3 = await asyncio.to_thread(plan_k3_chat, req, st.args.max_grammar_bytes)
     return RenderedChat(req, k3, tpl)
 
 
 async def plan_chat(st: ServerState, req: ChatCompletionRequest) -> ChatPlan:
+    """The chat rendered, its sampling parameters parsed and the door's limits checked: ready to submit."""
     chat = await render_chat(st, req)
     params = st.tm.parse_sampling(chat.sampling())
     _check_limits(st, params, 1, req.top_logprobs or 0, "top_logprobs",

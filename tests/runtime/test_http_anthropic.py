@@ -19,6 +19,7 @@ from tests.runtime.http_server_proc import Server, running_server
 
 MODEL = "k3-tiny"
 KEY = "sk-anthropic-test"
+BODY_LIMIT = 100_000
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
            "required": ["city"], "additionalProperties": False}
@@ -33,7 +34,7 @@ ON = {"thinking": {"type": "enabled", "budget_tokens": 1024}}
 
 @pytest.fixture(scope="module")
 def server() -> Server:
-    with running_server(api_key=KEY) as s:
+    with running_server("--max-body-bytes", str(BODY_LIMIT), api_key=KEY) as s:
         yield s
 
 
@@ -205,3 +206,12 @@ def test_api_key(server: Server, client: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.AuthenticationError) as e:
         bad.messages.count_tokens(model=MODEL, messages=ASK)  # type: ignore[arg-type]
     assert e.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+
+
+def test_body_too_large(server: Server) -> None:
+    """Refused by the access middleware, in Anthropic's shape as well."""
+    big = [{"role": "user", "content": "x" * BODY_LIMIT}]
+    with server.client() as h:
+        r = h.post("/v1/messages", json={"model": MODEL, "max_tokens": 1, "messages": big})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large", r.text
+    assert int(r.headers["content-length"]) == len(r.content)
