@@ -228,7 +228,7 @@ async def chat_completions(request: Request) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
     check_model(st, req.model)
     plan = await plan_chat(st, req)
-    k3, tpl = plan.k3, plan.tpl
+    k3, tpl = plan.chat.k3, plan.chat.tpl
     handles, timers = await _submit(st, [plan.prompt], plan.params, req.rid, req.logprobs, req.top_logprobs or 0)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
@@ -242,34 +242,56 @@ async def chat_completions(request: Request) -> Response:
 
 
 @dataclass(frozen=True)
-class ChatPlan:
-    """A chat request made ready for the engine: its prompt, its sampling parameters, and how its replies are
-    read (K3's encoding, a Jinja template, or neither: the model's own framing, replies as plain text)."""
+class RenderedChat:
+    """A chat rendered in the model's chat format: K3's encoding, a Jinja template's, or neither (the model's
+    own framing); the same for every API that speaks in chats (chat completions, Anthropic's Messages)."""
 
-    prompt: list[int]
-    params: SamplingParams
+    req: ChatCompletionRequest
     k3: K3Chat | None
     tpl: TemplateChat | None
 
+    def ids(self, tok: Tokenizer) -> list[int]:
+        # Messages are text: markers only where rendered.
+        return self.tpl.ids(tok) if self.tpl is not None else _chat_prompt(tok, self.req, self.k3)
+
+    def sampling(self) -> dict[str, Any]:
+        return _chat_sampling(self.req, self.k3, self.tpl)
+
+    def parser(self) -> ReplyParser | None:
+        return _parser(self.k3, self.tpl)
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat ready to submit: its prompt's ids and its sampling parameters, checked against the door's limits."""
+
+    chat: RenderedChat
+    prompt: list[int]
+    params: SamplingParams
+
     def reply(self, tok: Tokenizer) -> ChatReply | None:
         """A reader of one choice's text, when the chat's replies are parsed."""
-        return _reply(tok, self.k3, self.tpl)
+        return _reply(tok, self.chat.k3, self.chat.tpl)
 
 
-async def plan_chat(st: ServerState, req: ChatCompletionRequest) -> ChatPlan:
-    """The chat's prompt and parameters, after the door's limits (what /v1/responses and /v1/chat/completions
-    share)."""
+async def render_chat(st: ServerState, req: ChatCompletionRequest) -> RenderedChat:
+    """The chat in the model's format (a 400 for what the format cannot render); a forced call's grammar is
+    built off the event loop."""
     k3, tpl = None, None
     if st.chat_format.templated:  # the checkpoint's own template (runtime.tokenizer.chat_format)
         tpl = await asyncio.to_thread(plan_template_chat, req, st.chat_format, st.args.max_grammar_bytes)
-    elif _renders_k3(st, req):  # a forced call's grammar is built off the loop
+    elif _renders_k3(st, req):
         k3 = await asyncio.to_thread(plan_k3_chat, req, st.args.max_grammar_bytes)
-    params = st.tm.parse_sampling(_chat_sampling(req, k3, tpl))
-    _check_limits(st, params, 1, req.top_logprobs or 0, "top_logprobs", [sum(len(m.text()) for m in req.messages)],
-                  "messages")
-    # Messages are text: markers only where rendered.
-    prompt = tpl.ids(st.tokenizer) if tpl is not None else _chat_prompt(st.tokenizer, req, k3)
-    return ChatPlan(prompt, params, k3, tpl)
+    return RenderedChat(req, k3, tpl)
+
+
+async def plan_chat(st: ServerState, req: ChatCompletionRequest) -> ChatPlan:
+    """The chat rendered, its sampling parameters parsed and the door's limits checked: ready to submit."""
+    chat = await render_chat(st, req)
+    params = st.tm.parse_sampling(chat.sampling())
+    _check_limits(st, params, 1, req.top_logprobs or 0, "top_logprobs",
+                  [sum(len(m.text()) for m in req.messages)], "messages")
+    return ChatPlan(chat, chat.ids(st.tokenizer), params)
 
 
 def _renders_k3(st: ServerState, req: ChatCompletionRequest) -> bool:

@@ -30,6 +30,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runtime.engine_processes import EngineProcesses
 from runtime.errors import EngineError, ShuttingDown
+from runtime.http.anthropic_api import AnthropicErrors
+from runtime.http.anthropic_api import router as anthropic_router
 from runtime.http.api_errors import APIError, install_error_handlers
 from runtime.http.head_timeout import head_timeout_protocol
 from runtime.http.native_api import router as native_router
@@ -49,8 +51,9 @@ CLOSING_S = 5.0
 
 
 class AccessMiddleware:
-    """Bearer API key on every path but /health, and the request body size limit (413), checked on the
-    declared Content-Length and again on the bytes actually received (chunked bodies declare none)."""
+    """The API key on every path but /health (`Authorization: Bearer <key>`, or Anthropic's `x-api-key: <key>`),
+    and the request body size limit (413), checked on the declared Content-Length and again on the bytes actually
+    received (chunked bodies declare none)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
@@ -60,7 +63,10 @@ class AccessMiddleware:
     def _authorized(self, header: bytes) -> bool:
         # `Bearer <key>`; the scheme is case-insensitive and one or more spaces follow it (RFC 7235).
         scheme, _, key = header.partition(b" ")
-        return scheme.lower() == b"bearer" and secrets.compare_digest(key.lstrip(b" "), self.expected or b"")
+        return scheme.lower() == b"bearer" and self._matches(key.lstrip(b" "))
+
+    def _matches(self, key: bytes) -> bool:
+        return secrets.compare_digest(key, self.expected or b"")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -69,10 +75,11 @@ class AccessMiddleware:
         headers = Headers(scope=scope)
         if self.expected is not None and scope["path"] not in OPEN_PATHS:
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")  # the bytes as sent
-            if not self._authorized(given):
-                what = "a wrong API key" if given else "no API key"
-                err = APIError(401, f"the request has {what}; send the header 'Authorization: Bearer <key>'",
-                               "authentication_error", code="invalid_api_key")
+            x_api_key = next((v for k, v in scope["headers"] if k == b"x-api-key"), None)
+            if not (self._authorized(given) or (x_api_key is not None and self._matches(x_api_key))):
+                what = "a wrong API key" if given or x_api_key is not None else "no API key"
+                err = APIError(401, f"the request has {what}; send the header 'Authorization: Bearer <key>' "
+                               "(or 'x-api-key: <key>')", "authentication_error", code="invalid_api_key")
                 await err.response()(scope, receive, send)
                 return
         declared = headers.get("content-length")
@@ -117,6 +124,7 @@ def create_app(args: ServerArgs) -> FastAPI:
     app.include_router(native_router)
     app.include_router(openai_router)
     app.include_router(responses_router)
+    app.include_router(anthropic_router)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -125,6 +133,7 @@ def create_app(args: ServerArgs) -> FastAPI:
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.add_middleware(AccessMiddleware, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    app.add_middleware(AnthropicErrors)  # outermost: it reshapes the access middleware's refusals too
     return app
 
 
