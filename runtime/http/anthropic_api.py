@@ -26,7 +26,7 @@ from runtime.http.api_errors import OrjsonResponse, parse_body, request_failed, 
 from runtime.http.chat_reply import ChatReply, whole_reply
 from runtime.http.handles import ClientDisconnected, collect_all, failed, metered, submit_all, unless_disconnected
 from runtime.http.metrics import RequestTimer
-from runtime.http.openai_api import ChatPlan, check_model, plan_chat, render_chat
+from runtime.http.openai_api import ChatPlan, plan_chat, render_chat
 from runtime.http.openai_protocol import AssistantMessage, DeltaMessage
 from runtime.http.sse import event, sse_response
 from runtime.http.state import ServerState, state_of
@@ -46,7 +46,7 @@ def _thinks_by_default(st: ServerState) -> bool:
 async def count_tokens(request: Request) -> Response:
     st = state_of(request)
     req = await parse_body(request, CountTokensRequest)
-    check_model(st, req.model)
+    st.check_model(req.model)
     chat = await render_chat(st, chat_request(req, _thinks_by_default(st)))
     return OrjsonResponse(CountTokensOut(input_tokens=len(chat.ids(st.tokenizer))).model_dump())
 
@@ -55,7 +55,7 @@ async def count_tokens(request: Request) -> Response:
 async def messages(request: Request) -> Response:
     st = state_of(request)
     req = await parse_body(request, MessagesRequest)
-    check_model(st, req.model)
+    st.check_model(req.model)
     plan = await plan_chat(st, chat_request(req, _thinks_by_default(st)))
     await st.tm.check_grammars([plan.params])  # parsed in a thread: a large grammar never stalls other requests
     [handle] = submit_all(st.tm, st.live, [plan.prompt], [plan.params], [None])

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from runtime.errors import InvalidRequest
-from runtime.grammar_compile import error_message
+from runtime.grammar_compile import ANY_JSON, error_message, xgrammar_module
 from runtime.grammar_schema import vet_json_schema
 from runtime.http.api_errors import APIError
 from runtime.http.chat_reply import GRAMMAR_FIELDS, forcing_grammar_checked, refuse_own_grammar
@@ -56,6 +56,9 @@ def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
     own = {k: v for k, v in req.sampling(req.max_new_tokens).items() if k in GRAMMAR_FIELDS}
     if forced is not None and own:
         raise refuse_own_grammar()
+    if forced is not None and req.continue_final_message:
+        raise APIError(400, "continue_final_message cannot be combined with a forced tool call (tool_choice "
+                       "'required' or named)", "invalid_request_error", param="continue_final_message")
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     kw = req.chat_template_kwargs or {}
     try:
@@ -66,7 +69,8 @@ def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
         raise APIError(400, f"{field}: {e}", "invalid_request_error", param=field) from None
     try:
         fmt = req.response_format.model_dump(by_alias=True, exclude_none=True) if req.response_format else None
-        options = K3ChatOptions(thinking, effort, choice if isinstance(choice, str) else None, fmt, forced is not None)
+        options = K3ChatOptions(thinking, effort, choice if isinstance(choice, str) else None, fmt, forced is not None,
+                                req.continue_final_message)
         prompt = render_k3_chat(messages, tools, options)
     except RenderError as e:
         raise APIError(400, str(e), "invalid_request_error", param="messages") from None
@@ -76,14 +80,18 @@ def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
     if forced is not None:
         grammar = forcing_grammar_checked(
             tools, lambda: forcing_grammar(tools, forced, thinking, req.parallel_tool_calls), max_grammar_bytes)
-    if thinking and len(own) == 1:  # more than one: the sampling parameters refuse them
+    # A continued message is past its reasoning already: its own grammar holds from the start, as without thinking.
+    if thinking and len(own) == 1 and not req.continue_final_message:  # more than one: the sampling parameters refuse
         grammar = _own_grammar_after_thinking(*next(iter(own.items())))
     return K3Chat(prompt, bool(tools) and choice != "none", grammar, forced is not None, req.parallel_tool_calls)
 
 
 def _own_grammar_after_thinking(field: str, source: Any) -> str:
     """The request's own grammar from the response channel on, held to the limits its own field is held to (the
-    sampling parameters hold the EBNF's size to `--max-grammar-bytes`)."""
+    sampling parameters hold the EBNF's size to `--max-grammar-bytes`). Any JSON (json_object) is xgrammar's
+    built-in JSON grammar, as without thinking."""
+    if field == "json_schema" and source == ANY_JSON:
+        field, source = "ebnf", str(xgrammar_module().Grammar.builtin_json_grammar())
     if field == "json_schema":
         try:
             vet_json_schema(source if isinstance(source, str) else orjson.dumps(source).decode())

@@ -24,7 +24,7 @@ from runtime.errors import InvalidRequest
 from runtime.http.api_errors import APIError, OrjsonResponse, bad_request, parse_body, request_failed, stream_failed
 from runtime.http.handles import ClientDisconnected, collect_all, failed, metered, submit_all, unless_disconnected
 from runtime.http.metrics import RequestTimer
-from runtime.http.openai_api import ChatPlan, check_model, plan_chat
+from runtime.http.openai_api import ChatPlan, plan_chat
 from runtime.http.openai_protocol import DeltaMessage
 from runtime.http.responses_chat import chat_request, in_responses_terms, output_messages
 from runtime.http.responses_output import Event, OutputBuilder
@@ -136,7 +136,7 @@ async def _start(st: ServerState, req: ResponsesRequest) -> tuple[_Turn, Request
 async def create_response(request: Request) -> Response:
     st = state_of(request)
     req = await parse_body(request, ResponsesRequest)
-    check_model(st, req.model)
+    st.check_model(req.model)
     turn, handle = await _start(st, req)
     timer = st.metrics.timer()
     if req.stream:

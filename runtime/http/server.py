@@ -37,6 +37,7 @@ from runtime.http.head_timeout import head_timeout_protocol
 from runtime.http.native_api import router as native_router
 from runtime.http.openai_api import router as openai_router
 from runtime.http.responses_api import router as responses_router
+from runtime.http.server_info import router as server_info_router
 from runtime.http.state import ServerState, served_model_name, state_of
 from runtime.server_args import ServerArgs
 from runtime.tokenizer.manager import TokenizerManager
@@ -125,6 +126,7 @@ def create_app(args: ServerArgs) -> FastAPI:
     app.include_router(openai_router)
     app.include_router(responses_router)
     app.include_router(anthropic_router)
+    app.include_router(server_info_router)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

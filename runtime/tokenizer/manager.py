@@ -412,7 +412,9 @@ class TokenizerManager:
         if isinstance(sampling_params, SamplingParams):
             return sampling_params
         if sampling_params is None or isinstance(sampling_params, dict):
-            sampling_params = self.sampling_defaults | (sampling_params or {})
+            # A null field is not given: the model's default stays beneath it.
+            sampling_params = self.sampling_defaults | {k: v for k, v in (sampling_params or {}).items()
+                                                        if v is not None}
         params = SamplingParams.from_dict(sampling_params, self.vocab_size)
         self.limits.check_n(params.n)
         return params
@@ -501,7 +503,7 @@ class TokenizerManager:
             params = sub.params
             for i, (r, f) in enumerate(zip(sub.rids, sub_frames, strict=True)):
                 replica = self.router.route(r, sub.prompt_ids, params.max_new_tokens)
-                sample = SampleStream(r, i, self.tokenizer, params.stop, params.skip_special_tokens)
+                sample = SampleStream(r, i, self.tokenizer, params)
                 self._reqs[r] = _Entry(sample, sink, replica)
                 self._push[replica].send_multipart(f, flags=zmq.NOBLOCK)
             if deadline is not None:
