@@ -263,7 +263,7 @@ class ChatPlan:
 
     def reply(self, tok: Tokenizer) -> ChatReply | None:
         """A reader of one choice's text, when the chat's replies are parsed."""
-        return _reply(tok, self.chat.k3, self.chat.tpl)
+        return _reply(tok, self.chat.req, self.chat.k3, self.chat.tpl)
 
 
 async def render_chat(st: ServerState, req: ChatCompletionRequest) -> RenderedChat:
