@@ -89,13 +89,33 @@ class ChatTemplate:
 
     def prompt(self, messages: Sequence[Mapping[str, Any]], *, markers: Sequence[str],
                tools: Sequence[Mapping[str, Any]] | None = None, documents: Sequence[Mapping[str, Any]] | None = None,
-               add_generation_prompt: bool = True, kwargs: Mapping[str, Any] | None = None) -> ChatPrompt:
+               add_generation_prompt: bool = True, kwargs: Mapping[str, Any] | None = None,
+               continue_final_message: bool = False) -> ChatPrompt:
         """The rendered prompt, the template's `markers` (the tokenizer's control markers, `control_markers`) as
-        markers and every marker string that came from the caller's values as text."""
+        markers and every marker string that came from the caller's values as text. With `continue_final_message`
+        the prompt ends right after the final message's content, left open for the reply to continue (as
+        transformers' `apply_chat_template` cuts it)."""
         cut = _Cutter(tuple(markers))
-        text = self.render(cut.mark(messages), tools=cut.mark(tools), documents=cut.mark(documents),
-                           add_generation_prompt=add_generation_prompt, kwargs=cut.mark(kwargs))
+        marked = cut.mark(messages)
+        text = self.render(marked, tools=cut.mark(tools), documents=cut.mark(documents),
+                           add_generation_prompt=add_generation_prompt and not continue_final_message,
+                           kwargs=cut.mark(kwargs))
+        if continue_final_message:
+            text = _cut_after_final(text, marked[-1] if marked else {})
         return cut.split(text)
+
+
+def _cut_after_final(text: str, final: Mapping[str, Any]) -> str:
+    """The rendered text up to the end of the final message's content (stripped, as templates often trim it)."""
+    content = final.get("content")
+    if isinstance(content, list):
+        content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+    content = str(content or "").strip()
+    at = text.rfind(content) if content else -1
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the final message's content is empty or the chat template "
+                                "does not write it as it is")
+    return text[:at + len(content)]
 
 
 class HFChatTokenizer(Protocol):
@@ -108,10 +128,12 @@ class HFChatTokenizer(Protocol):
 
 def hf_chat_ids(tokenizer: HFChatTokenizer, messages: Sequence[Mapping[str, Any]], *,
                 tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True,
-                kwargs: Mapping[str, Any] | None = None) -> list[int]:
+                kwargs: Mapping[str, Any] | None = None, continue_final_message: bool = False) -> list[int]:
     """The ids of the tokenizer's own `apply_chat_template(..., tokenize=True)`: the template's markers are its
     special ids; markers in the caller's strings are text (transformers' `sanitize_control_tokens`)."""
     kwargs = dict(kwargs or {})
+    if continue_final_message:  # transformers refuses it beside a generation prompt
+        kwargs["continue_final_message"], add_generation_prompt = True, False
     if clash := sorted(set(kwargs) & {*RESERVED_VARIABLES, "tokenize", "return_dict", "sanitize_control_tokens"}):
         raise ChatTemplateError(f"chat_template_kwargs may not set {clash}: the request's own fields set them")
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -21,6 +21,68 @@ from runtime.grammar_schema import schema_too_deep
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
+TOP_K_ALL = 1 << 30  # SGLang's default top_k: the whole vocabulary (our -1)
+
+
+class SGLangField(NamedTuple):
+    """A field of SGLang's sampling parameters: its default there, and whether radixk3 supports other values."""
+
+    default: Any
+    supported: bool
+
+
+# Every field of SGLang 0.5.23's `SamplingParams` (srt/sampling/sampling_params.py), the one table of the rule:
+# null, or (for a field not supported) its default or an empty value, means "not asked for" and is accepted
+# silently; a supported field is parsed as ours; an unsupported one asked for is an InvalidRequest naming it.
+# Names in no SGLang schema (and not radixk3's own fields, `seed` and `speculative`) stay refused.
+SGLANG_FIELDS: dict[str, SGLangField] = {
+    "max_new_tokens": SGLangField(128, True),
+    "stop": SGLangField(None, True),
+    "stop_token_ids": SGLangField(None, True),
+    "stop_regex": SGLangField(None, False),
+    "temperature": SGLangField(1.0, True),
+    "top_p": SGLangField(1.0, True),
+    "top_k": SGLangField(TOP_K_ALL, True),
+    "min_p": SGLangField(0.0, True),
+    "frequency_penalty": SGLangField(0.0, True),
+    "presence_penalty": SGLangField(0.0, True),
+    "repetition_penalty": SGLangField(1.0, True),
+    "min_new_tokens": SGLangField(0, True),
+    "n": SGLangField(1, True),
+    "beam_width": SGLangField(None, False),  # beam search
+    "json_schema": SGLangField(None, True),
+    "regex": SGLangField(None, True),
+    "ebnf": SGLangField(None, True),
+    "structural_tag": SGLangField(None, False),
+    "ignore_eos": SGLangField(False, True),
+    "skip_special_tokens": SGLangField(True, True),
+    "spaces_between_special_tokens": SGLangField(True, False),
+    "no_stop_trim": SGLangField(False, False),
+    "stream_interval": SGLangField(None, False),
+    "logit_bias": SGLangField(None, False),
+    "sampling_seed": SGLangField(None, False),
+    "custom_params": SGLangField(None, False),  # custom logit processors' arguments
+    "watermark": SGLangField(None, False),
+    # SGLang's internal fields (filled by its own normalisation), which its wire format also takes.
+    "stop_strs": SGLangField(None, False),
+    "stop_regex_strs": SGLangField(None, False),
+    "stop_str_max_len": SGLangField(0, False),
+    "stop_regex_max_len": SGLangField(0, False),
+    "is_normalized": SGLangField(False, False),
+    "ebnf_full_assistant": SGLangField(False, False),
+}
+
+
+def at_default(value: Any, default: Any) -> bool:
+    """Whether an SGLang field's value asks for nothing: null, its default, or an empty string or collection where
+    the default is null (a bool is never a number, nor a number a bool)."""
+    if value is None:
+        return True
+    if default is None:
+        return isinstance(value, str | list | tuple | dict) and not value
+    if isinstance(default, bool) or isinstance(value, bool):
+        return value is default
+    return isinstance(value, int | float) and value == default
 
 
 def check_int(name: str, value: Any, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int:
@@ -115,16 +177,18 @@ class SamplingParams:
         if not isinstance(d, dict):
             raise InvalidRequest(f"sampling_params must be an object, got {type(d).__name__}",
                                  param="sampling_params")
-        d = dict(d)
-        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        d = {k: v for k, v in d.items() if v is not None}  # null: not given (SGLang's clients send many)
+        unknown = sorted(set(d) - {f.name for f in fields(cls)} - set(SGLANG_FIELDS))
         if unknown:
             raise InvalidRequest(f"unknown sampling parameter(s): {unknown}", param=str(unknown[0]))
+        for name in sorted(set(d)):
+            spec = SGLANG_FIELDS.get(name)
+            if spec is None or spec.supported:
+                continue
+            if not at_default(d.pop(name), spec.default):
+                raise InvalidRequest(f"{name} is not supported (only at its default, {spec.default!r})", param=name)
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
-        if d.get("stop") is None:
-            d.pop("stop", None)
-        if d.get("stop_token_ids") is None:
-            d.pop("stop_token_ids", None)
         p = cls(**d)
         p.validate(vocab_size)
         return p
@@ -137,6 +201,8 @@ class SamplingParams:
         check_int("top_k", self.top_k)
         if self.top_k == 0 or self.top_k < -1:
             raise InvalidRequest(f"top_k must be -1 (off) or >= 1, got {self.top_k}", param="top_k")
+        if self.top_k >= (TOP_K_ALL if vocab_size is None else min(vocab_size, TOP_K_ALL)):
+            self.top_k = -1  # the whole vocabulary: off, as SGLang's default means it
         check_float("min_p", self.min_p, 0.0, 1.0)
         check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)

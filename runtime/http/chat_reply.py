@@ -62,34 +62,49 @@ class ReplyParser(Protocol):
 
 
 class ChatReply:
-    """One choice: `push` each chunk of the engine's text (the stop token's own text is dropped at the end)."""
+    """One choice: `push` each chunk of the engine's text (the stop token's own text is dropped at the end).
 
-    def __init__(self, parser: ReplyParser, tokenizer: Tokenizer) -> None:
+    SGLang's reasoning options: `separate_reasoning=False` puts the reasoning back into the content, before the
+    reply's text; `stream_reasoning=False` holds the reasoning back until the last chunk, which carries all of it."""
+
+    def __init__(self, parser: ReplyParser, tokenizer: Tokenizer, *, separate_reasoning: bool = True,
+                 stream_reasoning: bool = True) -> None:
         self._reply = parser
         self._tok = tokenizer
+        self._separate = separate_reasoning
+        self._stream_reasoning = stream_reasoning
+        self._held: list[str] = []  # reasoning not streamed yet
 
     def push(self, text: str, finished: str | None, last_ids: list[int]) -> DeltaMessage:
         if finished is not None:
             text = without_stop_text(self._tok, text, last_ids)
         d = self._reply.push(text, final=finished is not None)
+        content, reasoning = d.content, d.reasoning
+        if not self._separate:
+            content, reasoning = reasoning + content, ""
+        elif not self._stream_reasoning:
+            self._held.append(reasoning)
+            reasoning = "".join(self._held) if finished is not None else ""
         calls = [DeltaToolCall(index=c.index, id=c.id, type="function" if c.name is not None else None,
                                function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in d.tool_calls]
-        return DeltaMessage(content=d.content or None, reasoning_content=d.reasoning or None,
-                            tool_calls=calls or None)
+        return DeltaMessage(content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None)
 
     def message(self) -> AssistantMessage:
         r = self._reply.reply()
         calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
                  for c in r.tool_calls]
-        return AssistantMessage(content=r.content, reasoning_content=r.reasoning_content, tool_calls=calls or None)
+        content, reasoning = r.content, r.reasoning_content
+        if not self._separate:
+            content, reasoning = ((reasoning or "") + (content or "")) or None, None
+        return AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None)
 
     def finish_reason(self, finished: str | None) -> str | None:
         return self._reply.finish_reason(finished)
 
 
-def whole_reply(parser: ReplyParser, tokenizer: Tokenizer, text: str, finished: str | None, ids: list[int]
-                ) -> tuple[AssistantMessage, str | None]:
+def whole_reply(parser: ReplyParser, tokenizer: Tokenizer, text: str, finished: str | None, ids: list[int], *,
+                separate_reasoning: bool = True) -> tuple[AssistantMessage, str | None]:
     """A whole (non-streamed) choice's message and finish reason."""
-    reply = ChatReply(parser, tokenizer)
+    reply = ChatReply(parser, tokenizer, separate_reasoning=separate_reasoning)
     reply.push(text, finished or "length", ids)
     return reply.message(), reply.finish_reason(finished)

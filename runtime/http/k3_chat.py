@@ -56,13 +56,17 @@ def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
     own = {k: v for k, v in req.sampling(req.max_new_tokens).items() if k in GRAMMAR_FIELDS}
     if forced is not None and own:
         raise refuse_own_grammar()
+    if forced is not None and req.continue_final_message:
+        raise APIError(400, "continue_final_message cannot be combined with a forced tool call (tool_choice "
+                       "'required' or named)", "invalid_request_error", param="continue_final_message")
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     kw = req.chat_template_kwargs or {}
     try:
         thinking, effort = thinking_options(kw.get("thinking", kw.get("enable_thinking")), kw.get("thinking_effort"),
                                             req.reasoning_effort)
         fmt = req.response_format.model_dump(by_alias=True, exclude_none=True) if req.response_format else None
-        options = K3ChatOptions(thinking, effort, choice if isinstance(choice, str) else None, fmt, forced is not None)
+        options = K3ChatOptions(thinking, effort, choice if isinstance(choice, str) else None, fmt, forced is not None,
+                                req.continue_final_message)
         prompt = render_k3_chat(messages, tools, options)
     except RenderError as e:
         raise APIError(400, str(e), "invalid_request_error", param="messages") from None
@@ -72,7 +76,8 @@ def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
     if forced is not None:
         grammar = forcing_grammar_checked(
             tools, lambda: forcing_grammar(tools, forced, thinking, req.parallel_tool_calls), max_grammar_bytes)
-    if thinking and len(own) == 1:  # more than one: the sampling parameters refuse them
+    # A continued message is past its reasoning already: its own grammar holds from the start, as without thinking.
+    if thinking and len(own) == 1 and not req.continue_final_message:  # more than one: the sampling parameters refuse
         grammar = _own_grammar_after_thinking(*next(iter(own.items())))
     return K3Chat(prompt, bool(tools) and choice != "none", grammar, forced is not None, req.parallel_tool_calls)
 

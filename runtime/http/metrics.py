@@ -132,3 +132,16 @@ class RequestTimer:
         self._m.e2e.observe(time.perf_counter() - self._t0)
         self._m.prompt_tokens.inc(prompt_tokens)
         self._m.requests.labels(finish_reason=reason or "unknown").inc()
+
+
+class UncountedTimer(RequestTimer):
+    """The timer of a request that asked to stay out of the metrics (SGLang's `log_metrics=false`)."""
+
+    def __init__(self) -> None:
+        pass
+
+    def chunk(self, index: int, num_tokens: int) -> None:
+        pass
+
+    def finish(self, reason: str | None, prompt_tokens: int) -> None:
+        pass

@@ -1,14 +1,15 @@
-"""The native, SGLang-compatible API: /generate, /health, /health_generate, /get_model_info, /get_server_info,
-/flush_cache, /abort_request.
+"""The native, SGLang-compatible API: /generate, /health, /health_generate, /flush_cache, /abort_request (the
+server's info routes are `runtime.http.server_info`'s).
 
 `/generate` takes `text` or `input_ids`, one prompt or a batch, and returns `{"text", "output_ids",
 "meta_info"}` per sample (a list for a batch or n > 1). Streamed, each event is one sample's (see `_stream`),
-with its `index` (sample j of prompt i of a batch: the samples of the prompts before i, plus j).
+with its `index` (sample j of prompt i of a batch: the samples of the prompts before i, plus j). Every field of
+SGLang's request (GenerateReqInput, and the router's additions) is known: the ones served are `GenerateRequest`'s,
+the others are declined by `runtime.http.sglang_fields` (accepted at their default, a 400 naming them otherwise).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -27,7 +28,8 @@ from runtime.http.handles import (
     submit_all,
     unless_disconnected,
 )
-from runtime.http.metrics import RequestTimer
+from runtime.http.metrics import RequestTimer, UncountedTimer
+from runtime.http.sglang_fields import GENERATE_DECLINED, drop_declined
 from runtime.http.sse import DONE, event, sse_response
 from runtime.http.state import ServerState, state_of
 from runtime.sampling_params import SamplingParams
@@ -49,10 +51,21 @@ class GenerateRequest(BaseModel):
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: StrictBool = False
     rid: NonEmptyStr | list[NonEmptyStr] | None = None
-    return_logprob: StrictBool = False
-    logprob_start_len: StrictInt = -1
-    top_logprobs_num: StrictInt = 0
+    # SGLang sends these as null for "not asked": null is their default.
+    return_logprob: StrictBool | None = None
+    logprob_start_len: StrictInt | None = None
+    top_logprobs_num: StrictInt | None = None
     return_text_in_logprobs: StrictBool = False
+    # sglang-router's additions: the model as the OpenAI routes take its names; log_metrics=false keeps the
+    # request out of /metrics (SGLang's health checks send it); no_logs: this server logs no request's content.
+    model: StrictStr | None = None
+    log_metrics: StrictBool = True
+    no_logs: StrictBool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _declined(cls, data: Any) -> Any:  # noqa: ANN401
+        return drop_declined(data, GENERATE_DECLINED)
 
     @model_validator(mode="after")
     def _shape(self) -> GenerateRequest:
@@ -74,6 +87,14 @@ class GenerateRequest(BaseModel):
         p: Any = self.text if self.text is not None else self.input_ids
         return p if self.is_batch else [p]
 
+    @property
+    def logprob_options(self) -> dict[str, Any]:
+        """The logprob options as `submit_all` takes them, SGLang's null read as its default."""
+        return {"return_logprob": bool(self.return_logprob),
+                "logprob_start_len": -1 if self.logprob_start_len is None else self.logprob_start_len,
+                "top_logprobs_num": self.top_logprobs_num or 0,
+                "return_text_in_logprobs": self.return_text_in_logprobs}
+
     def per_prompt(self, name: str, n: int) -> list[Any]:
         value = getattr(self, name)
         return list(value) if isinstance(value, list) else [value] * n
@@ -83,22 +104,22 @@ class GenerateRequest(BaseModel):
 async def generate(request: Request) -> Response:
     st = state_of(request)
     req = await parse_body(request, GenerateRequest)
+    if req.model is not None:
+        st.check_model(req.model)
     prompts = req.prompts()
     sps = _sampling_params(st, req, len(prompts))
     # The limits, before any prompt is encoded: samples in all against the queue, texts by their length.
     field = "text" if req.text is not None else "input_ids"
     st.tm.check_room(sum(sp.n for sp in sps), len(prompts), field if req.is_batch else "n")
-    st.tm.limits.check_top_logprobs(req.top_logprobs_num)
+    st.tm.limits.check_top_logprobs(req.top_logprobs_num or 0)
     for p, sp in zip(prompts, sps, strict=True):
         if isinstance(p, str):
             st.tm.limits.check_text(len(p), sp.max_new_tokens, "text")
     ids = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in prompts]
     await st.tm.check_grammars(sps)  # parsed in a thread: a large grammar never stalls other requests
     handles = submit_all(st.tm, st.live, ids, sps,
-                         req.per_prompt("rid", len(ids)), return_logprob=req.return_logprob,
-                         logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num,
-                         return_text_in_logprobs=req.return_text_in_logprobs)
-    timers = [st.metrics.timer() for _ in handles]
+                         req.per_prompt("rid", len(ids)), **req.logprob_options)
+    timers = [st.metrics.timer() if req.log_metrics else UncountedTimer() for _ in handles]
     if req.stream:
         return sse_response(_stream(st, req, ids, handles, timers))
     try:
@@ -131,8 +152,9 @@ async def _stream(st: ServerState, req: GenerateRequest, prompt_ids: list[list[i
     - `output_ids`: the new token ids (SGLang's incremental shape; none of those clients reads them);
     - `meta_info`: the counts so far (`completion_tokens`, which `bench_serving` reads per event, `prompt_tokens`,
       `cached_tokens`) and `finish_reason` / `error` at the end; with `return_logprob`, `output_token_logprobs`
-      and `output_top_logprobs` of the new tokens only, and `input_token_logprobs` once, in the first event
-      with output (empty lists in the others).
+      and `output_top_logprobs` of the new tokens only, `input_token_logprobs` once, in the first event
+      with output (empty lists in the others), and `output_token_logprobs_length`, the output logprobs sent
+      so far (SGLang's frontend checks it against `completion_tokens`).
     """
     offsets = [sum(len(h.rids) for h in handles[:i]) for i in range(len(handles))]
     samples = [[Sample(j) for j in range(len(h.rids))] for h in handles]
@@ -144,7 +166,10 @@ async def _stream(st: ServerState, req: GenerateRequest, prompt_ids: list[list[i
             if chunk.finished == "error":
                 yield event(request_failed(s).body())
                 continue
-            yield event(handles[i].result_of(s, cursors[i][chunk.index]) | {"index": offsets[i] + chunk.index})
+            out = handles[i].result_of(s, cursors[i][chunk.index])
+            if req.return_logprob:  # the output logprobs sent so far, which SGLang's streams count
+                out["meta_info"]["output_token_logprobs_length"] = len(s.logprobs)
+            yield event(out | {"index": offsets[i] + chunk.index})
     except Exception as e:  # the engine went away mid-stream: say so in the stream, the status is sent already
         yield event(stream_failed(e).body())
     yield DONE
@@ -174,19 +199,6 @@ async def health_generate(request: Request) -> Response:
     if result["meta_info"]["finish_reason"]["type"] == "error":
         raise APIError(503, f"generation fails: {result['meta_info']['error']}", "server_error")
     return OrjsonResponse({"status": "ok"})
-
-
-@router.get("/get_model_info")
-async def get_model_info(request: Request) -> Response:
-    st = state_of(request)
-    return OrjsonResponse(st.tm.model_info() | {"tokenizer_path": st.args.model, "served_model_name": st.model_name})
-
-
-@router.get("/get_server_info")
-async def get_server_info(request: Request) -> Response:
-    st = state_of(request)
-    args = dataclasses.asdict(st.args) | {"api_key": None if st.args.api_key is None else "<set>"}
-    return OrjsonResponse(args | {"scheduler": await st.tm.get_metrics(timeout=10.0), "version": "0.1.0"})
 
 
 @router.post("/flush_cache")

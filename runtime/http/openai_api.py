@@ -68,14 +68,6 @@ from runtime.tokenizer.request_stream import Sample, StreamChunk, token_text
 router = APIRouter(prefix="/v1")
 
 
-def _check_model(st: ServerState, model: str) -> None:
-    """SGLang's names of the served model: the served name, "default" (SGLang's documentation sends it) and the
-    model path; any other name is a 404, as in vLLM."""
-    if model not in (st.model_name, "default", st.args.model):
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {st.model_name!r}",
-                       "invalid_request_error", param="model", code="model_not_found")
-
-
 def _usage(groups: Sequence[Sequence[Sample]]) -> Usage:
     prompt = sum(g[0].prompt_tokens for g in groups)
     completion = sum(len(s.output_ids) for g in groups for s in g)
@@ -190,7 +182,7 @@ async def models(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     st = state_of(request)
     req = await parse_body(request, CompletionRequest)
-    _check_model(st, req.model)
+    st.check_model(req.model)
     params = st.tm.parse_sampling(req.sampling(req.max_tokens))
     raw = req.prompts()
     _check_limits(st, params, len(raw), req.logprobs or 0, "logprobs",
@@ -255,7 +247,7 @@ async def _completion_stream(st: ServerState, req: CompletionRequest, prompts: l
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     req = await parse_body(request, ChatCompletionRequest)
-    _check_model(st, req.model)
+    st.check_model(req.model)
     k3, tpl = None, None
     if st.chat_format.templated:  # the checkpoint's own template (runtime.tokenizer.chat_format)
         tpl = await asyncio.to_thread(plan_template_chat, req, st.chat_format, st.args.max_grammar_bytes)
@@ -293,6 +285,9 @@ def _renders_k3(st: ServerState, req: ChatCompletionRequest) -> bool:
 def _chat_prompt(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None) -> list[int]:
     if k3 is not None:
         return k3.prompt.ids(tok)
+    if req.continue_final_message:
+        raise APIError(400, "continue_final_message needs a chat template or K3's encoding; this model has neither",
+                       "invalid_request_error", param="continue_final_message")
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
     return tok.chat_prompt(messages).ids(tok)
 
@@ -313,16 +308,19 @@ def _parser(k3: K3Chat | None, tpl: TemplateChat | None) -> ReplyParser | None:
     return None
 
 
-def _reply(tok: Tokenizer, k3: K3Chat | None, tpl: TemplateChat | None) -> ChatReply | None:
+def _reply(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None, tpl: TemplateChat | None
+           ) -> ChatReply | None:
     parser = _parser(k3, tpl)
-    return None if parser is None else ChatReply(parser, tok)
+    return None if parser is None else ChatReply(parser, tok, separate_reasoning=req.separate_reasoning,
+                                                 stream_reasoning=req.stream_reasoning)
 
 
 def _chat_choice(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None, tpl: TemplateChat | None,
                  s: Sample) -> ChatChoice:
     message, finish = AssistantMessage(content=s.text), s.finished
     if (parser := _parser(k3, tpl)) is not None:
-        message, finish = whole_reply(parser, tok, s.text, s.finished, s.output_ids)
+        message, finish = whole_reply(parser, tok, s.text, s.finished, s.output_ids,
+                                      separate_reasoning=req.separate_reasoning)
     lp = _chat_logprobs(tok, s.output_ids, s.logprobs, s.top_logprobs) if req.logprobs else None
     return ChatChoice(index=s.index, message=message, finish_reason=finish, logprobs=lp)
 
@@ -335,7 +333,7 @@ async def _chat_stream(st: ServerState, req: ChatCompletionRequest, handles: lis
         return event(body.model_dump(exclude_none=usage is None))
 
     groups = [[Sample(j) for j in range(req.n)]]
-    replies = [_reply(st.tokenizer, k3, tpl) for _ in range(req.n)]
+    replies = [_reply(st.tokenizer, req, k3, tpl) for _ in range(req.n)]
     try:
         # The role comes first, as OpenAI sends it, before any text.
         yield chunk([ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))

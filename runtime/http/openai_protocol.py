@@ -3,16 +3,21 @@
 Requests are strict: a string is not an integer, 2.7 is not an integer, unknown fields are refused by name,
 non-finite floats are refused. Ranges of the sampling parameters are the engine's to check
 (`runtime.sampling_params`), so that the native and the OpenAI routes refuse the same values the same way.
-The fields beyond OpenAI's (`top_k`, `min_p`, ...) are SGLang's extras, sent with the client's `extra_body`.
+The fields beyond OpenAI's (`top_k`, `min_p`, ...) are SGLang's extras, sent with the client's `extra_body`;
+every field of SGLang's CompletionRequest and ChatCompletionRequest is known: the ones served are declared here,
+the others are declined by `runtime.http.sglang_fields` (accepted at their default, a 400 naming them otherwise).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from runtime.grammar import ANY_JSON
+from runtime.http.api_errors import bad_request
+from runtime.http.sglang_fields import CHAT_DECLINED, COMPLETION_DECLINED, Declined, drop_declined
 
 
 class _Strict(BaseModel):
@@ -28,7 +33,9 @@ class StreamOptions(_Strict):
 
 
 class _SamplingFields(_Strict):
-    model: StrictStr
+    declined: ClassVar[Mapping[str, Declined]] = {}  # SGLang's fields of the request that are not served
+
+    model: StrictStr  # required, as OpenAI's is ("default" names the served model, as in SGLang)
     n: StrictInt = 1
     temperature: float | None = None
     top_p: float | None = None
@@ -51,11 +58,17 @@ class _SamplingFields(_Strict):
     rid: NonEmptyStr | None = None
     regex: StrictStr | None = None  # structured output, as SGLang's extras (OpenAI's is response_format)
     ebnf: StrictStr | None = None
+    json_schema: StrictStr | None = None
+    stop_regex: Stop = None
+    no_stop_trim: StrictBool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _declined(cls, data: Any) -> Any:  # noqa: ANN401
+        return drop_declined(data, cls.declined)
 
     @model_validator(mode="after")
     def _refusals(self) -> _SamplingFields:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
@@ -69,7 +82,10 @@ class _SamplingFields(_Strict):
             "min_new_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens, "max_new_tokens": max_new_tokens,
             "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
-            "regex": self.regex, "ebnf": self.ebnf,
+            "regex": self.regex, "ebnf": self.ebnf, "json_schema": self.json_schema,
+            "stop_regex": [self.stop_regex] if isinstance(self.stop_regex, str) else self.stop_regex,
+            # the engine's defaults, which stay unsent
+            "no_stop_trim": self.no_stop_trim or None, "logit_bias": self.logit_bias or None,
         }
         return {k: v for k, v in sp.items() if v is not None}
 
@@ -82,6 +98,8 @@ TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
 
 class CompletionRequest(_SamplingFields):
+    declined: ClassVar[Mapping[str, Declined]] = COMPLETION_DECLINED
+
     prompt: NonEmptyStr | TokenIds | Annotated[list[NonEmptyStr], Field(min_length=1)] | Annotated[
         list[TokenIds], Field(min_length=1)]
     max_tokens: StrictInt | None = 16
@@ -89,6 +107,7 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False  # the prompt before the completion, in text and (with logprobs) in the logprobs
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _completion_refusals(self) -> CompletionRequest:
@@ -99,6 +118,10 @@ class CompletionRequest(_SamplingFields):
         if self.logprobs is not None and not 0 <= self.logprobs <= 5:
             raise ValueError("logprobs must be in [0, 5]")
         return self
+
+    def sampling(self, max_new_tokens: int | None) -> dict[str, Any]:
+        sp = super().sampling(max_new_tokens)
+        return sp | (self.response_format.grammar() if self.response_format is not None else {})
 
     def prompts(self) -> list[str] | list[list[int]]:
         p = self.prompt
@@ -209,6 +232,8 @@ class ResponseFormat(_Strict):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    declined: ClassVar[Mapping[str, Declined]] = CHAT_DECLINED
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
@@ -222,9 +247,18 @@ class ChatCompletionRequest(_SamplingFields):
     # SGLang's and vLLM's for K3: {"thinking": bool} (alias enable_thinking), {"thinking_effort": "low"|"high"|"max"};
     # any variables for a Jinja chat template.
     chat_template_kwargs: dict[str, Any] | None = None
+    # SGLang's: the reply continues the final (assistant) message, which stays open; the reasoning in its own
+    # field (false: back in the content), streamed as it comes (false: all of it with the last chunk).
+    continue_final_message: StrictBool = False
+    separate_reasoning: StrictBool = True
+    stream_reasoning: StrictBool = True
 
     @model_validator(mode="after")
     def _chat_refusals(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            # an APIError, not a ValueError: pydantic passes it on as it is, with the field named
+            raise bad_request("continue_final_message needs the final message to be the assistant's",
+                              "continue_final_message")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ValueError("top_logprobs requires logprobs=true")

@@ -34,6 +34,7 @@ from runtime.http.api_errors import APIError, install_error_handlers
 from runtime.http.head_timeout import head_timeout_protocol
 from runtime.http.native_api import router as native_router
 from runtime.http.openai_api import router as openai_router
+from runtime.http.server_info import router as server_info_router
 from runtime.http.state import ServerState, served_model_name, state_of
 from runtime.server_args import ServerArgs
 from runtime.tokenizer.manager import TokenizerManager
@@ -115,6 +116,7 @@ def create_app(args: ServerArgs) -> FastAPI:
     install_error_handlers(app)
     app.include_router(native_router)
     app.include_router(openai_router)
+    app.include_router(server_info_router)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -11,7 +12,9 @@ from starlette.requests import Request
 from radixk3.config import BUILTIN_PRESET
 from radixk3.tokenizer import Tokenizer
 from runtime.engine_processes import EngineProcesses
+from runtime.http.api_errors import APIError
 from runtime.http.metrics import ServerMetrics
+from runtime.pool_layout import pool_layout
 from runtime.server_args import ServerArgs
 from runtime.tokenizer.chat_format import ChatFormat
 from runtime.tokenizer.manager import RequestHandle, TokenizerManager
@@ -38,6 +41,23 @@ class ServerState:
     @property
     def model_name(self) -> str:
         return served_model_name(self.args)
+
+    @functools.cached_property
+    def kv_token_bytes(self) -> int:
+        """The pool bytes one token's latent KV takes (all MLA layers, a draft's included)."""
+        return pool_layout(self.procs.config, self.args).kv_token_bytes
+
+    @property
+    def model_path(self) -> str:
+        """The checkpoint's path as given, or the built-in model's preset name."""
+        return self.args.model or BUILTIN_PRESET
+
+    def check_model(self, model: str) -> None:
+        """SGLang's names of the served model: the served name, "default" (SGLang's documentation sends it) and
+        the model path; any other name is a 404, as in vLLM."""
+        if model not in (self.model_name, "default", self.model_path):
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "invalid_request_error", param="model", code="model_not_found")
 
 
 def served_model_name(args: ServerArgs) -> str:

@@ -51,15 +51,20 @@ def plan_template_chat(req: ChatCompletionRequest, fmt: ChatFormat, max_grammar_
     try:
         if fmt.hf is not None:
             prompt: ChatPrompt | list[int] = hf_chat_ids(fmt.hf, messages, tools=tools,
-                                                         kwargs=req.chat_template_kwargs)
+                                                         kwargs=req.chat_template_kwargs,
+                                                         continue_final_message=req.continue_final_message)
         else:
             assert fmt.template is not None
             prompt = fmt.template.prompt(messages, markers=fmt.markers, tools=tools, add_generation_prompt=True,
-                                         kwargs=req.chat_template_kwargs)
+                                         kwargs=req.chat_template_kwargs,
+                                         continue_final_message=req.continue_final_message)
     except ChatTemplateError as e:
         raise APIError(400, str(e), "invalid_request_error", param="messages") from None
     grammar = None
     if tools is not None and req.tool_choice not in (None, "auto"):
+        if req.continue_final_message:
+            raise APIError(400, "continue_final_message cannot be combined with a forced tool call (tool_choice "
+                           "'required' or named)", "invalid_request_error", param="continue_final_message")
         forced = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else "required"
         reasoning, parallel = fmt.reasoning_parser is not None, req.parallel_tool_calls
         grammar = forcing_grammar_checked(

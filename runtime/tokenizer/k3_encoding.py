@@ -63,6 +63,7 @@ class K3ChatOptions:
     tool_choice: str | None = None  # "required" and "none" add a system message; anything else none
     response_format: Mapping[str, Any] | None = None  # OpenAI's: {"type": ..., "json_schema": {...}}
     forced: bool = False  # a call is forced by a grammar (the reply parser allows its formatting whitespace)
+    continue_final: bool = False  # the reply continues the final (assistant) message's response, left open
 
 
 @dataclass(frozen=True)
@@ -297,11 +298,30 @@ def render_k3_chat(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mappin
         out.append(_system("tool-declare", _TOOL_DECLARE.format(compact_json(list(tools)))))
     if options.thinking:
         out.append(_system("thinking-effort", _THINKING_EFFORT.format(options.effort).strip()))
-    out.append(_messages(messages, options.thinking))
+    final = messages[-1] if options.continue_final and messages else None
+    out.append(_messages(messages if final is None else messages[:-1], options.thinking))
     if options.tool_choice in _TOOL_CHOICE:
         out.append(_system("tool-choice", _TOOL_CHOICE[options.tool_choice].strip()))
     out.append(_response_format(options.response_format))
+    if final is not None:
+        return _continued(final, options, ChatPrompt.join(out))
     start = open_tag("think" if options.thinking else "response")
     if add_generation_prompt:
         out += [open_tag("message", ("role", "assistant")), start]
     return K3Prompt(ChatPrompt.join(out), start.text, options.thinking, options.forced)
+
+
+def _continued(final: Mapping[str, Any], options: K3ChatOptions, before: ChatPrompt) -> K3Prompt:
+    """The prompt ending inside the final assistant message's response channel, after its content: the reply
+    continues that text (its reasoning, if any, is closed before)."""
+    if final.get("role") != "assistant" or final.get("tool_calls"):
+        raise RenderError("continue_final_message: the final message must be an assistant message without "
+                          "tool_calls")
+    named = (("name", final["name"]),) if final.get("name") else ()
+    body = ChatPrompt()
+    if options.thinking:
+        reasoning = str(final.get("reasoning_content") or final.get("reasoning") or "")
+        body = block("think", ChatPrompt.piece(reasoning) if reasoning.strip() else ChatPrompt())
+    start = open_tag("response")
+    prompt = ChatPrompt.join([before, open_tag("message", ("role", "assistant"), *named), body, start, _content(final)])
+    return K3Prompt(prompt, start.text, False, options.forced)

@@ -412,7 +412,9 @@ class TokenizerManager:
         if isinstance(sampling_params, SamplingParams):
             return sampling_params
         if sampling_params is None or isinstance(sampling_params, dict):
-            sampling_params = self.sampling_defaults | (sampling_params or {})
+            # A null field is not given: the model's default stays beneath it.
+            sampling_params = self.sampling_defaults | {k: v for k, v in (sampling_params or {}).items()
+                                                        if v is not None}
         params = SamplingParams.from_dict(sampling_params, self.vocab_size)
         self.limits.check_n(params.n)
         return params
