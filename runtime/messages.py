@@ -50,6 +50,8 @@ class TokenOut:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_logprobs: list[float | None] = field(default_factory=list)
+    # Parallel to input_logprobs: each prompt position's top_logprobs_num (id, logprob), None for the first token.
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     finished: str | None = None  # "stop" | "length" | "abort" | "error"
     matched_stop: int | str | None = None
     prompt_tokens: int = 0
@@ -135,6 +137,9 @@ class StepResult:
     top_logprobs: list[list[float]]
     input_logprobs: list[float]
     error: str | None = None  # the whole step failed: no token of it is valid
+    # Per input-logprob row: the plan's top_logprobs_num best (id, logprob) of the full distribution.
+    input_top_ids: list[list[int]] = field(default_factory=list)
+    input_top_logprobs: list[list[float]] = field(default_factory=list)
     # The step ran but sampling these sampled rows failed: (row index, error); -1 tokens stand in for them.
     row_errors: list[tuple[int, str]] = field(default_factory=list)
     # Verify steps: drafts accepted per sampled sequence; `tokens` (and the logprob lists) then hold, sequence

@@ -90,17 +90,32 @@ def _chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float], tops: list[
     return ChoiceLogprobs(content=content)
 
 
-def _completion_logprobs(tok: Tokenizer, ids: list[int], lps: list[float], tops: list[list[Any]],
-                         offset: int) -> CompletionLogprobs:
+def _completion_logprobs(tok: Tokenizer, ids: list[int], lps: Sequence[float | None],
+                         tops: Sequence[list[Any] | None], offset: int) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs (as vLLM returns them): a token's text offset is where it starts in the text
+    its tokens spell, from `offset`. A prompt's first token has no logprob: null, and null top logprobs."""
     out = CompletionLogprobs()
     for k, (t, lp) in enumerate(zip(ids, lps, strict=False)):
         piece = token_text(tok, t)
         out.tokens.append(piece)
         out.token_logprobs.append(lp)
-        out.top_logprobs.append({token_text(tok, i): v for i, v in tops[k]} if k < len(tops) else None)
+        row = tops[k] if k < len(tops) else None
+        out.top_logprobs.append(None if row is None else {token_text(tok, i): v for i, v in row})
         out.text_offset.append(offset)
         offset += len(piece)
     return out
+
+
+def _echo_text(tok: Tokenizer, raw: str | list[int]) -> str:
+    """The prompt as `echo` repeats it: the string sent, or the text of the ids sent (special tokens named)."""
+    return raw if isinstance(raw, str) else tok.decode(raw, skip_special_tokens=False)
+
+
+def _echoed_logprobs(tok: Tokenizer, prompt_ids: list[int], s: Sample | StreamChunk, output_ids: list[int],
+                     offset: int) -> CompletionLogprobs:
+    """The logprobs of `prompt_ids`, the prompt tokens whose input logprobs `s` holds, then of its outputs."""
+    return _completion_logprobs(tok, [*prompt_ids, *output_ids], [*s.input_logprobs, *s.logprobs],
+                                [*s.input_top_logprobs, *s.top_logprobs], offset)
 
 
 # --- shared plumbing -----------------------------------------------------------------------------------
@@ -117,12 +132,13 @@ def _check_limits(st: ServerState, params: SamplingParams, prompts: int, top: in
 
 
 async def _submit(st: ServerState, prompts: list[list[int]], params: SamplingParams, rid: str | None,
-                  logprobs: bool, top: int) -> tuple[list[RequestHandle], list[RequestTimer]]:
+                  logprobs: bool, top: int, prompt_logprobs: bool = False
+                  ) -> tuple[list[RequestHandle], list[RequestTimer]]:
     await st.tm.check_grammars([params])  # parsed in a thread: a large grammar never stalls other requests
     rids = [rid] if rid is not None and len(prompts) == 1 else [
         None if rid is None else f"{rid}-p{i}" for i in range(len(prompts))]
-    handles = submit_all(st.tm, st.live, prompts, [params] * len(prompts), rids,
-                         return_logprob=logprobs, top_logprobs_num=top)
+    handles = submit_all(st.tm, st.live, prompts, [params] * len(prompts), rids, return_logprob=logprobs,
+                         logprob_start_len=0 if prompt_logprobs else -1, top_logprobs_num=top)
     return handles, [st.metrics.timer() for _ in handles]
 
 
@@ -174,36 +190,50 @@ async def completions(request: Request) -> Response:
                   [len(p) for p in raw if isinstance(p, str)], "prompt")
     prompts = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in raw]
     want_lp = req.logprobs is not None
-    handles, timers = await _submit(st, prompts, params, req.rid, want_lp, req.logprobs or 0)
+    handles, timers = await _submit(st, prompts, params, req.rid, want_lp, req.logprobs or 0,
+                                    prompt_logprobs=want_lp and req.echo)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    echoes = [_echo_text(st.tokenizer, p) if req.echo else "" for p in raw]
     if req.stream:
-        return sse_response(_completion_stream(st, req, handles, timers, cid, created))
+        return sse_response(_completion_stream(st, req, prompts, echoes, handles, timers, cid, created))
     groups = await _full(request, handles, timers)
     if groups is None:
         return Response(status_code=499)
-    choices = [CompletionChoice(index=i * req.n + s.index, text=s.text, finish_reason=s.finished,
-                                logprobs=_completion_logprobs(st.tokenizer, s.output_ids, s.logprobs, s.top_logprobs, 0)
-                                if want_lp else None)
+    choices = [CompletionChoice(index=i * req.n + s.index, text=echoes[i] + s.text, finish_reason=s.finished,
+                                logprobs=_echoed_logprobs(st.tokenizer, prompts[i] if req.echo else [], s,
+                                                          s.output_ids, 0) if want_lp else None)
                for i, g in enumerate(groups) for s in g]
     body = CompletionResponse(id=cid, created=created, model=st.model_name, choices=choices, usage=_usage(groups))
     return OrjsonResponse(body.model_dump())
 
 
-async def _completion_stream(st: ServerState, req: CompletionRequest, handles: list[RequestHandle],
-                             timers: list[RequestTimer], cid: str, created: int) -> AsyncIterator[bytes]:
+async def _completion_stream(st: ServerState, req: CompletionRequest, prompts: list[list[int]], echoes: list[str],
+                             handles: list[RequestHandle], timers: list[RequestTimer], cid: str, created: int
+                             ) -> AsyncIterator[bytes]:
+    """With `echo`, a choice's first event starts with the prompt's text, and its prompt logprobs come, in
+    prompt order, before the output tokens of the events that carry them."""
     groups = [[Sample(j) for j in range(req.n)] for _ in handles]
     offsets = [0] * (len(handles) * req.n)
+    echoed = [0] * (len(handles) * req.n)  # prompt tokens whose logprobs a choice has sent
+    started = [False] * (len(handles) * req.n)
     try:
         async for index, c in _chunks(handles, timers, req.n):
-            groups[index // req.n][c.index].add(c)
+            prompt = index // req.n
+            groups[prompt][c.index].add(c)
             if c.finished == "error":
                 yield _chunk_error(c)
                 continue
+            text = c.text if started[index] else echoes[prompt] + c.text
+            started[index] = True
             lp = None
             if req.logprobs is not None:
-                lp = _completion_logprobs(st.tokenizer, c.token_ids, c.logprobs, c.top_logprobs, offsets[index])
-                offsets[index] += len(c.text)
-            choice = CompletionChoice(index=index, text=c.text, logprobs=lp, finish_reason=c.finished)
+                n_in = len(c.input_logprobs)
+                lp = _echoed_logprobs(st.tokenizer, prompts[prompt][echoed[index]:echoed[index] + n_in], c,
+                                      c.token_ids, offsets[index])
+                echoed[index] += n_in
+                if lp.tokens:  # the next event's tokens start where this one's end, as in the whole response
+                    offsets[index] = lp.text_offset[-1] + len(lp.tokens[-1])
+            choice = CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=c.finished)
             yield event(CompletionResponse(id=cid, created=created, model=st.model_name, choices=[choice]
                                            ).model_dump(exclude_none=True))
         if req.include_usage:

@@ -104,15 +104,13 @@ class CompletionRequest(_SamplingFields):
         list[TokenIds], Field(min_length=1)]
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
-    echo: StrictBool = False
+    echo: StrictBool = False  # the prompt before the completion, in text and (with logprobs) in the logprobs
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _completion_refusals(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:

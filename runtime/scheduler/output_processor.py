@@ -68,12 +68,17 @@ class OutputProcessor:
                           req.params.stop_regex)
         return None if hit is None else hit[1]
 
-    def collect_input_logprobs(self, req: Req, first_none: bool, positions: list[int], values: list[float]) -> None:
+    def collect_input_logprobs(self, req: Req, first_none: bool, positions: list[int], values: list[float],
+                               top_ids: list[list[int]], top_lps: list[list[float]]) -> None:
+        """The input logprobs of `positions` (and of position 0 when `first_none`) and, parallel to them, each
+        position's top `req.top_logprobs_num` (the step computed the widest any request of it asked for)."""
         if first_none:
             req.input_logprobs.append(None)  # the first token has no context
+            req.input_top_logprobs.append(None)
             req.input_logprob_next = 1
-        for pos, v in zip(positions, values, strict=True):
+        for pos, v, ids, lps in zip(positions, values, top_ids, top_lps, strict=True):
             req.input_logprobs.append(v)
+            req.input_top_logprobs.append(list(zip(ids, lps, strict=True))[: req.top_logprobs_num])
             req.input_logprob_next = pos + 1
 
     def finish(self, req: Req, reason: str, error: str | None = None) -> None:
@@ -97,6 +102,7 @@ class OutputProcessor:
         if req.return_logprob:
             out.logprobs, out.top_logprobs = req.new_token_logprobs, req.new_top_logprobs
             out.input_logprobs, req.input_logprobs = req.input_logprobs, []
+            out.input_top_logprobs, req.input_top_logprobs = req.input_top_logprobs, []
             req.new_token_logprobs, req.new_top_logprobs = [], []
         req.sent_tokens = len(req.output_ids)
         self.outbox.append(out)

@@ -79,6 +79,8 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
         base = cu[-1]
         cu.append(base + s.n)
         lp_rows.extend((base + pos - 1 - a, req.prompt_ids[pos]) for pos in s.input_lp_positions)
+        if s.input_lp_positions:  # the input rows' top logprobs: one width for the step, cut per request
+            top_n = max(top_n, req.top_logprobs_num)
         if s.sampled:
             first = req.output_index - 1  # its pending sample is counted
             for j in range(len(s.drafts) + 1):  # a verify window samples at each of its positions

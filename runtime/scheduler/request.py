@@ -52,6 +52,7 @@ class Req:
     new_token_logprobs: list[float] = field(default_factory=list)
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)  # parallel to the above
     input_logprob_next: int = 0  # first prompt position whose input logprob is still to be collected
     admitted: bool = False
     sent_tokens: int = 0

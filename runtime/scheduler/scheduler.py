@@ -275,7 +275,9 @@ class Scheduler:
             n_lp = len(s.input_lp_positions)
             if s.input_lp_first_none or n_lp:
                 self.outputs.collect_input_logprobs(req, s.input_lp_first_none, s.input_lp_positions,
-                                                    result.input_logprobs[lp_i : lp_i + n_lp])
+                                                    result.input_logprobs[lp_i : lp_i + n_lp],
+                                                    result.input_top_ids[lp_i : lp_i + n_lp],
+                                                    result.input_top_logprobs[lp_i : lp_i + n_lp])
                 lp_i += n_lp
             if s.sampled:
                 i = sample_i

@@ -34,6 +34,7 @@ class StreamChunk:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     finished: str | None = None  # None | "stop" | "length" | "abort" | "error"
     matched_stop: int | str | None = None
     prompt_tokens: int = 0
@@ -96,9 +97,11 @@ class SampleStream:
         text = self._text.push(out.token_ids, out.finished, out.matched_stop)
         self._completion_tokens += len(out.token_ids)
         top = [[(int(i), float(v)) for i, v in row] for row in out.top_logprobs]  # converted once per chunk
+        input_top = [None if row is None else [(int(i), float(v)) for i, v in row] for row in out.input_top_logprobs]
         return StreamChunk(
             rid=self.rid, index=self.index, text=text, token_ids=list(out.token_ids), logprobs=list(out.logprobs),
-            top_logprobs=top, input_logprobs=list(out.input_logprobs), finished=out.finished,
+            top_logprobs=top, input_logprobs=list(out.input_logprobs), input_top_logprobs=input_top,
+            finished=out.finished,
             matched_stop=out.matched_stop, prompt_tokens=out.prompt_tokens, completion_tokens=self._completion_tokens,
             cached_tokens=out.cached_tokens, error=out.error, invalid=out.invalid, error_param=out.error_param,
         )
@@ -131,6 +134,7 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     finished: str | None = None
     matched_stop: int | str | None = None
     prompt_tokens: int = 0
@@ -146,6 +150,7 @@ class Sample:
         self.logprobs.extend(c.logprobs)
         self.top_logprobs.extend(c.top_logprobs)
         self.input_logprobs.extend(c.input_logprobs)
+        self.input_top_logprobs.extend(c.input_top_logprobs)
         self.prompt_tokens = c.prompt_tokens or self.prompt_tokens
         self.cached_tokens = c.cached_tokens or self.cached_tokens
         if c.finished is not None:
@@ -183,6 +188,9 @@ class Sample:
         out = {
             "input_token_logprobs": triples(zip(self.input_logprobs[c.input_logprobs:n_in],
                                                 prompt_ids[first + c.input_logprobs:first + n_in], strict=True)),
+            # SGLang's shape: None for the first prompt token (no context), else the position's top rows.
+            "input_top_logprobs": [None if row is None else triples((lp, t) for t, lp in row)
+                                   for row in self.input_top_logprobs[c.input_logprobs:n_in]],
             "output_token_logprobs": triples(zip(self.logprobs[c.output_logprobs:],
                                                  self.output_ids[c.output_logprobs:], strict=False)),
             "output_top_logprobs": [triples((lp, t) for t, lp in row) for row in self.top_logprobs[c.top_logprobs:]],

@@ -159,15 +159,19 @@ class ModelWorker:
             next_last[torch.from_numpy(sampled_seqs).to(next_last.device)] = res.tokens
             self.proposer.observe(batch, pre[0] if pre else None, next_last, self._tensor(plan.rows))
         input_lp: list[float] = []
+        input_top_ids: list[list[int]] = []
+        input_top_lps: list[list[float]] = []
         if plan.input_logprob_rows:
-            lp = logits.log_softmax(-1)
             idx = self._tensor(np.array([r for r, _ in plan.input_logprob_rows]))
             tok = self._tensor(np.array([x for _, x in plan.input_logprob_rows]))
-            input_lp = lp[idx, tok].tolist()
+            lp = logits[idx].float().log_softmax(-1)
+            input_lp = lp[torch.arange(len(idx), device=lp.device), tok].tolist()
+            top = lp.topk(plan.top_logprobs_num, dim=-1)
+            input_top_ids, input_top_lps = top.indices.tolist(), top.values.tolist()
         return StepResult(
             step=plan.step, tokens=tokens, logprobs=res.logprobs.tolist(),
             top_ids=res.top_ids.tolist(), top_logprobs=res.top_logprobs.tolist(), input_logprobs=input_lp,
-            row_errors=row_errors,
+            row_errors=row_errors, input_top_ids=input_top_ids, input_top_logprobs=input_top_lps,
         )
 
     def _join_observations(self, plan: StepPlan) -> None:

@@ -85,6 +85,10 @@ def test_logprobs_with_text(engine: Engine) -> None:
     assert lp <= 0 and isinstance(tok, int) and isinstance(text, str)
     assert [t for _, t, _ in meta["input_token_logprobs"]] == [1, 500, 501, 502]
     assert meta["input_token_logprobs"][0][0] is None  # the first token has no context
+    # SGLang's input_top_logprobs: None for the first token, then each position's top 2 as triples with text.
+    assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"]) == 4
+    assert all(len(row) == 2 and all(isinstance(t, int) and isinstance(x, str) for _, t, x in row)
+               for row in meta["input_top_logprobs"][1:])
 
 
 def test_every_way_a_consumer_leaves_aborts(engine: Engine) -> None:

@@ -112,7 +112,6 @@ CASES: list[tuple[str, str, str, Any, int, tuple[str, ...]]] = [
     ("json_schema response_format", "POST", "/v1/chat/completions",
      CHAT | {"response_format": {"type": "json_schema"}}, 400, ("response_format",)),
     # OpenAI completions.
-    ("echo", "POST", "/v1/completions", COMPLETION | {"echo": True}, 400, ("echo",)),
     ("suffix", "POST", "/v1/completions", COMPLETION | {"suffix": "end"}, 400, ("suffix",)),
     ("logprobs 10", "POST", "/v1/completions", COMPLETION | {"logprobs": 10}, 400, ("logprobs",)),
     ("empty prompt list", "POST", "/v1/completions", COMPLETION | {"prompt": []}, 400, ("prompt",)),

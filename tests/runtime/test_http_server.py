@@ -13,11 +13,16 @@ import jsonschema
 import openai
 import orjson
 import pytest
+import torch
 
 from frontend_lang.endpoint_backend import RuntimeEndpoint
 from radixk3.chat_prompt import ChatPrompt
+from radixk3.config import BUILTIN_SEED
 from radixk3.tokenizer import load_tokenizer
 from runtime.tokenizer.engine import Engine
+from runtime.tokenizer.request_stream import token_text
+from tests.frontend_lang.oracle import tiny_model
+from tests.greedy import greedy_reference
 from tests.runtime.http_server_proc import Server, running_server
 
 PROMPTS = ["Natalia sold clips to 48 of her friends", "Weng earns $12 an hour", "Betty is saving money"]
@@ -260,7 +265,57 @@ def test_logprobs_raw_http(server: Server) -> None:
     assert [t for _, t, _ in meta["output_token_logprobs"]] == native["output_ids"]
     assert all(row[0][1] == t for row, t in zip(meta["output_top_logprobs"], native["output_ids"], strict=True))
     assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"] and meta["input_token_logprobs"][0][0] is None
+    assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"]) == meta["prompt_tokens"]
+    assert all(len(row) == 2 and row[0][0] >= row[1][0] for row in meta["input_top_logprobs"][1:])
     assert "".join(p for _, _, p in meta["output_token_logprobs"]) == native["text"]
+
+
+def _expected_completion_logprobs(ids: list[int], k: int) -> dict[str, list[Any]]:
+    """OpenAI's legacy logprobs of `ids` (prompt then outputs) from the no-cache forward: null for the first."""
+    tok = load_tokenizer()
+    logp = torch.log_softmax(tiny_model(BUILTIN_SEED)(torch.tensor(ids)).float(), dim=-1)
+    texts = [token_text(tok, t) for t in ids]
+    tops: list[dict[str, float] | None] = [None]
+    for t in range(1, len(ids)):
+        top = logp[t - 1].topk(k)
+        tops.append({token_text(tok, i): v for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)})
+    return {"tokens": texts, "token_logprobs": [None] + [float(logp[t - 1, ids[t]]) for t in range(1, len(ids))],
+            "top_logprobs": tops, "text_offset": [sum(map(len, texts[:i])) for i in range(len(ids))]}
+
+
+def _assert_logprobs_equal(got: dict[str, Any], expect: dict[str, Any]) -> None:
+    assert got["tokens"] == expect["tokens"] and got["text_offset"] == expect["text_offset"]
+    assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
+    assert got["token_logprobs"][1:] == pytest.approx(expect["token_logprobs"][1:], abs=1e-4)
+    for g, e in zip(got["top_logprobs"][1:], expect["top_logprobs"][1:], strict=True):
+        assert g.keys() == e.keys() and list(g.values()) == pytest.approx(list(e.values()), abs=1e-4)
+
+
+def test_completions_echo_with_logprobs(server: Server) -> None:
+    """`echo` with `logprobs` (lm-eval's loglikelihood request, vLLM's shape): the prompt's tokens then the
+    outputs', their logprobs equal to the no-cache forward; a string or token prompt; max_tokens 0 or more;
+    streamed events add up to the whole response."""
+    tok = load_tokenizer()
+    prompt = PROMPTS[1]
+    prompt_ids = tok.encode(prompt, add_bos=True)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    none = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    assert none.choices[0].text == prompt and none.choices[0].finish_reason == "length"
+    _assert_logprobs_equal(none.choices[0].logprobs.model_dump(), _expected_completion_logprobs(prompt_ids, 2))
+    with server.client() as c:
+        body = {"model": MODEL, "prompt": [prompt_ids[1:], prompt_ids], "max_tokens": 3, "temperature": 0,
+                "echo": True, "logprobs": 1}
+        done = c.post("/v1/completions", json=body).json()
+        events = sse_events(c.post("/v1/completions", json=body | {"stream": True}))
+    for choice, ids in zip(sorted(done["choices"], key=lambda ch: ch["index"]), body["prompt"], strict=True):
+        lp = choice["logprobs"]
+        assert choice["text"].startswith(tok.decode(ids, False))
+        full = ids + greedy_reference(tiny_model(BUILTIN_SEED), ids, 3)
+        _assert_logprobs_equal(lp, _expected_completion_logprobs(full, 1))
+        mine = [ch for e in events[:-1] for ch in e["choices"] if ch["index"] == choice["index"]]
+        assert "".join(ch["text"] for ch in mine) == choice["text"]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [x for ch in mine for x in ch["logprobs"][key]] == lp[key], key
 
 
 def test_native_endpoints(server: Server) -> None:

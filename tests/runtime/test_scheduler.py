@@ -70,6 +70,43 @@ def test_logprobs_match_the_full_forward(model) -> None:  # noqa: ANN001
     assert all(len(row) == 3 for row in top)
 
 
+def _top(lp: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    top = lp.topk(k)
+    return list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+
+
+def _assert_rows_equal(got: list[list[tuple[int, float]]], expect: list[list[tuple[int, float]]]) -> None:
+    assert len(got) == len(expect)
+    for g, e in zip(got, expect, strict=True):
+        assert [int(t) for t, _ in g] == [t for t, _ in e]
+        assert [v for _, v in g] == pytest.approx([v for _, v in e], abs=1e-5)
+
+
+def test_input_and_output_top_logprobs_match_the_full_forward(model) -> None:  # noqa: ANN001
+    """Prompt positions' top-k (SGLang's input_top_logprobs) and the outputs' top-k, as the no-cache forward gives
+    them: over chunked prefill, from logprob_start_len, through a cached prompt, and for requests of one batch
+    that ask for different k (the step computes the widest, each request gets its own)."""
+    eng = LocalEngine(ServerArgs(chunked_prefill_size=16), model, check=True)
+    prompt = list(range(200, 240))
+    _one(eng, prompt, GREEDY)  # cached: the requests below must recompute the positions they ask for
+    asks = [(5, 3), (0, 1), (30, 0)]  # (logprob_start_len, top_logprobs_num)
+    rids = [eng.submit(prompt, GREEDY, return_logprob=True, logprob_start_len=start, top_logprobs_num=k)
+            for start, k in asks]
+    outs = eng.run()
+    for rid, (start, k) in zip(rids, asks, strict=True):
+        out_ids = [t for o in outs[rid] for t in o.token_ids]
+        full = model(torch.tensor(prompt + out_ids)).log_softmax(-1)
+        inp_top = [x for o in outs[rid] for x in o.input_top_logprobs]
+        assert len(inp_top) == len([x for o in outs[rid] for x in o.input_logprobs]) == len(prompt) - start
+        if start == 0:
+            assert inp_top[0] is None  # the first token has no context
+            inp_top = inp_top[1:]
+        first = max(start, 1)
+        _assert_rows_equal(inp_top, [_top(full[j - 1], k) for j in range(first, len(prompt))])
+        out_top = [x for o in outs[rid] for x in o.top_logprobs]
+        _assert_rows_equal(out_top, [_top(full[len(prompt) - 1 + i], k) for i in range(len(out_ids))])
+
+
 def test_stops_errors_and_abort(model) -> None:  # noqa: ANN001
     eng = LocalEngine(ServerArgs(), model, check=True)
     prompt = list(range(200, 220))

@@ -124,4 +124,6 @@ class TokenWorker:
         top_ids = [[t] * top_n for t in tokens]
         top_lps = [[lp] * top_n for lp in lps]
         inp = [logprob(row_hash[int(plan.logits_index[r])], tok) for r, tok in plan.input_logprob_rows]
-        return StepResult(plan.step, tokens, lps, top_ids, top_lps, inp)
+        return StepResult(plan.step, tokens, lps, top_ids, top_lps, inp, input_top_ids=[[tok] * top_n for _, tok in
+                                                                                         plan.input_logprob_rows],
+                          input_top_logprobs=[[lp] * top_n for lp in inp])
