@@ -9,9 +9,10 @@ smallest z of the shortest prefix by probability whose mass reaches top_p, min-p
 at a cut-off are kept), then a Gumbel-max draw: argmax over kept tokens of z + G, G = -log(-log u).
 u comes from a counter-based hash of (seed, step, token id), so a seeded request draws the same tokens
 whatever batch it shares and on either backend; unseeded rows get a seed from torch's global generator.
-Logprobs are of the raw (unpenalised, untempered, unbanned) distribution: `banned` token ids (stop tokens
-below min_new_tokens) and the tokens a grammar `mask` disallows are excluded from the draw only (before
-penalties, temperature, top-k and top-p, for greedy and sampled rows alike), never from the reported logprobs.
+Logprobs are of the raw (unpenalised, untempered, unbanned, unbiased) distribution: `banned` token ids (stop
+tokens below min_new_tokens) and the tokens a grammar `mask` disallows are excluded from the draw only (before
+penalties, temperature, top-k and top-p, for greedy and sampled rows alike), never from the reported logprobs;
+a request's logit `bias` (OpenAI's and SGLang's logit_bias) is added to its row's logits at the same point.
 """
 
 from __future__ import annotations
@@ -38,6 +39,22 @@ class TokenMask(NamedTuple):
 
     rows: Tensor  # [M] int64
     bitmask: Tensor  # [M, W] int32
+
+
+class LogitBias(NamedTuple):
+    """logits[rows[m], ids[m]] += values[m] (a row's ids distinct)."""
+
+    rows: Tensor  # [M] int64
+    ids: Tensor  # [M] int64
+    values: Tensor  # [M] fp32
+
+    @staticmethod
+    def of(entries: list[tuple[int, int, float]] | list[list[int | float]], device: torch.device | str) -> LogitBias:
+        """From (row, token id, bias) triples."""
+        rows, ids, values = zip(*entries, strict=True) if entries else ((), (), ())
+        return LogitBias(torch.tensor(rows, dtype=torch.int64, device=device),
+                         torch.tensor(ids, dtype=torch.int64, device=device),
+                         torch.tensor(values, dtype=torch.float32, device=device))
 
 
 def output_counts(history: list[list[int]], vocab: int, device: torch.device) -> Tensor:
@@ -110,6 +127,18 @@ def banned_logits(logits: Tensor, banned: list[list[int]] | None, copy: bool = T
     return out
 
 
+def biased_logits(logits: Tensor, bias: LogitBias | None, copy: bool = True) -> Tensor:
+    """`logits` (fp32) with each bias added (a copy if there is any, unless `copy` is False: then in place)."""
+    if bias is None or bias.rows.numel() == 0:
+        return logits
+    vocab = logits.shape[1]
+    if bool(((bias.ids < 0) | (bias.ids >= vocab)).any()):
+        raise IndexError(f"logit_bias token id outside the vocabulary [0, {vocab})")
+    out = logits.float().clone() if copy or logits.dtype != torch.float32 else logits
+    out[bias.rows.to(out.device), bias.ids.to(out.device)] += bias.values.to(out.device)
+    return out
+
+
 def masked_logits(logits: Tensor, mask: TokenMask | None) -> Tensor:
     """`logits` with the tokens each masked row's bitmask disallows at -inf (a copy if any row is masked)."""
     if mask is None or mask.rows.numel() == 0:
@@ -128,17 +157,18 @@ def masked_logits(logits: Tensor, mask: TokenMask | None) -> Tensor:
 
 def sample(
     logits: Tensor, p: SamplingTensors, history: list[list[int]] | None = None, top_logprobs_num: int = 0,
-    banned: list[list[int]] | None = None, mask: TokenMask | None = None,
+    banned: list[list[int]] | None = None, mask: TokenMask | None = None, bias: LogitBias | None = None,
 ) -> SampleResult:
     """logits [N, V] -> one token per row (see the module docstring) under row i's parameters, row i of `p`;
     `history[i]`: the tokens row i generated so far (penalties); `banned[i]`: ids row i may not draw; `mask`:
-    the grammar-constrained rows and the tokens they may draw."""
+    the grammar-constrained rows and the tokens they may draw; `bias`: the logit biases of the rows with one."""
     n, vocab = logits.shape
     if p.num_rows != n:
         raise ValueError(f"sampling parameters for {p.num_rows} rows, {n} rows of logits")
     counts = output_counts(history, vocab, logits.device) if history is not None and p.has_penalties() else None
     masked = masked_logits(logits, mask)
     drawable = banned_logits(masked, banned, copy=masked is logits)  # one [N, V] copy for both, not two
+    drawable = biased_logits(drawable, bias, copy=drawable is logits)
     if kernel_backend(logits.device) == "triton":
         from kernels.sampling_triton import sample_tokens_triton
 

@@ -23,7 +23,16 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kernels.sampling import TokenMask, banned_logits, hash_uniform, masked_logits, output_counts, penalized
+from kernels.sampling import (
+    LogitBias,
+    TokenMask,
+    banned_logits,
+    biased_logits,
+    hash_uniform,
+    masked_logits,
+    output_counts,
+    penalized,
+)
 from kernels.sampling_tensors import SamplingTensors, cutoffs, tempered
 
 ACCEPT_SALT = 0x2545F4914F6CDD1D  # xor-ed into the seed: both < 2**63, so the seed stays a valid int64
@@ -63,17 +72,19 @@ def kept(z: Tensor, p: SamplingTensors) -> Tensor:
     return keep & ((p.min_p[:, None] <= 0) | (z >= zmax + torch.log(p.min_p[:, None])))
 
 
-def plain_greedy(p: SamplingTensors, banned: list[list[list[int]]] | None, mask: TokenMask | None) -> bool:
-    """Every position greedy with nothing that changes its logits (penalties, bans, a grammar mask): then
-    acceptance is an argmax compare on the raw logits, without the sampler's per-position tensors."""
-    if mask is not None or (banned is not None and any(b for req in banned for b in req)):
+def plain_greedy(p: SamplingTensors, banned: list[list[list[int]]] | None, mask: TokenMask | None,
+                 bias: LogitBias | None = None) -> bool:
+    """Every position greedy with nothing that changes its logits (penalties, bans, a grammar mask, a logit
+    bias): then acceptance is an argmax compare on the raw logits, without the sampler's per-position tensors."""
+    if mask is not None or (bias is not None and bias.rows.numel()) \
+            or (banned is not None and any(b for req in banned for b in req)):
         return False
     return bool(p.greedy.all()) and not p.has_penalties()
 
 
 def _general(logits: Tensor, safe: Tensor, valid: Tensor, p: SamplingTensors, histories: list[list[int]] | None,
-             banned: list[list[list[int]]] | None, draft_probs: Tensor | None, mask: TokenMask | None
-             ) -> tuple[Tensor, Tensor]:
+             banned: list[list[list[int]]] | None, draft_probs: Tensor | None, mask: TokenMask | None,
+             bias: LogitBias | None) -> tuple[Tensor, Tensor]:
     """Acceptance with the full sampler: -> (accept [N, K] before the validity mask, own token [N, K+1])."""
     n, width, vocab = logits.shape
     k = width - 1
@@ -83,6 +94,7 @@ def _general(logits: Tensor, safe: Tensor, valid: Tensor, p: SamplingTensors, hi
     flat = logits.reshape(n * width, vocab)
     masked = masked_logits(flat, mask)
     drawable = banned_logits(masked, _position_bans(banned, n, width), copy=masked is flat)
+    drawable = biased_logits(drawable, bias, copy=drawable is flat)
     adjusted = penalized(drawable, p, counts)
     argmax = adjusted.argmax(-1).view(n, width)
     greedy = p.greedy.view(n, width)
@@ -118,6 +130,7 @@ def verify_drafts(
     logits: Tensor, drafts: Tensor, num_drafts: Tensor, params: SamplingTensors,
     histories: list[list[int]] | None = None, banned: list[list[list[int]]] | None = None,
     draft_probs: Tensor | None = None, mask: TokenMask | None = None, top_logprobs_num: int = 0,
+    bias: LogitBias | None = None,
 ) -> VerifyResult:
     """logits [N, K+1, V] (raw target logits; position j of window i predicts output index `params.step` of
     row i * (K+1) + j); drafts [N, K] int64 (entries past num_drafts[i] ignored); num_drafts [N] int64 in
@@ -125,7 +138,7 @@ def verify_drafts(
     (the rows of positions past num_drafts[i] + 1 are never emitted: any values); histories[i]: the tokens
     generated before position 0 (None: none); banned[i][j]: ids position j may not draw; draft_probs
     [N, K, V]: the drafter's distributions (None: point masses at the drafts); mask: a grammar mask whose rows
-    index the flattened positions i * (K+1) + j."""
+    index the flattened positions i * (K+1) + j, and so do the rows of `bias` (logit biases)."""
     n, width, vocab = logits.shape
     k = width - 1
     dev = logits.device
@@ -137,11 +150,11 @@ def verify_drafts(
     num_drafts = num_drafts.to(dev)
     valid = torch.arange(k, device=dev)[None] < num_drafts[:, None]  # [N, K]
     safe = torch.where(valid, drafts.to(dev), 0)  # ignored entries may be any id: index with 0 instead
-    if plain_greedy(params, banned, mask):
+    if plain_greedy(params, banned, mask, bias):
         own = logits.argmax(-1)  # nothing adjusts a plain greedy row's logits: the general path's argmax
         accept = safe == own[:, :k]
     else:
-        accept, own = _general(logits, safe, valid, params, histories, banned, draft_probs, mask)
+        accept, own = _general(logits, safe, valid, params, histories, banned, draft_probs, mask, bias)
     accept &= valid
     num_accepted = accept.long().cumprod(1).sum(1)
     pos = torch.arange(width, device=dev)[None]

@@ -108,6 +108,8 @@ class StepPlan:
     logits_index: np.ndarray
     sampling: SamplingColumns  # one entry per sampled row
     banned: list[list[int]]  # per sampled row: token ids that may not be sampled (stops below min_new_tokens)
+    # (sampled row, token id, bias) for the rows of requests with a logit_bias: added to those logits before the draw
+    logit_bias: list[tuple[int, int, float]] = field(default_factory=list)
     reset_rows: list[tuple[int, list[int]]] = field(default_factory=list)
     top_logprobs_num: int = 0
     input_logprob_rows: list[tuple[int, int]] = field(default_factory=list)  # (logits row, token id)

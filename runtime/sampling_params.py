@@ -18,6 +18,7 @@ import orjson
 
 from runtime.errors import InvalidRequest
 from runtime.grammar_schema import schema_too_deep
+from runtime.stop_regex import check_stop_regex
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
@@ -39,7 +40,7 @@ SGLANG_FIELDS: dict[str, SGLangField] = {
     "max_new_tokens": SGLangField(128, True),
     "stop": SGLangField(None, True),
     "stop_token_ids": SGLangField(None, True),
-    "stop_regex": SGLangField(None, False),
+    "stop_regex": SGLangField(None, True),
     "temperature": SGLangField(1.0, True),
     "top_p": SGLangField(1.0, True),
     "top_k": SGLangField(TOP_K_ALL, True),
@@ -56,11 +57,11 @@ SGLANG_FIELDS: dict[str, SGLangField] = {
     "structural_tag": SGLangField(None, False),
     "ignore_eos": SGLangField(False, True),
     "skip_special_tokens": SGLangField(True, True),
-    "spaces_between_special_tokens": SGLangField(True, False),
-    "no_stop_trim": SGLangField(False, False),
-    "stream_interval": SGLangField(None, False),
-    "logit_bias": SGLangField(None, False),
-    "sampling_seed": SGLangField(None, False),
+    "spaces_between_special_tokens": SGLangField(True, True),
+    "no_stop_trim": SGLangField(False, True),
+    "stream_interval": SGLangField(None, True),
+    "logit_bias": SGLangField(None, True),
+    "sampling_seed": SGLangField(None, True),  # our `seed`
     "custom_params": SGLangField(None, False),  # custom logit processors' arguments
     "watermark": SGLangField(None, False),
     # SGLang's internal fields (filled by its own normalisation), which its wire format also takes.
@@ -137,6 +138,24 @@ def check_prompt_ids(ids: Any, vocab_size: int) -> list[int]:
     return check_token_ids("input_ids", ids, vocab_size, allow_empty=False)
 
 
+def check_logit_bias(value: Any, vocab_size: int | None) -> list[tuple[int, float]]:
+    """{token id: bias} (ids as JSON's string keys or as ints) as (id, bias) pairs sorted by id; ids in the
+    vocabulary, biases finite."""
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"logit_bias must be an object of token id -> bias, got {type(value).__name__}",
+                             param="logit_bias")
+    pairs: dict[int, float] = {}
+    for key, bias in value.items():
+        tid = int(key) if isinstance(key, str) and key.isdecimal() else key
+        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < (vocab_size or INT64_MAX) \
+                or tid in pairs:
+            bound = f"[0, {vocab_size})" if vocab_size is not None else "[0, 2**63)"
+            raise InvalidRequest(f"logit_bias holds the key {key!r}: keys must be distinct token ids in {bound}",
+                                 param="logit_bias")
+        pairs[tid] = check_float("logit_bias", bias)
+    return sorted(pairs.items())
+
+
 def check_output_options(return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any, vocab_size: int) -> None:
     """What a request asks to get back beside its tokens: logprobs, from which prompt position, how many top."""
     check_bool("return_logprob", return_logprob)
@@ -168,6 +187,14 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | dict[str, Any] | None = None  # a schema (an object is serialised), or "$$ANY$$": any JSON
     ebnf: str | None = None
+    # SGLang's: the output also stops where its text matches one of these (trimmed there like a stop string).
+    stop_regex: list[str] = field(default_factory=list)
+    no_stop_trim: bool = False  # the matched stop string (or regex match) stays in the text
+    # Accepted for SGLang's clients: radixk3 decodes as a fast (`tokenizers`) tokenizer does, which puts no
+    # spaces around special tokens either way (only HF's slow tokenizers insert them).
+    spaces_between_special_tokens: bool = True
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, bias), added before the draw
+    stream_interval: int = 1  # a stream's chunks come every this many tokens (and at the end)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None, vocab_size: int | None = None) -> SamplingParams:
@@ -189,6 +216,15 @@ class SamplingParams:
                 raise InvalidRequest(f"{name} is not supported (only at its default, {spec.default!r})", param=name)
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
+        if "sampling_seed" in d:  # SGLang's name of the seed: the same draw
+            seed = d.pop("sampling_seed")
+            if "seed" in d and d["seed"] != seed:
+                raise InvalidRequest(f"sampling_seed {seed!r} and seed {d['seed']!r} differ", param="sampling_seed")
+            d["seed"] = seed
+        if "stop_regex" in d:
+            d["stop_regex"] = check_stop_regex(d["stop_regex"])
+        if "logit_bias" in d:
+            d["logit_bias"] = check_logit_bias(d["logit_bias"], vocab_size)
         p = cls(**d)
         p.validate(vocab_size)
         return p
@@ -219,6 +255,9 @@ class SamplingParams:
                                  param="stop")
         self.stop = list(self.stop)
         self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
+        check_bool("no_stop_trim", self.no_stop_trim)
+        check_bool("spaces_between_special_tokens", self.spaces_between_special_tokens)
+        check_int("stream_interval", self.stream_interval, 1)
         self._validate_grammar()
 
     def _validate_grammar(self) -> None:

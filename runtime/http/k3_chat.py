@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from runtime.errors import InvalidRequest
-from runtime.grammar_compile import error_message
+from runtime.grammar_compile import ANY_JSON, error_message, xgrammar_module
 from runtime.grammar_schema import vet_json_schema
 from runtime.http.api_errors import APIError
 from runtime.http.chat_reply import GRAMMAR_FIELDS, forcing_grammar_checked, refuse_own_grammar
@@ -84,7 +84,10 @@ def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
 
 def _own_grammar_after_thinking(field: str, source: Any) -> str:
     """The request's own grammar from the response channel on, held to the limits its own field is held to (the
-    sampling parameters hold the EBNF's size to `--max-grammar-bytes`)."""
+    sampling parameters hold the EBNF's size to `--max-grammar-bytes`). Any JSON (json_object) is xgrammar's
+    built-in JSON grammar, as without thinking."""
+    if field == "json_schema" and source == ANY_JSON:
+        field, source = "ebnf", str(xgrammar_module().Grammar.builtin_json_grammar())
     if field == "json_schema":
         try:
             vet_json_schema(source if isinstance(source, str) else orjson.dumps(source).decode())

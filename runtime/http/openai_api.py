@@ -157,7 +157,7 @@ def _chunk_error(c: StreamChunk) -> bytes:
 @router.get("/models")
 async def models(request: Request) -> Response:
     st = state_of(request)
-    card = ModelCard(id=st.model_name, created=st.started, root=st.args.model,
+    card = ModelCard(id=st.model_name, created=st.started, root=st.model_path,
                      max_model_len=st.tm.context_length)
     return OrjsonResponse(ModelList(data=[card]).model_dump())
 

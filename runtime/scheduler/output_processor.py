@@ -3,7 +3,8 @@ collect input logprobs, and emit `TokenOut`s.
 
 Stop strings are detected incrementally: each new token detokenises only the tail of the output that could
 hold a stop string ending in it (one token per UTF-8 byte of the longest stop string, plus one so that the
-first token's leading-space handling cannot hide a match), never the whole output again.
+first token's leading-space handling cannot hide a match), never the whole output again; stop regexes likewise
+read the tail that can hold their longest match (`runtime.stop_regex`; all of it for an unbounded pattern).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from runtime.errors import InvalidRequest
 from runtime.messages import TokenOut
 from runtime.scheduler.request import Req
+from runtime.stop_regex import first_match, window_tokens
 
 
 class OutputProcessor:
@@ -44,6 +46,9 @@ class OutputProcessor:
         if n_out >= p.min_new_tokens and p.stop and (s := self._stop_string(req)) is not None:
             req.matched_stop = s
             return "stop"
+        if n_out >= p.min_new_tokens and p.stop_regex and (s := self._stop_regex(req)) is not None:
+            req.matched_stop = s  # the pattern, as SGLang reports it
+            return "stop"
         if n_out >= p.max_new_tokens:
             return "length"
         return None
@@ -55,6 +60,13 @@ class OutputProcessor:
         text = self.detokenize(req.output_ids[-window:])
         hits = [(text.find(s), s) for s in stops if s in text]
         return min(hits)[1] if hits else None
+
+    def _stop_regex(self, req: Req) -> str | None:
+        """The stop regex whose match starts first in the output's tail, if any."""
+        window = window_tokens(req.params.stop_regex)
+        hit = first_match(self.detokenize(req.output_ids[-window:] if window else req.output_ids),
+                          req.params.stop_regex)
+        return None if hit is None else hit[1]
 
     def collect_input_logprobs(self, req: Req, first_none: bool, positions: list[int], values: list[float]) -> None:
         if first_none:
@@ -78,6 +90,8 @@ class OutputProcessor:
         new = req.output_ids[req.sent_tokens :]
         if not new and req.finished is None and not req.input_logprobs:
             return
+        if req.finished is None and len(new) < req.params.stream_interval and req.sent_tokens:
+            return  # the request's stream_interval: its first chunk (the time to first token) is never held
         out = TokenOut(req.rid, new, finished=req.finished, matched_stop=req.matched_stop,
                        prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens, error=error)
         if req.return_logprob:

@@ -61,6 +61,7 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
     params: list[SamplingParams] = []  # per sampled row: its request's parameters, and the output index it samples
     steps: list[int] = []
     banned: list[list[int]] = []
+    bias: list[tuple[int, int, float]] = []
     lp_rows: list[tuple[int, int]] = []  # (packed row, next token)
     grammar_rows: list[int] = []
     matchers: list[GrammarMatcher] = []
@@ -85,6 +86,7 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
                 params.append(req.params)
                 steps.append(first + j)
                 banned.append(outputs.banned_at(req, first + j))
+                bias.extend((len(sample_rows) - 1, t, b) for t, b in req.params.logit_bias)
             if req.grammar is not None:
                 # The mask needs every earlier output accepted: no other sample of it may be in flight.
                 assert req.pending_samples == 1, f"request {req.rid}: grammar mask planned ahead of its tokens"
@@ -106,7 +108,7 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
         cu_seqlens=arr(cu), state_slots=arr(slots), input_ids=arr(ids), ckpt_seq=arr(ckpt_seq),
         ckpt_offset=arr(ckpt_offset), ckpt_slot=arr(ckpt_slot),
         logits_index=arr(sample_rows + [r for r, _ in lp_rows]), sampling=sampling_columns(params, steps),
-        banned=banned, reset_rows=resets, top_logprobs_num=top_n,
+        banned=banned, logit_bias=bias, reset_rows=resets, top_logprobs_num=top_n,
         input_logprob_rows=[(len(sample_rows) + i, tok) for i, (_, tok) in enumerate(lp_rows)],
         grammar_rows=arr(grammar_rows), grammar_mask=fill_masks(matchers).reshape(-1),
     )

@@ -503,7 +503,7 @@ class TokenizerManager:
             params = sub.params
             for i, (r, f) in enumerate(zip(sub.rids, sub_frames, strict=True)):
                 replica = self.router.route(r, sub.prompt_ids, params.max_new_tokens)
-                sample = SampleStream(r, i, self.tokenizer, params.stop, params.skip_special_tokens)
+                sample = SampleStream(r, i, self.tokenizer, params)
                 self._reqs[r] = _Entry(sample, sink, replica)
                 self._push[replica].send_multipart(f, flags=zmq.NOBLOCK)
             if deadline is not None:

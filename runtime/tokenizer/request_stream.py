@@ -5,9 +5,10 @@ the one `meta_info` builder.
 A stream of results sends only what is new: a `StreamCursor` remembers how much of a sample's output its
 stream has sent, and `Sample.result(..., cursor=)` returns the rest (the native API's incremental streaming).
 
-Text is produced by the tokenizer's incremental decoder. Stop strings are trimmed as they are found: text
-that could be the start of a stop string is held back until the next token shows whether it is, so no
-streamed chunk ever holds a part of the matched stop string.
+Text is produced by the tokenizer's incremental decoder. Stop strings and stop regexes are trimmed as they are
+found: text that could be the start of a stop string (or that a stop regex has begun to match) is held back until
+later tokens show whether it is, so no streamed chunk ever holds a part of the matched text. With `no_stop_trim`
+nothing is trimmed or held.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 
 from radixk3.tokenizer import IncrementalDecoder, Tokenizer
 from runtime.messages import TokenOut
+from runtime.sampling_params import SamplingParams
+from runtime.stop_regex import first_match, partial_start
 
 
 @dataclass
@@ -53,34 +56,40 @@ def _held_suffix(text: str, stops: list[str]) -> int:
 
 
 class TextStream:
-    """Incremental text of one sample, with stop strings trimmed."""
+    """Incremental text of one sample, with stop strings and stop regexes trimmed (unless `no_stop_trim`)."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: list[str], skip_special_tokens: bool) -> None:
-        self._decoder: IncrementalDecoder = tokenizer.incremental_decoder(skip_special_tokens)
-        self._stops = stops
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
+        self._decoder: IncrementalDecoder = tokenizer.incremental_decoder(params.skip_special_tokens)
+        trim = not params.no_stop_trim
+        self._stops = params.stop if trim else []
+        self._regexes = params.stop_regex if trim else []
         self._held = ""
 
     def push(self, ids: list[int], finished: str | None, matched_stop: int | str | None) -> str:
         text = self._held + self._decoder.push(ids)
         self._held = ""
         if finished is None:
-            if self._stops:
-                k = _held_suffix(text, self._stops)
-                if k:
-                    text, self._held = text[:-k], text[-k:]
+            keep = len(text) - (_held_suffix(text, self._stops) if self._stops else 0)
+            if self._regexes:
+                keep = min(keep, partial_start(text, self._regexes))
+            text, self._held = text[:keep], text[keep:]
             return text
         text += self._decoder.flush()
-        if isinstance(matched_stop, str) and matched_stop in text:
-            text = text[: text.index(matched_stop)]
+        if not isinstance(matched_stop, str):
+            return text
+        if matched_stop in self._stops and matched_stop in text:
+            return text[: text.index(matched_stop)]
+        if matched_stop in self._regexes and (hit := first_match(text, [matched_stop])) is not None:
+            return text[: hit[0]]
         return text
 
 
 class SampleStream:
     """One sample: turns its TokenOuts into StreamChunks (incremental text, stop strings trimmed)."""
 
-    def __init__(self, rid: str, index: int, tokenizer: Tokenizer, stops: list[str], skip_special_tokens: bool) -> None:
+    def __init__(self, rid: str, index: int, tokenizer: Tokenizer, params: SamplingParams) -> None:
         self.rid, self.index = rid, index
-        self._text = TextStream(tokenizer, stops, skip_special_tokens)
+        self._text = TextStream(tokenizer, params)
         self._completion_tokens = 0
 
     def chunk(self, out: TokenOut) -> StreamChunk:

@@ -8,7 +8,7 @@ import traceback
 import numpy as np
 import torch
 
-from kernels.sampling import TokenMask
+from kernels.sampling import LogitBias, TokenMask
 from kernels.sampling_tensors import SamplingTensors
 from kernels.spec_layout import pad, window_layout
 from kernels.state_checkpoints import StateCheckpoints
@@ -79,6 +79,15 @@ class ModelWorker:
         """The plan's sampling columns as the sampler's tensors (one row per sampled row)."""
         return SamplingTensors.from_columns(plan.sampling, self.model.device)
 
+    def _logit_bias(self, plan: StepPlan, row_of: np.ndarray | None = None) -> LogitBias | None:
+        """The plan's logit biases, each at row `row_of[r]` of the logits sampled (sampled row r itself if None)."""
+        if not plan.logit_bias:
+            return None
+        bias = LogitBias.of(plan.logit_bias, self.model.device)
+        if row_of is None:
+            return bias
+        return LogitBias(self._tensor(np.asarray(row_of)[bias.rows.cpu().numpy()]), bias.ids, bias.values)
+
     @staticmethod
     def _grammar_mask(plan: StepPlan, rows: np.ndarray) -> TokenMask | None:
         """The grammar mask of the plan's constrained rows, each at its row `rows[j]` of the logits sampled."""
@@ -141,7 +150,8 @@ class ModelWorker:
         sampled_rows = [int(plan.rows[s]) for s in sampled_seqs]
         res, row_errors = self.sampler.sample(logits[:n], self._params(plan), sampled_rows, plan.banned,
                                               plan.top_logprobs_num,
-                                              self._grammar_mask(plan, np.asarray(plan.grammar_rows)))
+                                              self._grammar_mask(plan, np.asarray(plan.grammar_rows)),
+                                              self._logit_bias(plan))
         tokens = res.tokens.tolist()
         self.tables.set_last(sampled_rows, res.tokens)
         if self.proposer is not None:  # after sampling: an MTP proposer reads each sequence's sampled token
@@ -218,9 +228,11 @@ class ModelWorker:
         g = np.asarray(plan.grammar_rows, dtype=np.int64)
         seq = np.repeat(np.arange(n), lens)
         mask = self._grammar_mask(plan, seq[g] * width + (g - starts[seq[g]]))
+        every = np.arange(len(seq))  # each sampled row's padded position, for the logit biases
+        bias = self._logit_bias(plan, seq * width + (every - starts[seq]))
         res, row_errors = self.sampler.verify(padded, drafts, torch.from_numpy(lens - 1), padded_params,
                                               [int(r) for r in plan.rows], banned, plan.top_logprobs_num, mask,
-                                              draft_probs)
+                                              draft_probs, bias)
         num_accepted = res.num_accepted
         self.window.commit(cache.recurrent, cache.conv, batch.state_slots, rows, num_accepted + 1)
         if self.proposer is not None:

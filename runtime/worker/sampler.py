@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from kernels.sampling import SampleResult, TokenMask, output_counts, sample
+from kernels.sampling import LogitBias, SampleResult, TokenMask, output_counts, sample
 from kernels.sampling_tensors import SamplingTensors
 from kernels.spec_sampling import VerifyResult, verify_drafts
 
@@ -27,6 +27,14 @@ def mask_rows(mask: TokenMask | None, lo: int, hi: int) -> TokenMask | None:
         return None
     mine = (mask.rows >= lo) & (mask.rows < hi)
     return TokenMask(mask.rows[mine] - lo, mask.bitmask[mine])
+
+
+def bias_rows(bias: LogitBias | None, lo: int, hi: int) -> LogitBias | None:
+    """The part of `bias` for rows [lo, hi), renumbered from 0."""
+    if bias is None:
+        return None
+    mine = (bias.rows >= lo) & (bias.rows < hi)
+    return LogitBias(bias.rows[mine] - lo, bias.ids[mine], bias.values[mine])
 
 
 class WorkerSampler:
@@ -47,14 +55,15 @@ class WorkerSampler:
             self.histories.setdefault(row, []).extend(toks)
 
     def sample(self, logits: Tensor, params: SamplingTensors, rows: Sequence[int], banned: list[list[int]],
-               top_logprobs_num: int, mask: TokenMask | None) -> tuple[SampleResult, RowErrors]:
+               top_logprobs_num: int, mask: TokenMask | None,
+               bias: LogitBias | None = None) -> tuple[SampleResult, RowErrors]:
         """One token per row of `logits` (row i: page-table row rows[i], parameters row i of `params`),
         recorded in its row's history. If sampling them all at once fails, row by row: a row that cannot be
         sampled fails alone (its token is a placeholder, 0, which the scheduler discards)."""
         k = top_logprobs_num
         histories = [self.histories.get(r, []) for r in rows]
         try:
-            res, errors = sample(logits, params, histories, k, banned, mask), []
+            res, errors = sample(logits, params, histories, k, banned, mask, bias), []
         except Exception:
             if not rows:
                 raise
@@ -64,7 +73,8 @@ class WorkerSampler:
             for i in range(len(rows)):
                 try:
                     parts.append(sample(logits[i : i + 1], params.take(torch.tensor([i], device=dev)),
-                                        histories[i : i + 1], k, banned[i : i + 1], mask_rows(mask, i, i + 1)))
+                                        histories[i : i + 1], k, banned[i : i + 1], mask_rows(mask, i, i + 1),
+                                        bias_rows(bias, i, i + 1)))
                 except Exception as e:
                     errors.append((i, f"sampling failed: {type(e).__name__}: {e}"))
                     zero = torch.zeros(1, k, device=dev)
@@ -76,7 +86,8 @@ class WorkerSampler:
 
     def verify(self, logits: Tensor, drafts: Tensor, num_drafts: Tensor, params: SamplingTensors,
                rows: Sequence[int], banned: list[list[list[int]]], top_logprobs_num: int,
-               mask: TokenMask | None = None, draft_probs: Tensor | None = None) -> tuple[VerifyResult, RowErrors]:
+               mask: TokenMask | None = None, draft_probs: Tensor | None = None,
+               bias: LogitBias | None = None) -> tuple[VerifyResult, RowErrors]:
         """Acceptance of every window (window i: page-table row rows[i]; see `verify_drafts`); each window's
         committed tokens (its accepted drafts and the target's own token) are recorded in its row's history.
         If that fails, window by window: a window that cannot be sampled fails alone (it then commits only its
@@ -85,12 +96,12 @@ class WorkerSampler:
         histories = [self.histories.get(r, []) for r in rows]
         try:
             res, errors = verify_drafts(logits, drafts, num_drafts, params, histories, banned, draft_probs, mask=mask,
-                                        top_logprobs_num=k), []
+                                        top_logprobs_num=k, bias=bias), []
         except Exception:
             if not rows:
                 raise
             res, errors = self._verify_apart(logits, drafts, num_drafts, params, histories, banned, k, mask,
-                                             draft_probs)
+                                             draft_probs, bias)
         committed = (res.num_accepted + 1).tolist()
         self._record(rows, [t[:c] for t, c in zip(res.tokens.tolist(), committed, strict=True)])
         return res, errors
@@ -98,7 +109,7 @@ class WorkerSampler:
     @staticmethod
     def _verify_apart(logits: Tensor, drafts: Tensor, num_drafts: Tensor, params: SamplingTensors,
                       histories: list[list[int]], banned: list[list[list[int]]], k: int, mask: TokenMask | None,
-                      draft_probs: Tensor | None) -> tuple[VerifyResult, RowErrors]:
+                      draft_probs: Tensor | None, bias: LogitBias | None) -> tuple[VerifyResult, RowErrors]:
         parts: list[VerifyResult] = []
         errors: RowErrors = []
         dev = logits.device
@@ -109,7 +120,8 @@ class WorkerSampler:
                     logits[i : i + 1], drafts[i : i + 1], num_drafts[i : i + 1],
                     params.take(torch.arange(i * w, (i + 1) * w, device=dev)), histories[i : i + 1],
                     banned[i : i + 1], None if draft_probs is None else draft_probs[i : i + 1],
-                    mask=mask_rows(mask, i * w, (i + 1) * w), top_logprobs_num=k))
+                    mask=mask_rows(mask, i * w, (i + 1) * w), top_logprobs_num=k,
+                    bias=bias_rows(bias, i * w, (i + 1) * w)))
             except Exception as e:
                 errors.append((i, f"sampling failed: {type(e).__name__}: {e}"))
                 zero = torch.zeros(1, w, k, device=dev)  # on the logits' device: torch.cat with the others

@@ -19,6 +19,7 @@ from radixk3.chat_template import (
     ChatTemplate,
     ChatTemplateError,
     control_markers,
+    hf_chat_ids,
     load_chat_template,
     write_chat_template,
 )
@@ -122,6 +123,24 @@ def test_kimi_template_equals_transformers(model_dir: Path, hf: PreTrainedTokeni
     prompt = template.prompt(messages, markers=control_markers(tok), tools=tools, add_generation_prompt=generation)
     assert prompt.text == want_text
     assert prompt.ids(tok, add_bos=False) == want_ids
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+def test_continue_final_message_equals_transformers(model_dir: Path, hf: PreTrainedTokenizerFast, tok: Tokenizer,
+                                                    name: str) -> None:
+    """The prompt ends after the final message's content, as transformers' `continue_final_message` cuts it."""
+    messages = [*CONVERSATIONS[name], {"role": "assistant", "content": "Once upon"}]
+    template = load_chat_template(model_dir)
+    assert template is not None
+    want_text = hf.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    want_ids = hf.apply_chat_template(messages, continue_final_message=True, tokenize=True, return_dict=False)
+    prompt = template.prompt(messages, markers=control_markers(tok), continue_final_message=True)
+    assert prompt.text == want_text and want_text.endswith("Once upon")
+    assert prompt.ids(tok, add_bos=False) == want_ids
+    assert hf_chat_ids(hf, messages, continue_final_message=True) == want_ids
+    with pytest.raises(ChatTemplateError, match="continue_final_message"):
+        template.prompt([*messages[:-1], {"role": "assistant", "content": ""}], markers=(),
+                        continue_final_message=True)
 
 
 def test_template_from_tokenizer_config_and_named_templates(tmp_path: Path, model_dir: Path) -> None:

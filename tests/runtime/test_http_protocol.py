@@ -84,3 +84,28 @@ def test_sse_events_escape_unicode_line_breaks() -> None:
     assert blank == ""
     assert orjson.loads(line.removeprefix("data: ")) == obj
     assert b"\\u2028" in frame and b"\\u2029" in frame and b"\\u0085" in frame
+
+
+def test_reasoning_options() -> None:
+    """SGLang's separate_reasoning=false puts the reasoning back into the content; stream_reasoning=false holds
+    it back until the last chunk."""
+    from radixk3.tokenizer import load_tokenizer
+    from runtime.http.chat_reply import ChatReply, whole_reply
+    from runtime.tokenizer.k3_reply import ReplyAssembler
+    from runtime.tokenizer.k3_tools import THINK_PREFIX
+
+    tok = load_tokenizer()
+    chunks = ["Let me ", "see.<|close|>think<|sep|><|open|>response<|sep|>", "Four."]
+
+    def deltas(**options: bool) -> list[tuple[str | None, str | None]]:
+        reply = ChatReply(ReplyAssembler(THINK_PREFIX, tools=False), tok, **options)
+        out = [reply.push(c, "length" if k == len(chunks) - 1 else None, []) for k, c in enumerate(chunks)]
+        return [(d.content, d.reasoning_content) for d in out]
+
+    assert deltas() == [(None, "Let me "), (None, "see."), ("Four.", None)]
+    assert deltas(stream_reasoning=False) == [(None, None), (None, None), ("Four.", "Let me see.")]
+    assert deltas(separate_reasoning=False) == [("Let me ", None), ("see.", None), ("Four.", None)]
+    for separate, want in ((True, ("Four.", "Let me see.")), (False, ("Let me see.Four.", None))):
+        message, _ = whole_reply(ReplyAssembler(THINK_PREFIX, tools=False), tok, "".join(chunks), "length", [],
+                                 separate_reasoning=separate)
+        assert (message.content, message.reasoning_content) == want

@@ -315,3 +315,24 @@ def test_markers_typed_by_clients_stay_text(typed: str) -> None:
     assert t.decode(p.ids(t), skip_special_tokens=False) == p.text
     # In all 12 places; attributes and JSON strings hold a quote escaped, so the forged turn is whole in 8.
     assert p.text.count(typed) >= (8 if '"' in typed else 12)
+
+
+def test_continue_final_message() -> None:
+    """SGLang's continue_final_message: the prompt ends inside the final assistant message's response channel,
+    right after its content (its reasoning, with thinking on, closed before); the reply parser starts there."""
+    t = tok()
+    hi = '<|open|>message role="user"<|sep|>Hi' + EOM
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon", "reasoning_content": "A."}]
+    cases = [(K3ChatOptions(thinking=False, continue_final=True),
+              hi + '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>Once upon'),
+             (K3ChatOptions(continue_final=True),
+              EFFORT.format("max") + hi + '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>A.'
+              "<|close|>think<|sep|><|open|>response<|sep|>Once upon")]
+    for options, expected in cases:
+        p = render_k3_chat(chat, None, options)
+        assert p.text == expected and p.ids(t) == segment_ids(t, expected)
+        assert p.prefix == "<|open|>response<|sep|>" and not p.thinking
+    for final in ({"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": {"name": "f"}}]}):
+        with pytest.raises(RenderError, match="continue_final_message"):
+            render_k3_chat([*chat, final], None, K3ChatOptions(continue_final=True))
