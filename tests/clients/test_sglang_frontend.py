@@ -2,7 +2,7 @@
 `sgl.set_default_backend`) against one live radixk3 server on the built-in model.
 
 Each feature is checked against the server's own answer to the same text (greedy over `/generate`) or against
-the no-cache forward: `gen` with stops, `regex` and `gen_int`, `select`, `fork` / `join`, roles, `run_batch`,
+the no-cache forward: `gen` with stops, `regex`, `select`, `fork` / `join`, roles, `run_batch`,
 streaming with logprobs, `get_server_info()`. Then SGLang's own frontend test programs
 (`sglang.test.test_programs`, the ones its test_srt_backend runs and the rest of that module) run unchanged;
 `SKIPPED` says which are not run and why (a trained model's answers, a vision model, OpenAI-only features, a
@@ -28,6 +28,7 @@ from tests.frontend_lang.oracle import tiny_model, token_logprobs
 from tests.runtime.http_server_proc import Server, running_server
 
 PREFIX = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.\n"
+PHONE = r"[0-9]{3}-[0-9]{4}"
 PROMPTS = ["Weng earns $12 an hour", "Betty is saving money", "Julie is reading a 120-page book"]
 
 # SGLang's programs that are not run, and why. Every `test_*` function of sglang.test.test_programs is either
@@ -93,8 +94,7 @@ def continue_text(s, prompt: str, stop: list[str] | None = None, max_tokens: int
 
 @sgl.function
 def typed(s, prompt: str):  # noqa: ANN001, ANN201
-    s += prompt + "Phone: " + sgl.gen("phone", regex=r"[0-9]{3}-[0-9]{4}") + "\n"
-    s += "Count: " + sgl.gen_int("count", max_tokens=6)
+    s += prompt + "Phone: " + sgl.gen("phone", regex=PHONE) + "\n"
 
 
 @sgl.function
@@ -139,11 +139,10 @@ def test_gen_with_stops(server: Server, backend: sgl.RuntimeEndpoint) -> None:
     assert continue_text.run(prompt=PREFIX, temperature=0)["out"] == free
 
 
-def test_regex_and_gen_int(server: Server, backend: sgl.RuntimeEndpoint) -> None:
+def test_regex(server: Server, backend: sgl.RuntimeEndpoint) -> None:
     state = typed.run(prompt=PREFIX, temperature=0)
-    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", state["phone"])
-    assert state["phone"] == native(server, PREFIX + "Phone: ", 128, regex=r"[0-9]{3}-[0-9]{4}")["text"]
-    int(state["count"])  # gen_int: SGLang's integer regex, then its stops
+    assert re.fullmatch(PHONE, state["phone"])
+    assert state["phone"] == native(server, PREFIX + "Phone: ", 128, regex=PHONE)["text"]
 
 
 def test_select_matches_the_no_cache_forward(backend: sgl.RuntimeEndpoint) -> None:
