@@ -28,7 +28,7 @@ from tests.runtime.http_server_proc import Server, free_port, start_server
 NAME = "k3-routed"  # a served name of its own: the router's model id must come from the servers
 PROMPT = "Natalia sold clips to 48 of her friends in April"
 MAX_TOKENS = 8
-ROUTER_START_S = 60.0
+ROUTER_START_S = 60.0  # after the servers are up
 
 
 @dataclass
@@ -43,24 +43,16 @@ class Cluster:
 @contextlib.contextmanager
 def launched_router(worker_urls: list[str], log: Path) -> Iterator[str]:
     """The router on a free loopback port (its Prometheus exporter on another: the default one may be taken),
-    once it lists every worker as healthy; stopped on exit."""
+    started at once: it registers each worker when the worker answers (checked every second); stopped on exit."""
     port = free_port()
     argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            "--policy", "round_robin", "--log-level", "warn", "--worker-urls", *worker_urls]
+            "--policy", "round_robin", "--worker-startup-check-interval", "1", "--log-level", "warn",
+            "--worker-urls", *worker_urls]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + ROUTER_START_S
-        while not _all_healthy(url, len(worker_urls)):
-            if proc.poll() is not None:
-                raise RuntimeError(f"the router exited with code {proc.returncode}: {log.read_text()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the router did not register its workers in {ROUTER_START_S}s: "
-                                   f"{log.read_text()[-2000:]}")
-            time.sleep(0.25)
-        yield url
+        yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
         try:
@@ -68,6 +60,16 @@ def launched_router(worker_urls: list[str], log: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def wait_for_workers(url: str, n: int, log: Path) -> None:
+    """Until the router lists n healthy workers."""
+    deadline = time.monotonic() + ROUTER_START_S
+    while not _all_healthy(url, n):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the router did not register its workers in {ROUTER_START_S}s: "
+                               f"{log.read_text()[-2000:]}")
+        time.sleep(0.25)
 
 
 def _all_healthy(url: str, n: int) -> bool:
@@ -81,19 +83,23 @@ def _all_healthy(url: str, n: int) -> bool:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The router and the two servers, all starting side by side (the router's start is seconds of imports)."""
+    ports = [free_port(), free_port()]
+    assert ports[0] != ports[1]
+    log = tmp_path_factory.mktemp("router") / "router.log"
     servers: list[Server] = []
-    try:
-        with ThreadPoolExecutor(2) as pool:  # started side by side; each one started is stopped below
-            for f in [pool.submit(start_server, "--served-model-name", NAME) for _ in range(2)]:
-                with contextlib.suppress(Exception):
-                    servers.append(f.result())
-        assert len(servers) == 2, "a server did not start (its stderr is above)"
-        log = tmp_path_factory.mktemp("router") / "router.log"
-        with launched_router([s.url for s in servers], log) as url:
+    with launched_router([f"http://127.0.0.1:{p}" for p in ports], log) as url:
+        try:
+            with ThreadPoolExecutor(2) as pool:  # each one started is stopped below
+                for f in [pool.submit(start_server, "--served-model-name", NAME, port=p) for p in ports]:
+                    with contextlib.suppress(Exception):
+                        servers.append(f.result())
+            assert len(servers) == 2, "a server did not start (its stderr is above)"
+            wait_for_workers(url, len(servers), log)
             yield Cluster(servers, url)
-    finally:
-        for s in servers:
-            s.stop()
+        finally:
+            for s in servers:
+                s.stop()
 
 
 def sse(response: httpx.Response) -> list[dict[str, Any]]:
