@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from kernels.sampling import TokenMask, sample
+from kernels.sampling import LogitBias, TokenMask, sample
 from kernels.sampling_columns import NEUTRAL, SamplingColumns
 from kernels.sampling_tensors import SamplingTensors
 from kernels.spec_sampling import verify_drafts
@@ -258,3 +258,26 @@ def test_fast_path_only_for_rows_without_logit_changes() -> None:
     assert not plain_greedy(g, None, TokenMask(torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32)))
     assert not plain_greedy(positions([[row(temperature=0.0, repetition_penalty=1.2)]]), None, None)
     assert not plain_greedy(positions([[row(temperature=0.7)]]), None, None)
+
+
+def test_a_logit_bias_verifies_as_the_plain_sampler_draws() -> None:
+    gen = torch.Generator().manual_seed(7)
+    n, k, vocab = 4, 3, 12
+    logits = torch.randn(n, k + 1, vocab, generator=gen) * 2
+    window_bias = {0: [(2, 5.0), (5, -3.0)], 2: [(int(logits[2, 0].argmax()), -40.0)]}
+    drafts = logits[:, :k].argmax(-1)  # the unbiased picks: a biased window rejects where its bias changes one
+    bias = LogitBias.of([(i * (k + 1) + j, t, b) for i, pairs in window_bias.items() for j in range(k + 1)
+                         for t, b in pairs], "cpu")
+    rows = positions([[row(temperature=0.0, step=j) for j in range(k + 1)] for _ in range(n)])
+    res = verify_drafts(logits, drafts, torch.full((n,), k), rows, bias=bias)
+    for i in range(n):
+        mine = LogitBias.of([(0, t, b) for t, b in window_bias.get(i, [])], "cpu")
+        want: list[int] = []
+        for j in range(k + 1):
+            want.append(int(sample(logits[i, j : j + 1], params([row(temperature=0.0)]), bias=mine).tokens[0]))
+            if j == k or int(drafts[i, j]) != want[-1]:
+                break
+        assert res.tokens[i, : len(want)].tolist() == want and int(res.num_accepted[i]) == len(want) - 1
+    assert res.num_accepted.tolist()[1::2] == [k, k] and min(res.num_accepted.tolist()[0::2]) < k
+    # The logprobs stay the raw distribution's.
+    assert torch.equal(res.logprobs[0, 0], logits[0, 0].log_softmax(-1)[res.tokens[0, 0]])

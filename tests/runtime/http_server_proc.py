@@ -77,9 +77,10 @@ class Server:
 
 
 def start_server(*flags: str, api_key: str | None = None, startup_timeout: float = 180.0,
-                 stderr: Path | None = None) -> Server:
-    """The server on a free port, once /health answers; its stderr goes to the file `stderr` if given."""
-    port = free_port()
+                 stderr: Path | None = None, port: int | None = None) -> Server:
+    """The server on `port` (default: a free one), once /health answers; its stderr goes to the file `stderr` if
+    given."""
+    port = free_port() if port is None else port
     argv = [sys.executable, "-m", "radixk3.launch_server", "--port", str(port), *flags]
     if api_key is not None:
         argv += ["--api-key", api_key]

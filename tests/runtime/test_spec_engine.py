@@ -110,8 +110,8 @@ def test_retraction_under_a_small_pool(model, workload, k: int) -> None:  # noqa
 
 
 def test_finishing_inside_a_run_matches_plain(model, workload) -> None:  # noqa: ANN001
-    """Stop ids, stop strings, max/min new tokens and opted-out or constrained requests: the same outputs
-    with speculation as without."""
+    """Stop ids, stop strings, max/min new tokens, logit biases and opted-out or constrained requests:
+    the same outputs with speculation as without."""
     prompts, refs = workload
     cases = [
         dict(GREEDY, stop_token_ids=[refs[5][7]]),
@@ -120,6 +120,8 @@ def test_finishing_inside_a_run_matches_plain(model, workload) -> None:  # noqa:
         dict(GREEDY, speculative=False),
         dict(GREEDY, max_new_tokens=1),
         dict(GREEDY, stop=[load_tokenizer().decode(refs[-2][5:7]) or "0"]),
+        # A verify window's positions are biased as the plain sampler's rows are.
+        dict(GREEDY, logit_bias={str(refs[0][2]): 4.0, str(refs[9][4]): -30.0, str(refs[-1][1]): 2.5}),
     ]
     for sampling in cases:
         plain = LocalEngine(ServerArgs(), model).generate(prompts, sampling)
