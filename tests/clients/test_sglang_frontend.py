@@ -25,7 +25,7 @@ from sglang.test import test_programs as sgl_programs
 from radixk3.config import BUILTIN_SEED
 from radixk3.tokenizer import load_tokenizer
 from tests.frontend_lang.oracle import tiny_model, token_logprobs
-from tests.runtime.http_server_proc import Server, running_server
+from tests.runtime.http_server_proc import Server
 
 PREFIX = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.\n"
 PHONE = r"[0-9]{3}-[0-9]{4}"
@@ -62,12 +62,6 @@ SKIPPED = {
 # SGLang 0.5.23's own server does not have either.
 RUN = ["test_select", "test_mt_bench", "test_expert_answer", "test_regex", "test_dtype_gen", "test_stream",
        "test_parallel_decoding", "test_parallel_encoding"]
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with running_server() as s:
-        yield s
 
 
 @pytest.fixture(scope="module")
