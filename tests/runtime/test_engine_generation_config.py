@@ -43,6 +43,9 @@ def test_defaults_eos_ids_and_the_openai_mode(ckpt: Path) -> None:
         assert own["output_ids"] == greedy[:2] and own["meta_info"]["finish_reason"]["type"] == "length"
         free = eng.generate(PROMPT, {"ignore_eos": True})
         assert free["output_ids"] == greedy[:5]
+        # A null field is not given (SGLang's clients send many): the model's default stays beneath it.
+        nulls = eng.generate(PROMPT, {"ignore_eos": True, "temperature": None, "max_new_tokens": None})
+        assert nulls["output_ids"] == greedy[:5]
     with Engine(str(ckpt), mem_bytes=MEM, sampling_defaults="openai") as eng:
         # The engine's own defaults: 128 new tokens, temperature 1 (seeded, so not the greedy run), eos still ends.
         out = eng.generate(PROMPT, {"ignore_eos": True, "seed": 1})
