@@ -35,7 +35,8 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     declined: ClassVar[Mapping[str, Declined]] = {}  # SGLang's fields of the request that are not served
 
-    model: StrictStr  # required, as OpenAI's is ("default" names the served model, as in SGLang)
+    # OpenAI requires it; SGLang does not, and takes a request without one for its served model ("default").
+    model: StrictStr = "default"
     n: StrictInt = 1
     temperature: float | None = None
     top_p: float | None = None

@@ -89,7 +89,7 @@ CASES: list[tuple[str, str, str, Any, int, tuple[str, ...]]] = [
      ("role",)),
     ("content a number", "POST", "/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": 5}]}, 400,
      ("content",)),
-    ("chat without model", "POST", "/v1/chat/completions", {"messages": CHAT["messages"]}, 400, ("model",)),
+    ("chat with a model that is no string", "POST", "/v1/chat/completions", CHAT | {"model": 7}, 400, ("model",)),
     ("unknown model", "POST", "/v1/chat/completions", CHAT | {"model": "gpt-9"}, 404, ("gpt-9", "does not exist")),
     ("max_tokens a string", "POST", "/v1/chat/completions", CHAT | {"max_tokens": "ten"}, 400, ("max_tokens",)),
     ("chat n zero", "POST", "/v1/chat/completions", CHAT | {"n": 0}, 400, ("n ",)),

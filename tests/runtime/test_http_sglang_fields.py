@@ -281,6 +281,15 @@ def test_openai_fields_at_their_defaults(server: Server, path: str, fields: dict
     assert status == 200, out
 
 
+@pytest.mark.parametrize(("path", "base"), [(r[0], r[3]) for r in OPENAI_ROUTES], ids=["completions", "chat"])
+def test_openai_model_may_be_left_out(server: Server, path: str, base: dict[str, Any]) -> None:
+    """SGLang's OpenAI routes default `model` to "default", the served model; so do ours."""
+    body = {k: v for k, v in base.items() if k != "model"} | {"max_tokens": 2}
+    status, out = _post(server, path, body)
+    assert status == 200, out
+    assert out["model"] == _post(server, path, body | {"model": "default"})[1]["model"]
+
+
 @pytest.mark.parametrize(("path", "fields", "ours", "base", "served"), OPENAI_ROUTES,
                          ids=["completions", "chat"])
 def test_openai_fields_asking_for_something(server: Server, path: str, fields: dict[str, Any], ours: type[Any],
