@@ -42,7 +42,7 @@ def test_native_shapes() -> None:
     (ChatCompletionRequest, {"model": "m", "messages": MSG, "n": "2"}, "n: Input should be a valid integer"),
     (ChatCompletionRequest, {"model": "m", "messages": MSG, "temperature": 2.5e400}, "temperature: "),
     (ChatCompletionRequest, {"model": "m", "messages": [{"role": "function", "content": "x"}]}, "messages[0].role: "),
-    (ChatCompletionRequest, {"messages": MSG, "extra": 1}, "(and 1 more bad field(s))"),
+    (ChatCompletionRequest, {"messages": MSG, "n": "2", "extra": 1}, "(and 1 more bad field(s))"),
     (GenerateRequest, {"text": []}, "text: no accepted form matches: Input should be a valid string; or List"),
     (GenerateRequest, {"text": "a", "wat": 1}, "wat: unknown field"),
 ])
