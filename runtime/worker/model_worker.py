@@ -83,10 +83,8 @@ class ModelWorker:
         """The plan's logit biases, each at row `row_of[r]` of the logits sampled (sampled row r itself if None)."""
         if not plan.logit_bias:
             return None
-        bias = LogitBias.of(plan.logit_bias, self.model.device)
-        if row_of is None:
-            return bias
-        return LogitBias(self._tensor(np.asarray(row_of)[bias.rows.cpu().numpy()]), bias.ids, bias.values)
+        entries = plan.logit_bias if row_of is None else [(int(row_of[r]), t, b) for r, t, b in plan.logit_bias]
+        return LogitBias.of(entries, self.model.device)
 
     @staticmethod
     def _grammar_mask(plan: StepPlan, rows: np.ndarray) -> TokenMask | None:

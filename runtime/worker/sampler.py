@@ -10,6 +10,7 @@ by every token sampled or committed in it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -18,23 +19,17 @@ from kernels.sampling import LogitBias, SampleResult, TokenMask, output_counts, 
 from kernels.sampling_tensors import SamplingTensors
 from kernels.spec_sampling import VerifyResult, verify_drafts
 
+RowPart = TypeVar("RowPart", TokenMask, LogitBias)
 RowErrors = list[tuple[int, str]]  # (row index in the step, error): rows that failed alone
 
 
-def mask_rows(mask: TokenMask | None, lo: int, hi: int) -> TokenMask | None:
-    """The part of `mask` for rows [lo, hi), renumbered from 0."""
-    if mask is None:
+def rows_part(part: RowPart | None, lo: int, hi: int) -> RowPart | None:
+    """The part of a per-row tensor tuple (a grammar mask or logit biases: `rows` first, then fields parallel to
+    it) for rows [lo, hi), renumbered from 0."""
+    if part is None:
         return None
-    mine = (mask.rows >= lo) & (mask.rows < hi)
-    return TokenMask(mask.rows[mine] - lo, mask.bitmask[mine])
-
-
-def bias_rows(bias: LogitBias | None, lo: int, hi: int) -> LogitBias | None:
-    """The part of `bias` for rows [lo, hi), renumbered from 0."""
-    if bias is None:
-        return None
-    mine = (bias.rows >= lo) & (bias.rows < hi)
-    return LogitBias(bias.rows[mine] - lo, bias.ids[mine], bias.values[mine])
+    mine = (part.rows >= lo) & (part.rows < hi)
+    return type(part)(part.rows[mine] - lo, *(f[mine] for f in part[1:]))
 
 
 class WorkerSampler:
@@ -73,8 +68,8 @@ class WorkerSampler:
             for i in range(len(rows)):
                 try:
                     parts.append(sample(logits[i : i + 1], params.take(torch.tensor([i], device=dev)),
-                                        histories[i : i + 1], k, banned[i : i + 1], mask_rows(mask, i, i + 1),
-                                        bias_rows(bias, i, i + 1)))
+                                        histories[i : i + 1], k, banned[i : i + 1], rows_part(mask, i, i + 1),
+                                        rows_part(bias, i, i + 1)))
                 except Exception as e:
                     errors.append((i, f"sampling failed: {type(e).__name__}: {e}"))
                     zero = torch.zeros(1, k, device=dev)
@@ -120,8 +115,8 @@ class WorkerSampler:
                     logits[i : i + 1], drafts[i : i + 1], num_drafts[i : i + 1],
                     params.take(torch.arange(i * w, (i + 1) * w, device=dev)), histories[i : i + 1],
                     banned[i : i + 1], None if draft_probs is None else draft_probs[i : i + 1],
-                    mask=mask_rows(mask, i * w, (i + 1) * w), top_logprobs_num=k,
-                    bias=bias_rows(bias, i * w, (i + 1) * w)))
+                    mask=rows_part(mask, i * w, (i + 1) * w), top_logprobs_num=k,
+                    bias=rows_part(bias, i * w, (i + 1) * w)))
             except Exception as e:
                 errors.append((i, f"sampling failed: {type(e).__name__}: {e}"))
                 zero = torch.zeros(1, w, k, device=dev)  # on the logits' device: torch.cat with the others
