@@ -23,12 +23,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from runtime.http.anthropic_chat import BlockStream, chat_request, reply_blocks, stop_reason
 from runtime.http.anthropic_protocol import CountTokensOut, CountTokensRequest, MessageOut, MessagesRequest, Usage
 from runtime.http.api_errors import OrjsonResponse, parse_body, request_failed, stream_failed
-from runtime.http.chat_reply import ChatReply, whole_reply
-from runtime.http.handles import ClientDisconnected, collect_all, failed, metered, submit_all, unless_disconnected
+from runtime.http.handles import ClientDisconnected, collect_all, failed, metered, unless_disconnected
 from runtime.http.metrics import RequestTimer
-from runtime.http.openai_api import ChatPlan, plan_chat, render_chat
-from runtime.http.openai_protocol import AssistantMessage, DeltaMessage
-from runtime.http.sse import event, sse_response
+from runtime.http.openai_api import ChatPlan, plan_chat, render_chat, submit
+from runtime.http.openai_protocol import DeltaMessage
+from runtime.http.sse import named_event, sse_response
 from runtime.http.state import ServerState, state_of
 from runtime.tokenizer.chat_format import K3
 from runtime.tokenizer.manager import RequestHandle
@@ -57,9 +56,7 @@ async def messages(request: Request) -> Response:
     req = await parse_body(request, MessagesRequest)
     st.check_model(req.model)
     plan = await plan_chat(st, chat_request(req, _thinks_by_default(st)))
-    await st.tm.check_grammars([plan.params])  # parsed in a thread: a large grammar never stalls other requests
-    [handle] = submit_all(st.tm, st.live, [plan.prompt], [plan.params], [None])
-    timer = st.metrics.timer()
+    [handle], [timer] = await submit(st, [plan.prompt], plan.params, None)
     mid = f"msg_{uuid.uuid4().hex}"
     if req.stream:
         return sse_response(_stream(st, req, plan, handle, timer, mid))
@@ -69,9 +66,7 @@ async def messages(request: Request) -> Response:
         return Response(status_code=499)
     if (err := failed([sample])) is not None:
         raise err
-    message, finish = AssistantMessage(content=sample.text), sample.finished
-    if (parser := plan.chat.parser()) is not None:
-        message, finish = whole_reply(parser, st.tokenizer, sample.text, sample.finished, sample.output_ids)
+    message, finish = plan.chat.message(st.tokenizer, sample)
     reason, sequence = stop_reason(finish, sample.matched_stop, req.stop_sequences)
     body = MessageOut(id=mid, model=st.model_name, content=reply_blocks(message), stop_reason=reason,
                       stop_sequence=sequence, usage=_usage(sample, len(plan.prompt)))
@@ -84,40 +79,35 @@ def _usage(s: Sample, prompt_tokens: int) -> Usage:
                  cache_read_input_tokens=cached)
 
 
-def _named(obj: dict[str, Any]) -> bytes:
-    return f"event: {obj['type']}\n".encode() + event(obj)
-
-
 async def _stream(st: ServerState, req: MessagesRequest, plan: ChatPlan, handle: RequestHandle,
                   timer: RequestTimer, mid: str) -> AsyncIterator[bytes]:
-    parser = plan.chat.parser()
-    reply = None if parser is None else ChatReply(parser, st.tokenizer)
+    reply = plan.reply(st.tokenizer)
     blocks, sample = BlockStream(), Sample(0)
     start = MessageOut(id=mid, model=st.model_name, content=[], usage=Usage(input_tokens=len(plan.prompt),
                                                                             output_tokens=0))
-    yield _named({"type": "message_start", "message": start.model_dump()})
-    yield _named({"type": "ping"})
+    yield named_event({"type": "message_start", "message": start.model_dump()})
+    yield named_event({"type": "ping"})
     try:
         async for c in metered(handle, timer):
             sample.add(c)
             if c.finished == "error":
                 err = request_failed(c)
-                yield _named(anthropic_error(err.status, err.message))
+                yield named_event(anthropic_error(err.status, err.message))
                 return
             delta = DeltaMessage(content=c.text) if reply is None else reply.push(c.text, c.finished, c.token_ids)
             for e in blocks.push(delta):
-                yield _named(e)
+                yield named_event(e)
         for e in blocks.finish():
-            yield _named(e)
+            yield named_event(e)
         finish = sample.finished if reply is None else reply.finish_reason(sample.finished)
         reason, sequence = stop_reason(finish, sample.matched_stop, req.stop_sequences)
         usage = _usage(sample, len(plan.prompt)).model_dump()
-        yield _named({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+        yield named_event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                       "usage": usage})
-        yield _named({"type": "message_stop"})
+        yield named_event({"type": "message_stop"})
     except Exception as e:  # the status line is sent already: the failure goes into the stream
         err = stream_failed(e)
-        yield _named(anthropic_error(err.status, err.message))
+        yield named_event(anthropic_error(err.status, err.message))
 
 
 # --- errors -------------------------------------------------------------------------------------------------

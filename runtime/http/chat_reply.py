@@ -37,6 +37,11 @@ def refuse_own_grammar() -> APIError:
                     " response_format, regex or ebnf", "invalid_request_error", param="tool_choice")
 
 
+def refuse_continued_forced_call() -> APIError:
+    return APIError(400, "continue_final_message cannot be combined with a forced tool call (tool_choice "
+                    "'required' or named)", "invalid_request_error", param="continue_final_message")
+
+
 def forcing_grammar_checked(tools: Sequence[dict[str, Any]], build: Callable[[], str], max_grammar_bytes: int) -> str:
     """The grammar forcing a tool call, `build()` (the chat format's), after its tools' checks: 400 naming the
     tools when xgrammar refuses a parameter schema or the grammar is over `--max-grammar-bytes`."""

@@ -16,7 +16,12 @@ from runtime.errors import InvalidRequest
 from runtime.grammar_compile import ANY_JSON, error_message, xgrammar_module
 from runtime.grammar_schema import vet_json_schema
 from runtime.http.api_errors import APIError
-from runtime.http.chat_reply import GRAMMAR_FIELDS, forcing_grammar_checked, refuse_own_grammar
+from runtime.http.chat_reply import (
+    GRAMMAR_FIELDS,
+    forcing_grammar_checked,
+    refuse_continued_forced_call,
+    refuse_own_grammar,
+)
 from runtime.http.openai_protocol import (
     ChatCompletionRequest,
     NamedToolChoice,
@@ -57,8 +62,7 @@ def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
     if forced is not None and own:
         raise refuse_own_grammar()
     if forced is not None and req.continue_final_message:
-        raise APIError(400, "continue_final_message cannot be combined with a forced tool call (tool_choice "
-                       "'required' or named)", "invalid_request_error", param="continue_final_message")
+        raise refuse_continued_forced_call()
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     kw = req.chat_template_kwargs or {}
     try:

@@ -102,20 +102,21 @@ class ServerMetrics:
         self.scheduler.update(scheduler_snapshot)
         return generate_latest(self.registry)
 
-    def timer(self) -> RequestTimer:
-        return RequestTimer(self)
+    def timer(self, counted: bool = True) -> RequestTimer:
+        """A request's timer; an uncounted one (SGLang's `log_metrics=false`) observes nothing."""
+        return RequestTimer(self if counted else None)
 
 
 class RequestTimer:
     """Latency of one request's samples; `chunk` for every chunk that carries tokens, `finish` at each end."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics | None) -> None:
         self._m = metrics
         self._t0 = time.perf_counter()
         self._last: dict[int, float] = {}
 
     def chunk(self, index: int, num_tokens: int) -> None:
-        if num_tokens <= 0:
+        if num_tokens <= 0 or self._m is None:
             return
         now = time.perf_counter()
         last = self._last.get(index)
@@ -129,19 +130,9 @@ class RequestTimer:
         self._m.generation_tokens.inc(num_tokens)
 
     def finish(self, reason: str | None, prompt_tokens: int) -> None:
+        if self._m is None:
+            return
         self._m.e2e.observe(time.perf_counter() - self._t0)
         self._m.prompt_tokens.inc(prompt_tokens)
         self._m.requests.labels(finish_reason=reason or "unknown").inc()
 
-
-class UncountedTimer(RequestTimer):
-    """The timer of a request that asked to stay out of the metrics (SGLang's `log_metrics=false`)."""
-
-    def __init__(self) -> None:
-        pass
-
-    def chunk(self, index: int, num_tokens: int) -> None:
-        pass
-
-    def finish(self, reason: str | None, prompt_tokens: int) -> None:
-        pass

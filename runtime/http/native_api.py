@@ -10,8 +10,8 @@ the others are declined by `runtime.http.sglang_fields` (accepted at their defau
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Mapping
+from typing import Annotated, Any, ClassVar
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
@@ -28,8 +28,8 @@ from runtime.http.handles import (
     submit_all,
     unless_disconnected,
 )
-from runtime.http.metrics import RequestTimer, UncountedTimer
-from runtime.http.sglang_fields import GENERATE_DECLINED, drop_declined
+from runtime.http.metrics import RequestTimer
+from runtime.http.sglang_fields import GENERATE_DECLINED, Declined, DeclinesSGLangFields
 from runtime.http.sse import DONE, event, sse_response
 from runtime.http.state import ServerState, state_of
 from runtime.sampling_params import SamplingParams
@@ -42,8 +42,8 @@ NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
 
-class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+class GenerateRequest(DeclinesSGLangFields):
+    declined: ClassVar[Mapping[str, Declined]] = GENERATE_DECLINED
 
     text: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
@@ -61,11 +61,6 @@ class GenerateRequest(BaseModel):
     model: StrictStr | None = None
     log_metrics: StrictBool = True
     no_logs: StrictBool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _declined(cls, data: Any) -> Any:  # noqa: ANN401
-        return drop_declined(data, GENERATE_DECLINED)
 
     @model_validator(mode="after")
     def _shape(self) -> GenerateRequest:
@@ -119,7 +114,7 @@ async def generate(request: Request) -> Response:
     await st.tm.check_grammars(sps)  # parsed in a thread: a large grammar never stalls other requests
     handles = submit_all(st.tm, st.live, ids, sps,
                          req.per_prompt("rid", len(ids)), **req.logprob_options)
-    timers = [st.metrics.timer() if req.log_metrics else UncountedTimer() for _ in handles]
+    timers = [st.metrics.timer(req.log_metrics) for _ in handles]
     if req.stream:
         return sse_response(_stream(st, req, ids, handles, timers))
     try:

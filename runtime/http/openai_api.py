@@ -131,9 +131,10 @@ def _check_limits(st: ServerState, params: SamplingParams, prompts: int, top: in
         st.tm.limits.check_text(chars, params.max_new_tokens, text_param)
 
 
-async def _submit(st: ServerState, prompts: list[list[int]], params: SamplingParams, rid: str | None,
-                  logprobs: bool, top: int, prompt_logprobs: bool = False
-                  ) -> tuple[list[RequestHandle], list[RequestTimer]]:
+async def submit(st: ServerState, prompts: list[list[int]], params: SamplingParams, rid: str | None,
+                 logprobs: bool = False, top: int = 0, prompt_logprobs: bool = False
+                 ) -> tuple[list[RequestHandle], list[RequestTimer]]:
+    """The prompts submitted (their grammar checked first), each with its metrics timer; one prompt keeps `rid`."""
     await st.tm.check_grammars([params])  # parsed in a thread: a large grammar never stalls other requests
     rids = [rid] if rid is not None and len(prompts) == 1 else [
         None if rid is None else f"{rid}-p{i}" for i in range(len(prompts))]
@@ -190,7 +191,7 @@ async def completions(request: Request) -> Response:
                   [len(p) for p in raw if isinstance(p, str)], "prompt")
     prompts = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in raw]
     want_lp = req.logprobs is not None
-    handles, timers = await _submit(st, prompts, params, req.rid, want_lp, req.logprobs or 0,
+    handles, timers = await submit(st, prompts, params, req.rid, want_lp, req.logprobs or 0,
                                     prompt_logprobs=want_lp and req.echo)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     echoes = [_echo_text(st.tokenizer, p) if req.echo else "" for p in raw]
@@ -250,15 +251,14 @@ async def chat_completions(request: Request) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
     st.check_model(req.model)
     plan = await plan_chat(st, req)
-    k3, tpl = plan.chat.k3, plan.chat.tpl
-    handles, timers = await _submit(st, [plan.prompt], plan.params, req.rid, req.logprobs, req.top_logprobs or 0)
+    handles, timers = await submit(st, [plan.prompt], plan.params, req.rid, req.logprobs, req.top_logprobs or 0)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
-        return sse_response(_chat_stream(st, req, handles, timers, cid, created, k3, tpl))
+        return sse_response(_chat_stream(st, req, handles, timers, cid, created, plan.chat))
     groups = await _full(request, handles, timers)
     if groups is None:
         return Response(status_code=499)
-    choices = [_chat_choice(st.tokenizer, req, k3, tpl, s) for s in groups[0]]
+    choices = [_chat_choice(st.tokenizer, req, plan.chat, s) for s in groups[0]]
     body = ChatCompletionResponse(id=cid, created=created, model=st.model_name, choices=choices, usage=_usage(groups))
     return OrjsonResponse(body.model_dump())
 
@@ -282,6 +282,19 @@ class RenderedChat:
     def parser(self) -> ReplyParser | None:
         return _parser(self.k3, self.tpl)
 
+    def reply(self, tok: Tokenizer) -> ChatReply | None:
+        """A reader of one choice's streamed text, when the chat's replies are parsed."""
+        parser = self.parser()
+        return None if parser is None else ChatReply(parser, tok, separate_reasoning=self.req.separate_reasoning,
+                                                     stream_reasoning=self.req.stream_reasoning)
+
+    def message(self, tok: Tokenizer, s: Sample) -> tuple[AssistantMessage, str | None]:
+        """A whole (non-streamed) choice's message and finish reason."""
+        if (parser := self.parser()) is None:
+            return AssistantMessage(content=s.text), s.finished
+        return whole_reply(parser, tok, s.text, s.finished, s.output_ids,
+                           separate_reasoning=self.req.separate_reasoning)
+
 
 @dataclass(frozen=True)
 class ChatPlan:
@@ -293,7 +306,7 @@ class ChatPlan:
 
     def reply(self, tok: Tokenizer) -> ChatReply | None:
         """A reader of one choice's text, when the chat's replies are parsed."""
-        return _reply(tok, self.chat.req, self.chat.k3, self.chat.tpl)
+        return self.chat.reply(tok)
 
 
 async def render_chat(st: ServerState, req: ChatCompletionRequest) -> RenderedChat:
@@ -354,32 +367,21 @@ def _parser(k3: K3Chat | None, tpl: TemplateChat | None) -> ReplyParser | None:
     return None
 
 
-def _reply(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None, tpl: TemplateChat | None
-           ) -> ChatReply | None:
-    parser = _parser(k3, tpl)
-    return None if parser is None else ChatReply(parser, tok, separate_reasoning=req.separate_reasoning,
-                                                 stream_reasoning=req.stream_reasoning)
-
-
-def _chat_choice(tok: Tokenizer, req: ChatCompletionRequest, k3: K3Chat | None, tpl: TemplateChat | None,
-                 s: Sample) -> ChatChoice:
-    message, finish = AssistantMessage(content=s.text), s.finished
-    if (parser := _parser(k3, tpl)) is not None:
-        message, finish = whole_reply(parser, tok, s.text, s.finished, s.output_ids,
-                                      separate_reasoning=req.separate_reasoning)
+def _chat_choice(tok: Tokenizer, req: ChatCompletionRequest, chat: RenderedChat, s: Sample) -> ChatChoice:
+    message, finish = chat.message(tok, s)
     lp = _chat_logprobs(tok, s.output_ids, s.logprobs, s.top_logprobs) if req.logprobs else None
     return ChatChoice(index=s.index, message=message, finish_reason=finish, logprobs=lp)
 
 
 async def _chat_stream(st: ServerState, req: ChatCompletionRequest, handles: list[RequestHandle],
-                       timers: list[RequestTimer], cid: str, created: int, k3: K3Chat | None,
-                       tpl: TemplateChat | None) -> AsyncIterator[bytes]:
+                       timers: list[RequestTimer], cid: str, created: int, chat: RenderedChat
+                       ) -> AsyncIterator[bytes]:
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
         body = ChatCompletionChunk(id=cid, created=created, model=st.model_name, choices=choices, usage=usage)
         return event(body.model_dump(exclude_none=usage is None))
 
     groups = [[Sample(j) for j in range(req.n)]]
-    replies = [_reply(st.tokenizer, req, k3, tpl) for _ in range(req.n)]
+    replies = [chat.reply(st.tokenizer) for _ in range(req.n)]
     try:
         # The role comes first, as OpenAI sends it, before any text.
         yield chunk([ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from runtime.grammar import ANY_JSON
 from runtime.http.api_errors import bad_request
-from runtime.http.sglang_fields import CHAT_DECLINED, COMPLETION_DECLINED, Declined, drop_declined
+from runtime.http.sglang_fields import CHAT_DECLINED, COMPLETION_DECLINED, Declined, DeclinesSGLangFields
 
 
 class _Strict(BaseModel):
@@ -32,8 +32,7 @@ class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
 
-class _SamplingFields(_Strict):
-    declined: ClassVar[Mapping[str, Declined]] = {}  # SGLang's fields of the request that are not served
+class _SamplingFields(DeclinesSGLangFields):
 
     # OpenAI requires it; SGLang does not, and takes a request without one for its served model ("default").
     model: StrictStr = "default"
@@ -62,11 +61,6 @@ class _SamplingFields(_Strict):
     json_schema: StrictStr | None = None
     stop_regex: Stop = None
     no_stop_trim: StrictBool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _declined(cls, data: Any) -> Any:  # noqa: ANN401
-        return drop_declined(data, cls.declined)
 
     @model_validator(mode="after")
     def _refusals(self) -> _SamplingFields:

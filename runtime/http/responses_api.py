@@ -22,9 +22,9 @@ from starlette.responses import Response
 from radixk3.tokenizer import Tokenizer
 from runtime.errors import InvalidRequest
 from runtime.http.api_errors import APIError, OrjsonResponse, bad_request, parse_body, request_failed, stream_failed
-from runtime.http.handles import ClientDisconnected, collect_all, failed, metered, submit_all, unless_disconnected
+from runtime.http.handles import ClientDisconnected, collect_all, failed, metered, unless_disconnected
 from runtime.http.metrics import RequestTimer
-from runtime.http.openai_api import ChatPlan, plan_chat
+from runtime.http.openai_api import ChatPlan, plan_chat, submit
 from runtime.http.openai_protocol import DeltaMessage
 from runtime.http.responses_chat import chat_request, in_responses_terms, output_messages
 from runtime.http.responses_output import Event, OutputBuilder
@@ -36,7 +36,7 @@ from runtime.http.responses_protocol import (
     ResponseUsage,
 )
 from runtime.http.responses_store import stored
-from runtime.http.sse import event, sse_response
+from runtime.http.sse import named_event, sse_response
 from runtime.http.state import ServerState, state_of
 from runtime.tokenizer.manager import RequestHandle
 from runtime.tokenizer.request_stream import Sample
@@ -48,10 +48,6 @@ def _not_found(rid: str, param: str | None = None) -> APIError:
     what = "Previous response" if param else "Response"
     return APIError(404, f"{what} with id {rid!r} not found (this server keeps stored responses in memory only)",
                     "invalid_request_error", param, "previous_response_not_found" if param else "response_not_found")
-
-
-def _named_event(obj: Event) -> bytes:
-    return f"event: {obj['type']}\n".encode() + event(obj)
 
 
 class _Turn:
@@ -111,7 +107,7 @@ def _reasoning_tokens(plan: ChatPlan, tok: Tokenizer, ids: list[int], out: Outpu
     return lo - 1 if lo > 0 else 0
 
 
-async def _start(st: ServerState, req: ResponsesRequest) -> tuple[_Turn, RequestHandle]:
+async def _start(st: ServerState, req: ResponsesRequest) -> tuple[_Turn, RequestHandle, RequestTimer]:
     conversation: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         previous = st.responses.get(req.previous_response_id)
@@ -121,15 +117,13 @@ async def _start(st: ServerState, req: ResponsesRequest) -> tuple[_Turn, Request
     chat, added = chat_request(req, conversation)
     try:
         plan = await plan_chat(st, chat)
-        await st.tm.check_grammars([plan.params])  # parsed in a thread: a large grammar never stalls others
         turn = _Turn(st, req, plan, conversation + added)
-        handle = submit_all(st.tm, st.live, [plan.prompt], [plan.params], [req.request_id or turn.id],
-                            return_logprob=False, top_logprobs_num=0)[0]
+        [handle], [timer] = await submit(st, [plan.prompt], plan.params, req.request_id or turn.id)
     except APIError as e:
         raise in_responses_terms(e) from None
     except InvalidRequest as e:  # the engine's checks (a prompt over the context, ...), in its names
         raise in_responses_terms(bad_request(str(e), e.param)) from None
-    return turn, handle
+    return turn, handle, timer
 
 
 @router.post("/responses")
@@ -137,8 +131,7 @@ async def create_response(request: Request) -> Response:
     st = state_of(request)
     req = await parse_body(request, ResponsesRequest)
     st.check_model(req.model)
-    turn, handle = await _start(st, req)
-    timer = st.metrics.timer()
+    turn, handle, timer = await _start(st, req)
     if req.stream:
         return sse_response(_stream(turn, handle, timer))
     try:
@@ -159,7 +152,7 @@ async def _stream(turn: _Turn, handle: RequestHandle, timer: RequestTimer) -> As
     def numbered(e: Event) -> bytes:
         nonlocal seq
         seq += 1
-        return _named_event(e | {"sequence_number": seq - 1})
+        return named_event(e | {"sequence_number": seq - 1})
 
     yield numbered({"type": "response.created", "response": turn.body.model_dump()})
     yield numbered({"type": "response.in_progress", "response": turn.body.model_dump()})

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from runtime.http.api_errors import bad_request
 
@@ -129,3 +130,15 @@ def drop_declined(body: Any, table: Mapping[str, Declined]) -> Any:
             raise bad_request(f"{name}: this server does not support {rule.feature} (send {name} at its default, "
                               f"{orjson.dumps(rule.default).decode()}, or leave it out)", name)
     return {k: v for k, v in body.items() if k not in table}
+
+
+class DeclinesSGLangFields(BaseModel):
+    """A strict request model that knows the SGLang fields of `declined` it does not serve (`drop_declined`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    declined: ClassVar[Mapping[str, Declined]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _declined(cls, data: Any) -> Any:  # noqa: ANN401
+        return drop_declined(data, cls.declined)

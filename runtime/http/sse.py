@@ -29,6 +29,12 @@ def event(obj: Any) -> bytes:
     return b"data: " + data + b"\n\n"
 
 
+def named_event(obj: dict[str, Any]) -> bytes:
+    """An event named by its `type` (`event: TYPE` before its data), as Anthropic's and OpenAI's Responses streams
+    send them."""
+    return f"event: {obj['type']}\n".encode() + event(obj)
+
+
 def sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
     # no-cache / no buffering: proxies must pass every event at once
     return StreamingResponse(events, media_type="text/event-stream",

@@ -12,7 +12,12 @@ from radixk3.chat_prompt import ChatPrompt
 from radixk3.chat_template import ChatTemplateError, hf_chat_ids
 from radixk3.tokenizer import Tokenizer
 from runtime.http.api_errors import APIError
-from runtime.http.chat_reply import GRAMMAR_FIELDS, forcing_grammar_checked, refuse_own_grammar
+from runtime.http.chat_reply import (
+    GRAMMAR_FIELDS,
+    forcing_grammar_checked,
+    refuse_continued_forced_call,
+    refuse_own_grammar,
+)
 from runtime.http.openai_protocol import (
     ChatCompletionRequest,
     NamedToolChoice,
@@ -63,8 +68,7 @@ def plan_template_chat(req: ChatCompletionRequest, fmt: ChatFormat, max_grammar_
     grammar = None
     if tools is not None and req.tool_choice not in (None, "auto"):
         if req.continue_final_message:
-            raise APIError(400, "continue_final_message cannot be combined with a forced tool call (tool_choice "
-                           "'required' or named)", "invalid_request_error", param="continue_final_message")
+            raise refuse_continued_forced_call()
         forced = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else "required"
         reasoning, parallel = fmt.reasoning_parser is not None, req.parallel_tool_calls
         grammar = forcing_grammar_checked(
