@@ -51,8 +51,7 @@ class ServerState:
 
     @property
     def model_path(self) -> str:
-        """The checkpoint's path as given, or the built-in model's preset name."""
-        return self.args.model or BUILTIN_PRESET
+        return model_path(self.args)
 
     def check_model(self, model: str) -> None:
         """SGLang's names of the served model: the served name, "default" (SGLang's documentation sends it) and
@@ -62,8 +61,13 @@ class ServerState:
                            "invalid_request_error", param="model", code="model_not_found")
 
 
+def model_path(args: ServerArgs) -> str:
+    """The checkpoint's path as given, or the built-in model's preset name."""
+    return args.model or BUILTIN_PRESET
+
+
 def served_model_name(args: ServerArgs) -> str:
-    return args.served_model_name or args.model or BUILTIN_PRESET
+    return args.served_model_name or model_path(args)
 
 
 def state_of(request: Request) -> ServerState:
