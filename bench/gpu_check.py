@@ -1,9 +1,21 @@
-"""Checks that only a machine with a CUDA device can make, prepared to run when one is lent (a few minutes):
+"""Checks that only a machine with a CUDA device can make, prepared to run when one is lent (under 10 minutes on one
+H100 or H200; the README's GPU section gives the exact run):
 
-    python bench/gpu_check.py [--only NAME ...]
+    python bench/gpu_check.py [--json] [--only NAME ...] [--cpu]
 
 - backend_choice: the collective backend follows the rank's device on this GPU machine (NCCL for cuda, gloo for
   cpu), whatever `torch.cuda.is_available()` says.
+- kernel_* (bench/gpu_kernel_checks.py): every Triton kernel of kernels/ compiled on CUDA against its torch
+  reference at kimi-linear-48b and kimi-k3 shapes (KDA prefill with checkpoints, decode, replay, verify; the short
+  conv; paged MLA; the MoE experts in fp32 and bf16; sampling with a grammar mask; expert dequantisation), each
+  comparison with its tolerance, and Triton vs torch times.
+- greedy_no_cache_cuda: the engine (radix on) gives the no-cache forward's greedy tokens over the exactness
+  prompt set, on CUDA.
+- compiled_decode_cuda: decode with the compiled step (CUDA graphs) and with `disable_compile`, both == no-cache
+  (SKIP while ServerArgs has no such field).
+- throughput_48b: output tok/s of a kimi-linear-48b-shaped random model (its first 4 layers, bf16) at batch 1, 32
+  and 128.
+- fla_chunk_kda: our KDA prefill against fla's chunk_kda on CUDA (SKIP if fla does not import).
 - cpu_ranks_on_gpu_machine: `--device cpu --tp 2` here runs its collectives over gloo (CPU tensors through NCCL
   would fail), greedy == `--tp 1` on CPU.
 - cuda_tp2 (2 GPUs): `--device cuda --tp 2` over NCCL, greedy == `--tp 1` on CUDA.
@@ -18,8 +30,10 @@
   compressed-tensors' decompression bit for bit, and a model with MXFP4 experts on CUDA gives its no-cache greedy
   tokens through the engine.
 
-Each check prints PASS, FAIL or SKIP with its reason; the last line is a one-line JSON summary. Exit status 1 if
-a check failed. Without a CUDA device it says so, prints the summary and exits 0.
+Each check prints PASS, FAIL or SKIP with its reason; `--json` ends with one JSON object (each check's status,
+reason, figures and seconds). Exit status 1 if a check failed. Without a CUDA device every check says SKIP and the
+exit status is 0. `--cpu` instead runs the checks that CPU tensors allow, at small shapes (Triton under its
+interpreter): what the CI test (tests/bench/test_gpu_check.py) runs.
 """
 
 from __future__ import annotations
@@ -40,16 +54,24 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from bench.gpu_engine_checks import (  # noqa: E402
+    Outcome,
+    compiled_decode,
+    few_layers,
+    fla_chunk_kda,
+    greedy_equals_no_cache,
+    output_throughput,
+)
+from bench.gpu_kernel_checks import CPU_SIZES, GPU_SIZES, KERNEL_CHECKS, ModelShapes, Sizes  # noqa: E402
+from radixk3.config import ModelConfig, preset  # noqa: E402
+
 MEM = 16 << 20
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 # A shared prefix (the radix cache hits it), prompts of other lengths, and one unrelated prompt.
 PROMPTS = [list(range(100, 160)) + [7, 8, 9], list(range(100, 160)) + [11, 12], list(range(100, 140)),
            [5, 900, 33, 2047, 4000, 17, 256, 1024, 3, 3, 3, 61]]
-
-
-class Outcome(NamedTuple):
-    status: str  # PASS | FAIL | SKIP
-    reason: str
+GPU_MODELS = ("kimi-linear-48b", "kimi-k3")  # the kernels' shapes on a GPU
+CPU_MODELS = ("k3-tiny-native",)  # ... and in CI: K3's lower-bounded gate, SiTU experts, expert groups
 
 
 def _gpus() -> int:
@@ -210,36 +232,130 @@ def quant_cuda() -> Outcome:
                            "== no-cache forward on CUDA")
 
 
-CHECKS: tuple[Callable[[], Outcome], ...] = (backend_choice, cpu_ranks_on_gpu_machine, cuda_tp2, dp_attention_nccl,
-                                             mem_fraction_cuda, row_fallback_cuda, quant_cuda)
+def kernel_outcome(name: str, device: torch.device, sizes: Sizes, models: tuple[str, ...]) -> Outcome:
+    """Kernel check `name` at each model's shapes: FAIL if a comparison misses its tolerance, SKIP if none ran."""
+    figures: dict[str, Any] = {}
+    notes, failed, skipped = [], [], []
+    for model in models:
+        res = KERNEL_CHECKS[name](ModelShapes.of(model, preset(model)), sizes, device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if res.skipped:
+            skipped.append(f"{model}: {res.skipped}")
+            continue
+        figures[model] = res.figures()
+        failed += [f"{model} {c.what} err {c.max_err:.3g} > tol {c.tol:.3g}" for c in res.comparisons if not c.ok]
+        worst = max(res.comparisons, key=lambda c: c.max_err / c.tol if c.tol else c.max_err)
+        speed = "" if res.triton_ms is None or res.torch_ms is None else (
+            f", triton {res.triton_ms:.3f} ms vs torch {res.torch_ms:.3f} ms")
+        notes.append(f"{model}: worst {worst.what} err {worst.max_err:.2g} (tol {worst.tol:.2g}){speed}")
+    if failed:
+        return Outcome("FAIL", "; ".join(failed), figures)
+    if not notes:
+        return Outcome("SKIP", "; ".join(skipped), figures)
+    return Outcome("PASS", "; ".join(notes + skipped), figures)
+
+
+def _kernel_check(name: str) -> Callable[[], Outcome]:
+    def check() -> Outcome:
+        return kernel_outcome(name, torch.device("cuda"), GPU_SIZES, GPU_MODELS)
+
+    check.__name__ = f"kernel_{name}"
+    return check
+
+
+def greedy_no_cache_cuda() -> Outcome:
+    return greedy_equals_no_cache("cuda")
+
+
+def compiled_decode_cuda() -> Outcome:
+    return compiled_decode("cuda")
+
+
+def throughput_48b() -> Outcome:
+    cfg = few_layers(preset("kimi-linear-48b"))
+    return output_throughput("cuda", cfg, batches=(1, 32, 128), prompt_len=16, new_tokens=128, mem_bytes=8 << 30)
+
+
+def _gpu_shapes() -> list[tuple[str, ModelConfig]]:
+    return [(m, preset(m)) for m in GPU_MODELS]
+
+
+def fla_chunk_kda_cuda() -> Outcome:
+    return fla_chunk_kda("cuda", _gpu_shapes(), lens=(4096, 1000))
+
+
+class Check(NamedTuple):
+    name: str
+    run: Callable[[], Outcome]
+
+
+def cuda_checks() -> list[Check]:
+    checks: list[Callable[[], Outcome]] = [backend_choice, *(_kernel_check(n) for n in KERNEL_CHECKS),
+                                           greedy_no_cache_cuda, compiled_decode_cuda, throughput_48b,
+                                           fla_chunk_kda_cuda, cpu_ranks_on_gpu_machine, cuda_tp2, dp_attention_nccl,
+                                           mem_fraction_cuda, row_fallback_cuda, quant_cuda]
+    return [Check(c.__name__, c) for c in checks]
+
+
+def cpu_checks() -> list[Check]:
+    """The same check functions on CPU tensors at small shapes (Triton under its interpreter): CI's run."""
+    cpu = torch.device("cpu")
+    kernels = [Check(f"kernel_{n}", functools.partial(kernel_outcome, n, cpu, CPU_SIZES, CPU_MODELS))
+               for n in KERNEL_CHECKS]
+    tiny = preset("k3-tiny")
+    return kernels + [
+        Check("greedy_no_cache", functools.partial(greedy_equals_no_cache, "cpu", 1, 2)),
+        Check("compiled_decode", functools.partial(compiled_decode, "cpu", 1, 2)),
+        Check("throughput", functools.partial(output_throughput, "cpu", few_layers(tiny, 1), (1, 3), 8, 4, MEM)),
+        Check("fla_chunk_kda", functools.partial(fla_chunk_kda, "cpu", [("k3-tiny", tiny)], (20,))),
+    ]
+
+
+def run_checks(checks: list[Check], cuda: bool) -> dict[str, dict[str, Any]]:
+    """Each check's status, reason, figures and seconds; printed as they finish. A check that raises fails with
+    why (the others still run); without CUDA (`cuda` False) each says SKIP."""
+    results: dict[str, dict[str, Any]] = {}
+    for check in checks:
+        t0 = time.perf_counter()
+        if not cuda:
+            out = Outcome("SKIP", "no CUDA device here; run this on a machine with one")
+        else:
+            try:
+                out = check.run()
+            except Exception as e:  # a check that raises fails with why; the others still run
+                traceback.print_exc()
+                out = Outcome("FAIL", f"{type(e).__name__}: {e}")
+        seconds = round(time.perf_counter() - t0, 1)
+        results[check.name] = {"status": out.status, "reason": out.reason, "figures": out.figures, "seconds": seconds}
+        print(f"{out.status} {check.name}: {out.reason} ({seconds:.0f} s)", flush=True)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", nargs="+", choices=[c.__name__ for c in CHECKS], help="run these checks only")
+    p.add_argument("--only", nargs="+", metavar="NAME", help="run these checks only")
+    p.add_argument("--json", action="store_true", help="end with one JSON object of every check and its figures")
+    p.add_argument("--cpu", action="store_true", help="run the CPU-runnable checks at small shapes instead")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("SKIP all: no CUDA device here; run this on a machine with one")
-        print(json.dumps({"skipped": "no CUDA device", "checks": {}}))
-        return 0
-    gpus = _gpus()
-    print(f"device: {torch.cuda.get_device_name(0)} x{gpus}, torch {torch.__version__}", flush=True)
-    results: dict[str, str] = {}
+    checks = cpu_checks() if a.cpu else cuda_checks()
+    unknown = set(a.only or ()) - {c.name for c in checks}
+    if unknown:
+        p.error(f"unknown check(s) {sorted(unknown)}; choose from {[c.name for c in checks]}")
+    checks = [c for c in checks if not a.only or c.name in a.only]
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name(0) if cuda else "none"
+    import triton
+
+    print(f"device: {device} x{torch.cuda.device_count()}, torch {torch.__version__}, triton {triton.__version__}",
+          flush=True)
     start = time.perf_counter()
-    for check in CHECKS:
-        if a.only and check.__name__ not in a.only:
-            continue
-        t0 = time.perf_counter()
-        try:
-            out = check()
-        except Exception as e:  # a check that raises fails with why; the others still run
-            traceback.print_exc()
-            out = Outcome("FAIL", f"{type(e).__name__}: {e}")
-        results[check.__name__] = out.status
-        print(f"{out.status} {check.__name__}: {out.reason} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    failed = [k for k, v in results.items() if v == "FAIL"]
-    print(json.dumps({"device": torch.cuda.get_device_name(0), "gpus": gpus, "checks": results, "failed": failed,
-                      "seconds": round(time.perf_counter() - start)}))
+    results = run_checks(checks, cuda or a.cpu)
+    failed = [k for k, v in results.items() if v["status"] == "FAIL"]
+    if a.json:
+        print(json.dumps({"device": device, "gpus": torch.cuda.device_count(), "torch": torch.__version__,
+                          "triton": triton.__version__, "mode": "cpu" if a.cpu else "cuda", "checks": results,
+                          "failed": failed, "seconds": round(time.perf_counter() - start)}))
     return 1 if failed else 0
 
 
