@@ -130,9 +130,7 @@ def random_model(cfg: ModelConfig, device: str, seed: int = 0) -> KimiForCausalL
     """Random weights drawn on the device (a 48B MoE layer is 1.8G parameters: minutes through the CPU's
     generator), by `radixk3.model.init_random_`'s rules but not its values: fan-in scaled linears (conv
     weights too), the embedding N(0, 1), norms 1 + N(0, 0.1), A_log log U(1, 16), dt_bias as the gate wants it.
-    On CPU: `build_model` itself."""
-    if device == "cpu":
-        return build_model(cfg, seed=seed)
+    """
     with torch.device(device):
         model = KimiForCausalLM(cfg)
     gen = torch.Generator(device=device).manual_seed(seed)
