@@ -5,10 +5,10 @@ H100 or H200; the README's GPU section gives the exact run):
 
 - backend_choice: the collective backend follows the rank's device on this GPU machine (NCCL for cuda, gloo for
   cpu), whatever `torch.cuda.is_available()` says.
-- kernel_* (bench/gpu_kernel_checks.py): every Triton kernel of kernels/ compiled on CUDA against its torch
-  reference at kimi-linear-48b and kimi-k3 shapes (KDA prefill with checkpoints, decode, replay, verify; the short
-  conv; paged MLA; the MoE experts in fp32 and bf16; sampling with a grammar mask; expert dequantisation), each
-  comparison with its tolerance, and Triton vs torch times.
+- kernel_* (bench/gpu_kernel_checks.py, on bench/gpu_kernel_harness.py): every Triton kernel of kernels/
+  compiled on CUDA against its torch reference at kimi-linear-48b and kimi-k3 shapes (KDA prefill with
+  checkpoints, decode, replay, verify; the short conv; paged MLA; the MoE experts in fp32 and bf16; sampling with a
+  grammar mask; expert dequantisation), each comparison with its tolerance, and Triton vs torch times.
 - greedy_no_cache_cuda: the engine (radix on) gives the no-cache forward's greedy tokens over the exactness
   prompt set, on CUDA.
 - compiled_decode_cuda: decode with the compiled step (CUDA graphs) and with `disable_compile`, both == no-cache
@@ -62,7 +62,8 @@ from bench.gpu_engine_checks import (  # noqa: E402
     greedy_equals_no_cache,
     output_throughput,
 )
-from bench.gpu_kernel_checks import CPU_SIZES, GPU_SIZES, KERNEL_CHECKS, ModelShapes, Sizes  # noqa: E402
+from bench.gpu_kernel_checks import CPU_SIZES, GPU_SIZES, KERNEL_CHECKS  # noqa: E402
+from bench.gpu_kernel_harness import ModelShapes, Sizes  # noqa: E402
 from radixk3.config import ModelConfig, preset  # noqa: E402
 
 MEM = 16 << 20

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from bench.gpu_kernel_harness import Draw, ModelShapes, forced, median_ms
 from kernels.kda_pool import kda_prefill
 from radixk3.config import ModelConfig, every_mla, preset
 from radixk3.model import KimiForCausalLM, build_model
@@ -203,8 +204,6 @@ def fla_chunk_kda(device: str, shapes: list[tuple[str, ModelConfig]], lens: tupl
 
 def _against_fla(chunk_kda: Callable[..., Any], device: torch.device, name: str, cfg: ModelConfig,
                  lens: tuple[int, ...]) -> dict[str, Any]:
-    from bench.gpu_kernel_checks import Draw, ModelShapes, forced, median_ms
-
     s = ModelShapes.of(name, cfg)
     d = Draw(device, 11)
     q, k, v, g, beta = d.kda_inputs(sum(lens), s)

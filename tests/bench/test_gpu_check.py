@@ -54,7 +54,8 @@ def test_cpu_runnable_checks_pass() -> None:
         assert skipped.status == "SKIP" and "disable_compile" in skipped.reason
 
 
-def test_a_wrong_triton_kernel_fails_its_check(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_wrong_triton_kernel_fails_its_check(monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
     import kernels.conv1d_triton as conv_triton
 
     right = conv_triton.conv1d_decode_triton
@@ -65,3 +66,7 @@ def test_a_wrong_triton_kernel_fails_its_check(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(conv_triton, "conv1d_decode_triton", off_by_a_little)
     out = gpu_check.kernel_outcome("conv1d", torch.device("cpu"), CPU_SIZES, gpu_check.CPU_MODELS)
     assert out.status == "FAIL" and "decode_output" in out.reason, out
+    # and through the script's entry point: exit status 1, the JSON names the failed check
+    assert gpu_check.main(["--cpu", "--only", "kernel_conv1d", "kernel_kda_decode", "--json"]) == 1
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["failed"] == ["kernel_conv1d"] and summary["checks"]["kernel_kda_decode"]["status"] == "PASS"
