@@ -61,7 +61,7 @@ class Sizes(NamedTuple):
     """Token counts of one run of the kernel checks."""
 
     prefill_lens: tuple[int, ...]  # KDA / conv prefill: packed sequences (the first starts from a zero state)
-    decode_batch: int  # KDA / conv / MLA decode rows
+    decode_batch: int  # KDA and MLA decode rows (the conv decodes its prefill sequences)
     window: int  # replay / verify window width
     mla_prefix: tuple[int, ...]  # MLA prefill: cached tokens before each sequence's new ones
     mla_new: tuple[int, ...]  # ... and its new tokens
