@@ -12,9 +12,9 @@ from typing import Any
 
 from radixk3.config import ConfigError, ModelConfig, VisionSpec
 from radixk3.hf_config import text_config_dict, text_config_fields
+from radixk3.vision.prompt import IMAGE_PLACEHOLDER
 
 ARCHITECTURE = "KimiK3ForConditionalGeneration"
-IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 
 _TOP_KEYS = {
     "architectures", "model_type", "text_config", "vision_config", "ignore_index", "media_placeholder_token_id",

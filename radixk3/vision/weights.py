@@ -1,0 +1,77 @@
+"""The vision encoder's weights in the published K3 (K2.5) layout: the encoder's state-dict names are the
+checkpoint's (`vision_tower.patch_embed.{proj,pos_emb}.*`, `vision_tower.encoder.blocks.{i}.{norm0,norm1,wqkv,wo,
+mlp.fc0,mlp.fc1}.*`, `vision_tower.encoder.final_layernorm.*`, `mm_projector.{pre_norm,proj.0,proj.2}.*`), with
+`wqkv`'s q and k rows in the checkpoint's own rotary layout (adjacent channel pairs), so loading is a copy.
+
+The text model's loader skips these tensors (`tensor_names.VISION_PREFIXES`); `load_vision_encoder` reads them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from radixk3.checkpoint import CheckpointError, weight_files
+from radixk3.config import ModelConfig
+from radixk3.config_formats import load_model_config
+from radixk3.tensor_names import VISION_PREFIXES
+from radixk3.vision.config import VisionConfig
+from radixk3.vision.encoder import VisionEncoder
+
+
+def vision_config_of(cfg: ModelConfig) -> VisionConfig | None:
+    """The tower `cfg`'s checkpoint describes, None for a text-only model."""
+    if cfg.vision is None:
+        return None
+    return VisionConfig.from_spec(cfg.vision, cfg.hidden_size)
+
+
+def random_vision_encoder(cfg: VisionConfig, *, seed: int = 0, std: float = 0.02) -> VisionEncoder:
+    """Seeded random weights (normal, `std`; norms around 1), for test checkpoints."""
+    encoder = VisionEncoder(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in encoder.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * std
+            p.copy_(1.0 + noise if "norm" in name and name.endswith(".weight") else noise)
+    return encoder.eval()
+
+
+def vision_tensors(encoder: VisionEncoder) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> tensor (CPU, own storage) of every vision weight."""
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in encoder.state_dict().items()}
+
+
+def load_vision_encoder(path: str | Path, *, device: torch.device | str = "cpu",
+                        dtype: torch.dtype = torch.float32) -> VisionEncoder | None:
+    """The checkpoint's vision encoder, None when its config has no `vision_config`; every tensor must be
+    present, expected and well shaped."""
+    path = Path(path)
+    vcfg = vision_config_of(load_model_config(path))
+    if vcfg is None:
+        return None
+    with torch.device("meta"):
+        skeleton = VisionEncoder(vcfg)
+    expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    files = {k: f for k, f in weight_files(path).items() if k.startswith(VISION_PREFIXES)}
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        raise CheckpointError(f"missing tensor {missing[0]!r} (the config has a vision_config)")
+    unexpected = sorted(set(files) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor {unexpected[0]!r}")
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(set(files.values())):
+        with safe_open(f, framework="pt") as sf:
+            for name in (n for n, g in files.items() if g == f):
+                t = sf.get_tensor(name)
+                if tuple(t.shape) != expected[name]:
+                    raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {expected[name]}")
+                if not t.dtype.is_floating_point:
+                    raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}: the vision tower is not quantised")
+                state[name] = t.to(dtype)
+    encoder = VisionEncoder(vcfg).to(dtype)
+    encoder.load_state_dict(state)
+    return encoder.to(device).eval()
