@@ -41,7 +41,7 @@ def k25_config(vcfg: VisionConfig) -> Any:
               "merge_kernel_size": list(vcfg.merge_kernel),
               "rope_parameters": {"rope_type": "axial", "rope_theta": vcfg.rope_theta}}
     return Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=vcfg.hidden_size,
-                          projection_layer_norm_eps=vcfg.projector_ln_eps)
+                          projection_layer_norm_eps=vcfg.projector_ln_eps, tie_word_embeddings=False)
 
 
 def k25_vision_model(checkpoint: Path, vcfg: VisionConfig) -> Any:
