@@ -1,7 +1,7 @@
 """The native Kimi K3 config.json (`model_type: kimi_k3`), read and written (`config_formats` dispatches here).
 
 The top level wraps the text model: `text_config` is a `kimi_linear` config carrying the K3 switches, and
-`vision_config` describes a vision tower that radixk3 accepts but does not build. `hidden_size`, `vocab_size`
+`vision_config` describes the vision tower (carried raw; `radixk3.vision` builds it). `hidden_size`, `vocab_size`
 and `quantization_config` may be repeated at the top (forwarded from `text_config`); repeated sizes must agree.
 """
 
