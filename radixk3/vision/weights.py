@@ -39,7 +39,7 @@ def random_vision_encoder(cfg: VisionConfig, *, seed: int = 0, std: float = 0.02
         for name, p in encoder.named_parameters():
             noise = torch.randn(p.shape, generator=gen) * std
             p.copy_(1.0 + noise if "norm" in name and name.endswith(".weight") else noise)
-    return encoder.eval()
+    return encoder.requires_grad_(False).eval()
 
 
 def vision_tensors(encoder: VisionEncoder) -> dict[str, torch.Tensor]:
@@ -77,7 +77,7 @@ def load_vision_encoder(path: str | Path, *, device: torch.device | str = "cpu",
                 state[name] = t.to(dtype)
     encoder = VisionEncoder(vcfg).to(dtype)
     encoder.load_state_dict(state)
-    return encoder.to(device).eval()
+    return encoder.requires_grad_(False).to(device).eval()
 
 
 VISION_SHARD = "vision.safetensors"
