@@ -90,6 +90,7 @@ class ChatPrompt:
         markers or pieces encoded ordinarily as one run."""
         ids = [encoder.bos_id] if add_bos else []
         run: list[str] = []
+        marker_ids: dict[str, list[int]] = {}  # an image's pad markers repeat thousands of times
         for s in self.segments:
             if not (s.special or s.alone):
                 run.append(s.text)
@@ -99,7 +100,9 @@ class ChatPrompt:
             if s.alone:
                 ids.extend(encoder.encode_ordinary(s.text))
                 continue
-            marker = encoder.encode(s.text)
+            marker = marker_ids.get(s.text)
+            if marker is None:
+                marker = marker_ids[s.text] = encoder.encode(s.text)
             if len(marker) != 1:
                 raise ValueError(f"{s.text!r} is not a single token of this tokenizer")
             ids.extend(marker)

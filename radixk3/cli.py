@@ -73,10 +73,10 @@ DRAFTER_PRESETS = {"k3-tiny-dspark": "k3-tiny-native"}
 def _make_checkpoint(args: argparse.Namespace) -> None:
     packed = args.expert_format not in (None, "none")
     if args.preset in DRAFTER_PRESETS:
-        if packed or args.tokenizer is not None:
+        if packed or args.tokenizer is not None or args.vision:
             raise ConfigError(f"preset {args.preset!r} is a DSpark drafter: it has no routed experts to quantise "
-                              "and no tokenizer of its own (it uses its target's); drop --expert-format and "
-                              "--tokenizer")
+                              "and no tokenizer or vision tower of its own (it uses its target's); drop "
+                              "--expert-format, --tokenizer and --vision")
         from radixk3.dspark_checkpoint import write_random_dspark
         from radixk3.model import build_model
 
@@ -99,7 +99,12 @@ def _make_checkpoint(args: argparse.Namespace) -> None:
                                          args.expert_format, num_shards=args.shards)
     else:
         out = write_random_checkpoint(preset(args.preset), args.out, seed=args.seed, num_shards=args.shards)
+    if args.vision:
+        from radixk3.vision.weights import add_random_vision
+
+        add_random_vision(out, seed=args.seed)
     what = "".join(f", {k} {v}" for k, v in (("experts", args.expert_format), ("tokenizer", args.tokenizer)) if v)
+    what += ", vision tower" if args.vision else ""
     print(f"wrote {args.preset} (seed {args.seed}{what}) to {out}")
 
 
@@ -201,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the published layout: Kimi's tiktoken.model + tokenizer_config.json (vocab_size and "
                          "special ids to match) or the built-in sentencepiece model, Kimi's Jinja template for "
                          "the Kimi-Linear format, generation_config.json (default: the built-in tokenizer only)")
+    mk.add_argument("--vision", action="store_true",
+                    help="K3 format: add a small random vision tower (vision_config, vision_tower.*, mm_projector.*)")
     mk.set_defaults(fn=_make_checkpoint)
 
     from runtime.server_args import ServerArgs  # settings only: imports neither the engine nor ZeroMQ

@@ -34,8 +34,9 @@ ACTIVATIONS = ("silu", "situ")
 
 @dataclass(frozen=True)
 class VisionSpec:
-    """A checkpoint's vision tower: accepted and carried so that the config round-trips, never built (radixk3
-    serves the text model; requests with images are refused by `ModelConfig.check_images`)."""
+    """A checkpoint's vision tower, carried as its raw `vision_config` so that the config round-trips and a text
+    load never depends on it; `radixk3.vision` parses it strictly when it builds the tower. The engine does not
+    take images yet: requests with images are refused by `ModelConfig.check_images`."""
 
     model_type: str
     config_json: str  # the `vision_config` object as canonical JSON

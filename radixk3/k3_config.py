@@ -1,7 +1,7 @@
 """The native Kimi K3 config.json (`model_type: kimi_k3`), read and written (`config_formats` dispatches here).
 
 The top level wraps the text model: `text_config` is a `kimi_linear` config carrying the K3 switches, and
-`vision_config` describes a vision tower that radixk3 accepts but does not build. `hidden_size`, `vocab_size`
+`vision_config` describes the vision tower (carried raw; `radixk3.vision` builds it). `hidden_size`, `vocab_size`
 and `quantization_config` may be repeated at the top (forwarded from `text_config`); repeated sizes must agree.
 """
 
@@ -12,9 +12,9 @@ from typing import Any
 
 from radixk3.config import ConfigError, ModelConfig, VisionSpec
 from radixk3.hf_config import text_config_dict, text_config_fields
+from radixk3.vision.prompt import IMAGE_PLACEHOLDER
 
 ARCHITECTURE = "KimiK3ForConditionalGeneration"
-IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 
 _TOP_KEYS = {
     "architectures", "model_type", "text_config", "vision_config", "ignore_index", "media_placeholder_token_id",

@@ -6,9 +6,10 @@ Model names are the Kimi-Linear checkpoint names (`model.embed_tokens.weight`, `
 - Native K3: the same under `language_model.` (vLLM also accepts `language_model.layers.` for
   `language_model.model.layers.`); `model.output_attn_res_{norm,proj}`, `*_res_{norm,proj}` and
   `block_sparse_moe.routed_expert_*` appear with their switches. The MTP layers' own AttnRes tensors are
-  ignored (they run with the additive residual), as are the vision tower (`vision_tower.*`, `mm_projector.*`)
-  and rotary buffers. `self_attn.g_proj` is KDA's full-rank output gate in a KDA layer and the Gated-MLA gate
-  in an MLA layer: the layer type (from the config) decides, and the expected shape differs.
+  ignored (they run with the additive residual), as are the rotary buffers and the vision tower
+  (`vision_tower.*`, `mm_projector.*`: `radixk3.vision.weights` reads those). `self_attn.g_proj` is KDA's
+  full-rank output gate in a KDA layer and the Gated-MLA gate in an MLA layer: the layer type (from the config)
+  decides, and the expected shape differs.
 
 Public names vs parameters: the model fuses projections and stacks experts (`layers.FusedLinear`,
 `FusedWeight`, `moe_layer.Experts`), so its state-dict names are not all checkpoint names. `public_layout` maps each

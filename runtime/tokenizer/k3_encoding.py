@@ -22,6 +22,7 @@ BOS. Thinking is on by default with effort `max` (`K3ChatOptions`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing import Any, Literal
 
 from radixk3.chat_prompt import ChatPrompt
 from radixk3.tokenizer import END_OF_MSG, XTML_CLOSE, XTML_OPEN, XTML_SEP, Encoder
+from radixk3.vision.prompt import ImageSlot, expand_images, placeholder
 
 Effort = Literal["low", "high", "max"]
 EFFORTS: tuple[str, ...] = ("low", "high", "max")
@@ -50,6 +52,9 @@ _TOOL_CHOICE = {
 _RAW_JSON = ("The system is invoked with `response_format={}`.\nYour response must be raw JSON data without "
              "markdown code blocks (```json) or any additional formatting.")
 _SCHEMA = "\nThe JSON data must match the following schema:\n```json\n{}\n```"
+# Content parts that carry an image: OpenAI chat's, the Responses API's, and SGLang's / Anthropic's plain one.
+IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+_IMAGE_ROLES = ("user", "system", "assistant")  # tool results are reordered to the calls: no images there
 
 
 class RenderError(ValueError):
@@ -182,14 +187,25 @@ def assistant_body(content: ChatPrompt, calls: Sequence[Call], reasoning: str | 
 # --- messages ----------------------------------------------------------------------------------------------
 
 
+def is_image_part(part: Mapping[str, Any]) -> bool:
+    return part.get("type") in IMAGE_PART_TYPES
+
+
+def image_parts(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The messages' image parts in the order the prompt places them (the order `images` must follow): messages
+    render in order, tool results (which may not carry images) aside."""
+    return [p for m in messages if m.get("role") in _IMAGE_ROLES and isinstance(m.get("content"), list)
+            for p in m["content"] if is_image_part(p)]
+
+
 def _content(m: Mapping[str, Any]) -> ChatPrompt:
-    """Each text (the string, or each text part) is a piece."""
+    """Each text (the string, or each text part) is a piece; each image part the image placeholder."""
     c = m.get("content")
     if c is None:
         return ChatPrompt()
     if isinstance(c, str):
         return ChatPrompt.piece(c)
-    return ChatPrompt.join(ChatPrompt.piece(str(p["text"])) for p in c)
+    return ChatPrompt.join(placeholder() if is_image_part(p) else ChatPrompt.piece(str(p["text"])) for p in c)
 
 
 def _call(raw: Mapping[str, Any]) -> Call:
@@ -246,6 +262,8 @@ def _messages(messages: Sequence[Mapping[str, Any]], thinking: bool) -> ChatProm
             while j < len(messages) and messages[j].get("role") == "tool":
                 j += 1
             after_assistant = i > 0 and messages[i - 1].get("role") == "assistant"
+            if image_parts([{**r, "role": "user"} for r in messages[i:j]]):
+                raise RenderError("a tool message cannot carry an image part")
             for r in _results_in_call_order(list(messages[i:j]), calls, aliases=after_assistant):
                 index += 1
                 name = r.get("tool", r.get("name"))
@@ -290,9 +308,20 @@ def _response_format(response_format: Mapping[str, Any] | str | None) -> ChatPro
 
 
 def render_k3_chat(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-                   options: K3ChatOptions = K3ChatOptions(), add_generation_prompt: bool = True) -> K3Prompt:
+                   options: K3ChatOptions = K3ChatOptions(), add_generation_prompt: bool = True,
+                   images: Sequence[ImageSlot] = ()) -> K3Prompt:
     """The conversation in K3's encoding (`K3Prompt.ids` gives its markers, and only them, special ids) and the
-    prefix the reply continues. `tools` are OpenAI function tools."""
+    prefix the reply continues. `tools` are OpenAI function tools. `images` are the image parts' sizes and token
+    counts, in `image_parts` order: each part's placeholder expands to the media markers and its pad ids."""
+    prompt = _render(messages, tools, options, add_generation_prompt)
+    try:
+        return dataclasses.replace(prompt, prompt=expand_images(prompt.prompt, images))
+    except ValueError as e:
+        raise RenderError(f"messages: {e}") from None
+
+
+def _render(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+            options: K3ChatOptions, add_generation_prompt: bool) -> K3Prompt:
     out: list[ChatPrompt] = []
     if tools:
         out.append(_system("tool-declare", _TOOL_DECLARE.format(compact_json(list(tools)))))
