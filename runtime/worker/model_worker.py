@@ -3,6 +3,7 @@ plan's mode through the attention backend, sample."""
 
 from __future__ import annotations
 
+import logging
 import traceback
 
 import numpy as np
@@ -26,6 +27,8 @@ from runtime.worker.page_table import WorkerPageTable
 from runtime.worker.pool_buffer import PoolBuffer
 from runtime.worker.pool_memory import pool_memory_bytes
 from runtime.worker.sampler import WorkerSampler
+
+log = logging.getLogger(__name__)
 
 
 def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
@@ -69,16 +72,20 @@ class ModelWorker:
         self.graphs: DecodeGraphs | None = None
         if compiled:  # paid here, at startup, once per batch-size bucket
             scratch = Scratch(self.buffer.scratch_state_slot, self.buffer.scratch_kv_row)  # type: ignore[arg-type]
-            self.graphs = DecodeGraphs(self.model, self.cache, scratch, args.compile_buckets)
-            self.graphs.capture()
+            graphs = DecodeGraphs(self.model, self.cache, scratch, args.compile_buckets)
+            try:
+                graphs.capture()
+                self.graphs = graphs
+            except Exception:  # a model part the compiler cannot capture: serve, eagerly, and say why
+                log.warning("the compiled decode step failed to build; decode runs eagerly", exc_info=True)
 
-    @staticmethod
-    def _compiles(args: ServerArgs) -> bool:
+    def _compiles(self, args: ServerArgs) -> bool:
         """The compiled decode step covers one rank's plain decode: not a TP group or DP attention (collectives),
-        not speculative decoding (its proposers read the target's hiddens, its steps are verify windows)."""
+        not speculative decoding (its proposers read the target's hiddens, its steps are verify windows), not
+        packed routed experts (a step dequantises the experts it routes to: shapes that depend on the routes)."""
         state = parallel_state()
         return (args.compile_decode and state.tp_size == 1 and not state.dp_attention
-                and args.speculative_algorithm is None)
+                and args.speculative_algorithm is None and self.model.config.expert_quant is None)
 
     @property
     def compile_seconds(self) -> dict[int, float]:
