@@ -141,7 +141,8 @@ def params(new_tokens: int) -> dict[str, Any]:
 
 def engine_kwargs(dtype: str, a: argparse.Namespace, radix: bool) -> dict[str, Any]:
     kw: dict[str, Any] = {"mem_bytes": a.mem_mib << 20, "max_running_requests": a.max_running_requests,
-                          "chunked_prefill_size": a.chunked_prefill_size, "disable_radix_cache": not radix}
+                          "chunked_prefill_size": a.chunked_prefill_size, "disable_radix_cache": not radix,
+                          "disable_compile": a.disable_compile}
     if dtype != "auto":
         kw["dtype"] = dtype
     return kw
@@ -161,6 +162,10 @@ def run_radixk3(ckpt: Path, dtype: str, workloads: list[Workload], burst: Worklo
     out: dict[str, Run] = {}
     for radix in (True, False):
         with radixk3.Engine(model=str(ckpt), **engine_kwargs(dtype, a, radix)) as engine:
+            built = engine.procs.compile_seconds  # the compiled decode step: seconds per batch-size bucket
+            if built:
+                print(f"  radixk3      {dtype:<9} compiled decode step: " +
+                      ", ".join(f"batch {b} {s:.1f} s" for b, s in built.items()), flush=True)
             engine.generate(warm_prompts(vocab), params(4))
             todo = workloads if radix else [burst]
             for w in todo:
@@ -171,7 +176,8 @@ def run_radixk3(ckpt: Path, dtype: str, workloads: list[Workload], burst: Worklo
                 computed = engine.get_metrics()["prefill_tokens_computed"] - before
                 outs = [r["output_ids"] for r in res]
                 name = w.name if radix else f"{w.name}_radix_off"
-                out[name] = Run(sum(map(len, outs)) / dt, outs, dt, {"prefill_tokens_computed": computed})
+                out[name] = Run(sum(map(len, outs)) / dt, outs, dt, {"prefill_tokens_computed": computed,
+                                                                     "compile_seconds": built})
                 print(f"  radixk3      {dtype:<9} {name:<18} {out[name].tok_s:9.1f} tok/s  ({dt:6.1f} s, "
                       f"{computed} prefill tokens computed)", flush=True)
     return out
@@ -284,6 +290,8 @@ def column(rk: dict[str, Run], tf: dict[str, Run], workloads: list[Workload], bu
                 "prefill_vs_ideal": on / ideal}
     else:
         col |= {"prefill_tokens_ideal": ideal, "prefill_vs_ideal": None}
+    if burst.name in rk:  # per batch-size bucket; empty with --disable-compile
+        col["compile_seconds"] = rk[burst.name].extra["compile_seconds"]
     if rk and tf:
         per = {w.name: agreement(rk[w.name].outputs, tf[w.name].outputs) for w in workloads}
         ours = [o for w in workloads for o in rk[w.name].outputs]
@@ -331,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--mem-mib", type=int, default=512, help="engine pool per rank, MiB")
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--chunked-prefill-size", type=int, default=2048)
+    ap.add_argument("--disable-compile", action="store_true", help="radixk3 decodes eagerly (no compiled step)")
     ap.add_argument("--tf-batch", type=int, default=0, help="transformers batch size (0: the whole workload)")
     ap.add_argument("--expert-format", choices=("none", "mxfp4", "int4", "fp8"), default="none",
                     help="also run radixk3 with the routed experts quantised (compressed-tensors) over the decodes")
@@ -398,7 +407,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = {"machine": mach, "dtype": dtypes[0],
                    "workloads": {w.name: w.shape for w in workloads}}
         keys = [f"ratio_{w.name}" for w in workloads] + ["radix_on_off", "prefill_vs_ideal", "agreement",
-                                                         "agreement_sequences", "tok_s", "expert_format"]
+                                                         "agreement_sequences", "tok_s", "expert_format",
+                                                         "compile_seconds"]
         summary |= {k: first.get(k) for k in keys}
         summary["columns"] = cols
         print(json.dumps(summary))

@@ -116,3 +116,29 @@ def mla_attention(
         real = j[None, :] < nq[:, None]  # [G, Qm]
         out[q_rows[real]] = o[real]
     return out
+
+
+def mla_decode_padded(
+    q_nope: Tensor,
+    q_pe: Tensor,
+    latent: Tensor,
+    kv_b_weight: Tensor,
+    kv_rows: Tensor,
+    kv_lens: Tensor,
+    *,
+    scale: float,
+) -> Tensor:
+    """One query per sequence over a padded row table, with no host read (a captured decode step).
+
+    q_nope [N, H, Dn], q_pe [N, H, Dr], latent [L, R+Dr]; kv_rows [N, S] names sequence i's cached rows (its
+    first kv_lens[i] entries; the rest are any valid row, masked out). The absorbed form, as `mla_attention`'s
+    decode groups: the same products in the same order, padded to S instead of to each group's longest."""
+    n, h, dn = q_nope.shape
+    r = kv_b_weight.shape[-1]
+    w_uk, w_uv = _split_kv_b(kv_b_weight, h, dn)
+    q = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe], dim=-1)  # [N, H, R+Dr]
+    lat = latent[kv_rows].to(q_nope.dtype)  # [N, S, R+Dr]
+    scores = torch.einsum("nhe,nse->nhs", q, lat)
+    hidden = torch.arange(kv_rows.shape[1], device=kv_rows.device)[None, :] >= kv_lens[:, None]  # [N, S]
+    probs = (scores.float() * scale).masked_fill(hidden[:, None], float("-inf")).softmax(-1).to(q_nope.dtype)
+    return torch.einsum("nhr,hvr->nhv", torch.einsum("nhs,nsr->nhr", probs, lat[..., :r]), w_uv)

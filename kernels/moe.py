@@ -25,6 +25,8 @@ def moe_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU = 
         from kernels.moe_triton import fused_moe_triton
 
         return fused_moe_triton(x, route, w13, w2, act)
+    if torch.compiler.is_compiling():  # a captured step: no host read of the routes
+        return captured_experts(x, route, w13, w2, act)
     if x.shape[0] == 1:
         return _one_token_experts(x, route, w13, w2, act)
     return _grouped_experts(x, route, w13, w2, act)
@@ -63,3 +65,25 @@ def _one_token_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act:
         gu = x @ w13[e].t()
         out += (act(gu[:, :inter], gu[:, inter:]) @ w2[e].t()).float() * weights[i]
     return out.to(x.dtype)
+
+
+def captured_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU = SILU) -> Tensor:
+    """`moe_experts` with shapes that do not depend on the routes (a compiled or graph-captured step).
+
+    Few pairs (T*k < E, batch-1 decode): each token's k chosen experts only. Otherwise every expert runs on
+    every token (each expert's weights read once, as the grouped GEMMs do) and a dense [T, E] weight matrix,
+    zero for unchosen experts, combines them. Accumulation in fp32, the result in x's dtype."""
+    t, k = route.experts.shape
+    num_experts, inter = w13.shape[0], w2.shape[-1]
+    if t * k < num_experts:
+        # Products and sums, not GEMMs on gathered weights: a compiler folds the gather into the reduction's
+        # loads, so each chosen expert's weights are read once, never copied first.
+        gu = (w13[route.experts] * x[:, None, None, :]).sum(-1)  # [T, k, 2I]
+        h = act(gu[..., :inter], gu[..., inter:])
+        y = (w2[route.experts] * h[:, :, None, :]).sum(-1)  # [T, k, D]
+        return (y.float() * route.weights[..., None].float()).sum(1).to(x.dtype)
+    gu = torch.einsum("td,eid->eti", x, w13)
+    y = torch.einsum("eti,edi->etd", act(gu[..., :inter], gu[..., inter:]), w2)
+    dense = torch.zeros(t, num_experts, dtype=torch.float32, device=x.device)
+    dense = dense.scatter_add(1, route.experts, route.weights.float())
+    return torch.einsum("etd,te->td", y.float(), dense).to(x.dtype)

@@ -69,6 +69,18 @@ def _signal_name(exitcode: int | None) -> str:
         return ""
 
 
+# Each batch-size bucket of the compiled decode step compiles before its worker says it is ready: minutes on a
+# small CPU for a small model, so the startup timeout grows by this much per bucket.
+COMPILE_SECONDS_PER_BUCKET = 600.0
+
+
+def compile_allowance(args: ServerArgs) -> float:
+    """Seconds the workers' compiled decode step may add to startup (0 when decode runs eagerly)."""
+    if not args.compile_decode:
+        return 0.0
+    return COMPILE_SECONDS_PER_BUCKET * len(args.compile_buckets)
+
+
 class EngineProcesses:
     def __init__(self, args: ServerArgs, startup_timeout: float = 120.0) -> None:
         self.args = args
@@ -114,7 +126,7 @@ class EngineProcesses:
             with _main_module_hidden():
                 for p in self.procs:
                     p.start()
-            self._wait_ready(startup_timeout)
+            self._wait_ready(startup_timeout + compile_allowance(args))
         except BaseException:
             self.shutdown()
             raise
@@ -137,6 +149,8 @@ class EngineProcesses:
         deadline = time.monotonic() + timeout
         ready, want = 0, self.num_replicas * self.topology.tp_size  # every rank of every replica, on every node
         sizes: list[int] = []
+        # One rank's compiled decode step, seconds per batch-size bucket (empty: eager), for the benchmarks.
+        self.compile_seconds: dict[int, float] = {}
         while ready < want:
             if self._ready.poll(200):
                 msg = decode(self._ready.recv_multipart())
@@ -146,6 +160,8 @@ class EngineProcesses:
                     ready += 1
                 if isinstance(msg, WorkerReady) and msg.pool_bytes is not None:
                     sizes.append(msg.pool_bytes)
+                    if msg.compile_buckets and not self.compile_seconds:
+                        self.compile_seconds = dict(zip(msg.compile_buckets, msg.compile_seconds, strict=True))
             if (dead := self.dead_child()) is not None:
                 if (why := self._last_word(1.0)) is not None:  # a failing child says why before it exits
                     raise EngineError(f"startup failed: {why}")

@@ -158,6 +158,9 @@ class WorkerReady:
     error: str | None = None
     pool_bytes: int | None = None  # the pool buffer's bytes (PoolGeometry.total_bytes); None with an error
     pid: int | None = None  # the rank's process, so that the scheduler's watchdog can say it is stopped
+    # Its compiled decode step's batch-size buckets and the seconds each took to build (empty: decode is eager).
+    compile_buckets: list[int] = field(default_factory=list)
+    compile_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixk3.config import BUILTIN_SEED
 from radixk3.tokenizer_base import TOKENIZER_MODES
 
+# "0" turns the compiled decode step off, "1" on, whatever --disable-compile says (the test suite sets "0").
+COMPILE_ENV = "RADIXK3_COMPILE"
 SPECULATIVE_ALGORITHMS = ("ngram", "mtp", "draft", "dspark")
 MAX_DRAFT_TOKENS = 16
 
@@ -86,6 +89,13 @@ class ServerArgs:
     device: str = "cpu"
     dtype: str = "auto"  # serving dtype of weights, activations and pool: auto (the checkpoint's), bfloat16, float32
     seed: int = BUILTIN_SEED  # weights of the built-in model
+    disable_compile: bool = field(default=False, metadata={"help": (
+        "run decode steps eagerly, not through the compiled decode step (torch.compile of the whole decode "
+        "forward: inductor's C++ on CPU, CUDA graphs on CUDA, compiled at startup once per batch-size bucket); "
+        f"SGLang's --disable-cuda-graph. {COMPILE_ENV}=0 / 1 in the environment overrides it")})
+    compile_max_bs: int = field(default=32, metadata={"help": (
+        "the largest decode batch the compiled step covers (buckets 1, 2, 4, ... up to it, a smaller batch "
+        "padded to its bucket; larger ones run eagerly); SGLang's --cuda-graph-max-bs")})
     # Speculative decoding (verify k+1 positions per step; KDA state recovered by ReplaySSM).
     speculative_algorithm: str | None = None  # ngram | mtp | draft | dspark; None: off
     speculative_num_draft_tokens: int = 3  # k drafts per step
@@ -160,6 +170,8 @@ class ServerArgs:
             raise ValueError("--max-logprobs must be >= 0")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
+        if self.compile_max_bs < 1:
+            raise ValueError("--compile-max-bs must be >= 1")
         if not 0 <= self.port < 65536:
             raise ValueError("--port must be in [0, 65535]")
         if self.max_body_bytes < 1:
@@ -221,6 +233,23 @@ class ServerArgs:
         """Whether the step loop overlaps planning with the worker. Not with speculation: a verify step's
         positions depend on how many drafts the step before it accepted."""
         return not self.disable_overlap_schedule and self.speculative_algorithm is None
+
+    @property
+    def compile_decode(self) -> bool:
+        """Whether decode steps run compiled: --disable-compile, unless the environment says otherwise."""
+        forced = os.environ.get(COMPILE_ENV, "").strip()
+        if forced not in ("", "0", "1"):
+            raise ValueError(f"{COMPILE_ENV}={forced!r}: expected 0 or 1")
+        return not self.disable_compile if not forced else forced == "1"
+
+    @property
+    def compile_buckets(self) -> list[int]:
+        """The compiled decode step's batch sizes: 1, 2, 4, ... and the largest it covers."""
+        largest = min(self.compile_max_bs, self.max_running_requests)
+        out = [1]
+        while out[-1] * 2 < largest:
+            out.append(out[-1] * 2)
+        return out if out[-1] == largest else [*out, largest]
 
     @property
     def step_prefill_budget(self) -> int:

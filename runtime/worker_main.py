@@ -42,7 +42,9 @@ def worker_main(args: ServerArgs, topo: Topology, replica: int, rank: int) -> No
         results.send_multipart(encode(WorkerReady(rank, error=f"{who}: {type(e).__name__}: {e}")))
         ctx.destroy(linger=LINGER_MS)
         return
-    results.send_multipart(encode(WorkerReady(rank, pool_bytes=worker.pool_bytes, pid=os.getpid())))
+    built = worker.compile_seconds
+    results.send_multipart(encode(WorkerReady(rank, pool_bytes=worker.pool_bytes, pid=os.getpid(),
+                                              compile_buckets=list(built), compile_seconds=list(built.values()))))
     poller = zmq.Poller()
     poller.register(plans, zmq.POLLIN)
     poller.register(scheduler_watch, zmq.POLLIN)

@@ -8,9 +8,16 @@ repetition, which a trained drafter learns and a random one does not."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from bench.train_spec_pair import Recipe, SpecPair, Stage, ensure_spec_pair, k3_config
+from runtime.server_args import COMPILE_ENV
+
+# Engines under test decode eagerly (compiling costs tens of seconds per batch-size bucket); the compiled step's
+# own tests build it themselves. Set before any engine starts, so spawned workers inherit it.
+os.environ.setdefault(COMPILE_ENV, "0")
 
 SMALL_SPEC_RECIPE = Recipe(
     target=k3_config(64, 2, [2], 1, 32, 128, mtp=1),

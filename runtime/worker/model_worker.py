@@ -3,6 +3,7 @@ plan's mode through the attention backend, sample."""
 
 from __future__ import annotations
 
+import logging
 import traceback
 
 import numpy as np
@@ -13,9 +14,10 @@ from kernels.sampling_tensors import SamplingTensors
 from kernels.spec_layout import pad, window_layout
 from kernels.state_checkpoints import StateCheckpoints
 from radixk3.config import BUILTIN_PRESET, preset
+from radixk3.decode_graph import DecodeGraphs, Scratch
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM, build_model
-from radixk3.parallel import is_collective_failure
+from radixk3.parallel import is_collective_failure, parallel_state
 from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
 from runtime.messages import StepPlan, StepResult
 from runtime.pool_layout import CopyCommand, pool_budget, pool_layout, serving_dtype
@@ -25,6 +27,8 @@ from runtime.worker.page_table import WorkerPageTable
 from runtime.worker.pool_buffer import PoolBuffer
 from runtime.worker.pool_memory import pool_memory_bytes
 from runtime.worker.sampler import WorkerSampler
+
+log = logging.getLogger(__name__)
 
 
 def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
@@ -45,7 +49,8 @@ class ModelWorker:
         self.layout = pool_layout(self.model.config, args)
         # Sized after the weights loaded (a --mem-fraction of what is left), the same on every rank of the group.
         budget = pool_budget(self.layout, args, pool_memory_bytes(args, self.model.device))
-        self.buffer = PoolBuffer(self.layout, budget, device=args.device)
+        compiled = self._compiles(args)
+        self.buffer = PoolBuffer(self.layout, budget, device=args.device, scratch=compiled)
         self.pool_bytes = self.buffer.geometry.total_bytes  # what the scheduler builds its pool metadata for
         cfg = self.model.config
         self.cache = HybridCache(
@@ -64,6 +69,28 @@ class ModelWorker:
         self.proposer = build_proposer(args, self.model, self.buffer)
         # DP attention with MTP or a draft model: the proposer joins the other groups' calls (LockstepProposer).
         self.lockstep = lockstep_proposer(self.proposer, self.model.dp_attention)
+        self.graphs: DecodeGraphs | None = None
+        if compiled:  # paid here, at startup, once per batch-size bucket
+            scratch = Scratch(self.buffer.scratch_state_slot, self.buffer.scratch_kv_row)  # type: ignore[arg-type]
+            graphs = DecodeGraphs(self.model, self.cache, scratch, args.compile_buckets)
+            try:
+                graphs.capture()
+                self.graphs = graphs
+            except Exception:  # a model part the compiler cannot capture: serve, eagerly, and say why
+                log.warning("the compiled decode step failed to build; decode runs eagerly", exc_info=True)
+
+    def _compiles(self, args: ServerArgs) -> bool:
+        """The compiled decode step covers one rank's plain decode: not a TP group or DP attention (collectives),
+        not speculative decoding (its proposers read the target's hiddens, its steps are verify windows), not
+        packed routed experts (a step dequantises the experts it routes to: shapes that depend on the routes)."""
+        state = parallel_state()
+        return (args.compile_decode and state.tp_size == 1 and not state.dp_attention
+                and args.speculative_algorithm is None and self.model.config.expert_quant is None)
+
+    @property
+    def compile_seconds(self) -> dict[int, float]:
+        """Seconds the compiled decode step took to build, per batch-size bucket (empty: eager decode)."""
+        return dict(self.graphs.report.seconds) if self.graphs is not None else {}
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.array(a, dtype=np.int64)).to(self.model.device)
@@ -183,6 +210,8 @@ class ModelWorker:
         """The target's step; the pre-norm hiddens (or a DSpark proposer's aux states: the target's states after
         its `aux_layer_ids`, concatenated) are asked for only when a proposer reads them."""
         if prenorm is None:
+            if self.graphs is not None and self.graphs.supports(batch):
+                return self.graphs.run(batch)
             return self.model.forward_batch(batch, self.cache).float()
         ids = self.proposer.aux_layer_ids if self.proposer is not None else ()
         if ids:

@@ -7,17 +7,32 @@ from collections.abc import Iterable
 
 import torch
 
-from runtime.pool_layout import CopyCommand, PoolGeometry, PoolLayout, dtype_bytes
+from runtime.pool_layout import ALIGN, CopyCommand, PoolGeometry, PoolLayout, dtype_bytes
 
 
 class PoolBuffer:
     """One rank's pool buffer. Views alias the buffer: writes through them land in it, and a slot index is
-    only meaningful while the allocator has it in use."""
+    only meaningful while the allocator has it in use.
 
-    def __init__(self, layout: PoolLayout, total_bytes: int, device: torch.device | str = "cpu") -> None:
+    With `scratch`, the buffer also holds, past the scheduler's `total_bytes`, one state slot
+    (`scratch_state_slot`, right above the last one) and one KV row (`scratch_kv_row`, the first whole row past
+    that slot): where the padded rows of a captured decode step read and write, which no sequence ever owns."""
+
+    def __init__(self, layout: PoolLayout, total_bytes: int, device: torch.device | str = "cpu",
+                 scratch: bool = False) -> None:
         self.layout = layout
         self.geometry: PoolGeometry = layout.geometry(total_bytes)
-        self.data = torch.zeros(self.geometry.total_bytes, dtype=torch.uint8, device=device)
+        g = self.geometry
+        self.scratch_state_slot: int | None = None
+        self.scratch_kv_row: int | None = None
+        self._state_rows, self._kv_rows, size = g.num_state_slots, g.num_token_slots, g.total_bytes
+        if scratch:
+            kt = layout.kv_token_bytes
+            self.scratch_state_slot = g.num_state_slots  # starts at total_bytes: slot num_state_slots-1 ends there
+            self.scratch_kv_row = -(-(g.total_bytes + g.state_block_bytes) // kt)
+            self._state_rows, self._kv_rows = g.num_state_slots + 1, self.scratch_kv_row + 1
+            size = -(-self._kv_rows * kt // ALIGN) * ALIGN
+        self.data = torch.zeros(size, dtype=torch.uint8, device=device)
         if self.data.data_ptr() % 16:
             raise RuntimeError("pool buffer is not 16-byte aligned")
 
@@ -46,7 +61,7 @@ class PoolBuffer:
         assert offset % es == 0 and g.state_block_bytes % es == 0
         return torch.as_strided(
             self._typed(part.state_dtype),
-            (g.num_state_slots, h, k, v),
+            (self._state_rows, h, k, v),
             (g.state_block_bytes // es, k * v, v, 1),
             offset // es,
         )
@@ -60,19 +75,19 @@ class PoolBuffer:
         offset = g.state_base + base + part.conv_offset(layer)
         assert offset % es == 0 and g.state_block_bytes % es == 0
         return torch.as_strided(
-            self._typed(part.kv_dtype), (g.num_state_slots, c, w), (g.state_block_bytes // es, w, 1), offset // es
+            self._typed(part.kv_dtype), (self._state_rows, c, w), (g.state_block_bytes // es, w, 1), offset // es
         )
 
     def kv(self, layer: int, draft: bool = False) -> torch.Tensor:
         """MLA layer `layer`'s latent KV, [num_token_slots, kv_dim] in the model dtype; row p*page_size + o is
         page p, offset o."""
-        lay, g = self.layout, self.geometry
+        lay = self.layout
         part, _, base = self._part(draft)
         es = dtype_bytes(part.kv_dtype)
         offset = base + part.kv_offset(layer)
         assert offset % es == 0 and lay.kv_token_bytes % es == 0
         return torch.as_strided(
-            self._typed(part.kv_dtype), (g.num_token_slots, part.kv_dim), (lay.kv_token_bytes // es, 1), offset // es
+            self._typed(part.kv_dtype), (self._kv_rows, part.kv_dim), (lay.kv_token_bytes // es, 1), offset // es
         )
 
     def state_bytes(self, slot: int) -> torch.Tensor:

@@ -159,3 +159,17 @@ def test_one_token_path_gives_the_grouped_bits(act: GLU) -> None:
         one = x[i : i + 1], MoERoute(route.weights[i : i + 1], route.experts[i : i + 1]), w13, w2, act
         assert torch.equal(moe_experts(*one), _grouped_experts(*one))
         torch.testing.assert_close(moe_experts(*one), batched[i : i + 1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("t", [1, 2, 21])  # T*k < E: the chosen experts' form; otherwise every expert, weighted
+def test_captured_experts_equal_grouped(t: int) -> None:
+    """The compiled step's MoE form (no host read of the routes) against the grouped path, run eagerly."""
+    from kernels.moe import captured_experts
+
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(t, D, generator=gen)
+    w13, w2 = torch.randn(E, 2 * INTER, D, generator=gen) / 5, torch.randn(E, D, INTER, generator=gen) / 5
+    route = moe_route(torch.randn(t, E, generator=gen), top_k=3, routed_scaling_factor=1.5)
+    act = GLU("situ", 2.0, 3.0)
+    torch.testing.assert_close(captured_experts(x, route, w13, w2, act), moe_experts(x, route, w13, w2, act),
+                               rtol=0, atol=1e-5)

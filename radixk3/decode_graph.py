@@ -1,0 +1,245 @@
+"""The captured decode step: the whole decode forward (every layer, the attention backend's pool ops, the
+logits) compiled once per batch-size bucket and replayed, as SGLang's CUDA-graph runner does on GPU.
+
+- Buckets: a step of n sequences runs at the smallest bucket B >= n (the worker's: 1, 2, 4, ...); rows n..B-1
+  are padding: they read and write only the pool's scratch state slot and scratch KV row (`Scratch`, kept
+  outside the scheduler's slots) and their logits are dropped. Shapes are static per bucket except the length of
+  the KV row table (dynamic on CPU; padded to a power of two on CUDA, where each length records its own graph).
+- The graph covers the common decode step only: one token per sequence, no radix-tree checkpoints, no proposer
+  hiddens, one rank (no collectives). Everything else runs eagerly (`DecodeGraphs.supports`). Sampling (grammar
+  masks, biases) stays outside the graph, so constrained requests still replay it. The slot checks that read
+  tensors back to the host (the eager backend's `_validate`) run once per step before the call.
+- The pool ops (short conv, KDA, MLA store + attention) are opaque custom ops inside the graph (see `_CACHES`);
+  inductor compiles and fuses everything around them (projections, norms, gates, the MoE, the logits).
+- CPU: inductor (C++ codegen). CUDA: the same compiled step with CUDA graphs (mode "reduce-overhead").
+The eager forward stays the oracle: `tests/runtime/test_decode_graph.py` checks the compiled step's greedy tokens
+against the eager step's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from kernels.conv1d_pool import conv1d_decode
+from kernels.kda_pool import kda_decode
+from kernels.mla import mla_decode_padded
+from kernels.mla_paged import check_store_slots, mla_store
+from kernels.state_checkpoints import check_slots
+from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
+from radixk3.model import KimiForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+class Scratch(NamedTuple):
+    """Where padded rows read and write: a KDA state slot and a KV row no sequence ever owns."""
+
+    state_slot: int
+    kv_row: int
+
+
+class PaddedDecode(NamedTuple):
+    """One bucket's inputs, B rows (padding included)."""
+
+    input_ids: Tensor  # [B] int64
+    state_slots: Tensor  # [B] int64
+    kv_slots: Tensor  # [B] int64, where each row's new latent is stored
+    kv_rows: Tensor  # [B, S] int64, each row's cached KV rows (its own token's last), padded with any valid row
+    kv_lens: Tensor  # [B] int64, valid entries of kv_rows per row
+
+
+# The pool views alias one byte buffer in several dtypes, which a compiled graph cannot take as mutated inputs
+# (AOTAutograd refuses aliased inputs with different bases, and as_strided views of one base cannot be
+# functionalised). So the pool ops are opaque custom ops that reach the cache through this table, by key: inside
+# the graph they are calls on activations only; the pools are state outside it, as a KV cache is to a CUDA graph
+# (fixed addresses, written in place).
+_CACHES: dict[int, HybridCache] = {}
+_NEXT_KEY = itertools.count()
+
+
+# Outputs are contiguous, as their fake (shape) functions say.
+@torch.library.custom_op("radixk3::pool_conv_decode", mutates_args=())
+def pool_conv_decode(cache_key: int, layer: int, x: Tensor, weight: Tensor, slots: Tensor) -> Tensor:
+    """`conv1d_decode` on KDA layer `layer`'s conv pool of cache `cache_key`, in place."""
+    return conv1d_decode(x, weight, _CACHES[cache_key].conv[layer], slots, validate=False).contiguous()
+
+
+@pool_conv_decode.register_fake
+def _(cache_key: int, layer: int, x: Tensor, weight: Tensor, slots: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("radixk3::pool_kda_decode", mutates_args=())
+def pool_kda_decode(cache_key: int, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                    slots: Tensor) -> Tensor:
+    """`kda_decode` on KDA layer `layer`'s recurrent pool of cache `cache_key`, in place."""
+    return kda_decode(q, k, v, g, beta, _CACHES[cache_key].recurrent[layer], slots, validate=False).contiguous()
+
+
+@pool_kda_decode.register_fake
+def _(cache_key: int, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+      slots: Tensor) -> Tensor:
+    return torch.empty_like(v)
+
+
+@torch.library.custom_op("radixk3::pool_mla_decode", mutates_args=())
+def pool_mla_decode(cache_key: int, layer: int, q_nope: Tensor, q_pe: Tensor, latent: Tensor, kv_b_weight: Tensor,
+                    kv_slots: Tensor, kv_rows: Tensor, kv_lens: Tensor, scale: float) -> Tensor:
+    """Store the new latents in MLA layer `layer`'s buffer of cache `cache_key`, then attend over `kv_rows`."""
+    buf = _CACHES[cache_key].latent[layer]
+    mla_store(buf, kv_slots, latent, validate=False)
+    return mla_decode_padded(q_nope, q_pe, buf, kv_b_weight, kv_rows, kv_lens, scale=scale).contiguous()
+
+
+@pool_mla_decode.register_fake
+def _(cache_key: int, layer: int, q_nope: Tensor, q_pe: Tensor, latent: Tensor, kv_b_weight: Tensor,
+      kv_slots: Tensor, kv_rows: Tensor, kv_lens: Tensor, scale: float) -> Tensor:
+    n, h, dn = q_nope.shape
+    return q_nope.new_empty(n, h, kv_b_weight.shape[0] // h - dn)
+
+
+class PaddedDecodeBackend:
+    """The attention backend of a captured decode step (the interface of `AttentionBackend`): fixed shapes,
+    no host reads, no checkpoints; the pool ops are the custom ops above."""
+
+    decode = True
+    verify = False
+
+    def __init__(self, cache_key: int, step: PaddedDecode) -> None:
+        self.key = cache_key
+        self.step = step
+
+    def short_conv(self, layer: int, x: Tensor, weight: Tensor) -> Tensor:
+        return pool_conv_decode(self.key, layer, x, weight, self.step.state_slots)
+
+    def kda(self, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+        return pool_kda_decode(self.key, layer, q, k, v, g, beta, self.step.state_slots)
+
+    def mla(self, layer: int, q_nope: Tensor, q_pe: Tensor, latent: Tensor, kv_b_weight: Tensor,
+            scale: float) -> Tensor:
+        s = self.step
+        return pool_mla_decode(self.key, layer, q_nope, q_pe, latent, kv_b_weight, s.kv_slots, s.kv_rows,
+                               s.kv_lens, scale)
+
+
+def padded_decode_logits(model: KimiForCausalLM, cache_key: int, step: PaddedDecode) -> Tensor:
+    """The decode forward of `step`'s B rows over cache `cache_key` -> fp32 logits [B, V] (what is captured)."""
+    b = step.input_ids.shape[0]
+    cu = torch.arange(b + 1, device=step.input_ids.device)
+    # kv_rows is a page table of page size 1: the layers see an ordinary decode batch.
+    batch = ForwardBatch(ForwardMode.DECODE, step.input_ids, cu, step.kv_lens - 1, step.state_slots, step.kv_rows,
+                         1, step.kv_slots, attn_backend=PaddedDecodeBackend(cache_key, step))  # type: ignore[arg-type]
+    hidden = model._prenorm_hidden(step.input_ids, cu, batch)
+    return model.lm_head(model.model.norm(hidden)).float()
+
+
+@dataclass
+class CaptureReport:
+    """What starting the graphs cost: seconds per bucket (compile and the first replays)."""
+
+    mode: str
+    seconds: dict[int, float]
+
+
+class DecodeGraphs:
+    """The compiled decode step of one model over one cache, per batch-size bucket."""
+
+    def __init__(self, model: KimiForCausalLM, cache: HybridCache, scratch: Scratch, buckets: Sequence[int]) -> None:
+        if not buckets or min(buckets) < 1:
+            raise ValueError(f"batch-size buckets must be >= 1, got {list(buckets)}")
+        self.model, self.cache, self.scratch = model, cache, scratch
+        self.key = next(_NEXT_KEY)
+        _CACHES[self.key] = cache
+        self.device = model.device
+        self.cuda = self.device.type == "cuda"
+        self.buckets = sorted(set(buckets))
+        self.mode = "reduce-overhead" if self.cuda else "default"
+        # One code object, one recompile per bucket: leave room for every bucket (and the dynamic KV length).
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets))
+        self._fn = torch.compile(self._forward, mode=self.mode, fullgraph=True)
+        self.report = CaptureReport(self.mode, {})
+
+    def _forward(self, step: PaddedDecode) -> Tensor:
+        return padded_decode_logits(self.model, self.key, step)
+
+    def capture(self) -> CaptureReport:
+        """Compile every bucket now (on rows that touch only the scratch slots), so that serving never waits."""
+        for b in self.buckets:
+            start = time.perf_counter()
+            for _ in range(2):  # compile, then replay once (on CUDA the first replays record the graph)
+                self._call(self._scratch_step(b, 2))
+            self.report.seconds[b] = time.perf_counter() - start
+            log.info("decode graph: batch %d compiled in %.1f s (%s)", b, self.report.seconds[b], self.mode)
+        return self.report
+
+    def _scratch_step(self, b: int, kv_len: int) -> PaddedDecode:
+        dev, s = self.device, self.scratch
+        full = torch.full((b,), 0, dtype=torch.int64, device=dev)
+        return PaddedDecode(full, full + s.state_slot, full + s.kv_row,
+                            torch.full((b, self._kv_width(kv_len)), s.kv_row, dtype=torch.int64, device=dev),
+                            torch.full((b,), kv_len, dtype=torch.int64, device=dev))
+
+    def _kv_width(self, longest: int) -> int:
+        # CUDA graphs record one graph per shape: powers of two keep them few. Inductor's kernels take the
+        # length as an argument; small steps of 16 only spare it odd sizes.
+        if self.cuda:
+            return 1 << max(longest - 1, 1).bit_length()
+        return -(-longest // 16) * 16
+
+    @torch.inference_mode()
+    def _call(self, step: PaddedDecode) -> Tensor:
+        torch._dynamo.mark_static(step.input_ids, 0)
+        torch._dynamo.mark_dynamic(step.kv_rows, 1)
+        if self.cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        return self._fn(step)
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def supports(self, batch: ForwardBatch) -> bool:
+        """A plain decode step that fits a bucket (checkpoints and verify windows run eagerly)."""
+        ck = batch.checkpoints
+        return (batch.mode is ForwardMode.DECODE and (ck is None or not len(ck.slot)) and batch.spec is None
+                and self.bucket(batch.num_seqs) is not None)
+
+    def run(self, batch: ForwardBatch) -> Tensor:
+        """Logits [M, V] fp32 for `batch.logits_index` (default: every sequence's token), as the eager
+        `model.forward_batch(batch, cache).float()` gives them."""
+        n = batch.num_seqs
+        b = self.bucket(n)
+        assert b is not None and self.supports(batch), "a step the decode graphs do not cover"
+        self._validate(batch)
+        logits = self._call(self._padded(batch, b))[:n]
+        return logits if batch.logits_index is None else logits[batch.logits_index]
+
+    def _validate(self, batch: ForwardBatch) -> None:
+        """The eager backend's per-step checks (host reads), on the real rows."""
+        if self.cache.recurrent:
+            check_slots(batch.state_slots, None, self.cache.recurrent[0].shape[0])
+        if self.cache.latent:
+            check_store_slots(batch.kv_slots, self.cache.latent[0].shape[0])
+
+    def _padded(self, batch: ForwardBatch, b: int) -> PaddedDecode:
+        """The real rows' tensors, padded to bucket `b` with rows on the scratch slots."""
+        n, dev, s = batch.num_seqs, self.device, self.scratch
+        kv_lens = batch.seq_lens
+        width = self._kv_width(int(kv_lens.max()))
+        pos = torch.minimum(torch.arange(width, device=dev)[None, :], kv_lens[:, None] - 1)  # [n, S]
+        ps = batch.page_size
+        rows = batch.block_table.gather(1, pos // ps) * ps + pos % ps
+        pad = b - n
+
+        def padded(x: Tensor, fill: int) -> Tensor:
+            return torch.cat([x, x.new_full((pad, *x.shape[1:]), fill)]) if pad else x
+
+        return PaddedDecode(padded(batch.input_ids, 0), padded(batch.state_slots, s.state_slot),
+                            padded(batch.kv_slots, s.kv_row), padded(rows, s.kv_row), padded(kv_lens, 1))

@@ -1,0 +1,120 @@
+"""The compiled decode step (`radixk3.decode_graph`) against the eager one (itself shown equal to the no-cache
+greedy loop by the engine exactness tests), on the worker's real pool buffer with its scratch slot and row:
+greedy tokens identical at batch 4 (the bucket's own size) and batch 3 (padded to it), page size 4; the padded
+rows write only the scratch slot and row, never a bystander's state or KV. One bucket, so one compile (the costly
+part: tens of seconds cold, on a tiny model)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from radixk3.config import preset
+from radixk3.decode_graph import DecodeGraphs, Scratch
+from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
+from radixk3.model import build_model
+from runtime.pool_layout import pool_layout
+from runtime.server_args import COMPILE_ENV, ServerArgs
+from runtime.worker.pool_buffer import PoolBuffer
+
+MAX_NEW = 6
+PAGE = 4
+PAGES_PER_SEQ = 16  # room for the longest prompt and its new tokens
+BUCKET = 4
+
+
+@pytest.fixture(scope="module")
+def setup():  # noqa: ANN201
+    model = build_model(preset("k3-tiny"), seed=11)
+    layout = pool_layout(model.config, ServerArgs(page_size=PAGE))
+    buf = PoolBuffer(layout, 2 << 20, scratch=True)
+    assert buf.scratch_state_slot is not None and buf.scratch_kv_row is not None
+    cfg = model.config
+    cache = HybridCache(recurrent=[buf.recurrent_state(i) for i in range(cfg.num_kda_layers)],
+                        conv=[buf.conv_state(i) for i in range(cfg.num_kda_layers)],
+                        latent=[buf.kv(i) for i in range(cfg.num_mla_layers)])
+    graphs = DecodeGraphs(model, cache, Scratch(buf.scratch_state_slot, buf.scratch_kv_row), [BUCKET])
+    graphs.capture()
+    return model, buf, cache, graphs
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = random.Random(5)
+    shots = [g.randrange(vocab) for _ in range(20)]
+    return [shots + [g.randrange(vocab) for _ in range(g.randrange(2, 9))] for _ in range(3)] + [
+        [g.randrange(vocab) for _ in range(g.randrange(3, 40))] for _ in range(4)]  # 7: a full bucket, a padded one
+
+
+def _generate(model, cache: HybridCache, graphs: DecodeGraphs | None, prompts: list[list[int]],  # noqa: ANN001
+              top: int) -> list[list[int]]:
+    """Prefill eagerly, then MAX_NEW greedy decode steps (through the graphs, or eager without); sequence i
+    owns state slot top - 1 - i and pages (i + 1) * PAGES_PER_SEQ onwards (as the pool does: states from the
+    top, pages from the bottom; the top slot and the first pages are a bystander's)."""
+    n = len(prompts)
+    dev = model.device
+    table = torch.tensor([[(i + 1) * PAGES_PER_SEQ + p for p in range(PAGES_PER_SEQ)] for i in range(n)])
+    slots = torch.arange(top - 1, top - 1 - n, -1)
+
+    def step(mode: ForwardMode, ids: list[list[int]], prefix: list[int]) -> list[int]:
+        cu = torch.tensor([0, *torch.tensor([len(x) for x in ids]).cumsum(0).tolist()])
+        batch = ForwardBatch.from_table(mode, torch.tensor([t for x in ids for t in x], device=dev), cu,
+                                        torch.tensor(prefix), slots, table, PAGE)
+        if mode is ForwardMode.DECODE and graphs is not None:
+            assert graphs.supports(batch)
+            logits = graphs.run(batch)
+        else:
+            logits = model.forward_batch(batch, cache)
+        return logits.argmax(-1).tolist()
+
+    out = [[t] for t in step(ForwardMode.EXTEND, prompts, [0] * n)]
+    for j in range(1, MAX_NEW):
+        toks = step(ForwardMode.DECODE, [[o[-1]] for o in out], [len(p) + j - 1 for p in prompts])
+        for o, t in zip(out, toks, strict=True):
+            o.append(t)
+    return out
+
+
+def test_compiled_decode_equals_eager(setup) -> None:  # noqa: ANN001
+    model, buf, cache, graphs = setup
+    prompts = _prompts(model.config.vocab_size)
+    # A bystander: the top state slot and the first pages, which no row of these steps may touch.
+    top = buf.geometry.num_state_slots - 1
+    assert (2 + BUCKET) * PAGES_PER_SEQ * buf.geometry.page_bytes < buf.geometry.state_offset(top - BUCKET)
+    cache.recurrent[0][top].fill_(7.0)
+    cache.latent[0][: PAGES_PER_SEQ * PAGE].fill_(3.0)
+    for group in (prompts[:BUCKET], prompts[BUCKET:]):  # 4 rows, then 3 padded to 4
+        want = _generate(model, cache, None, group, top)
+        assert _generate(model, cache, graphs, group, top) == want
+    assert bool((cache.recurrent[0][top] == 7.0).all())
+    assert bool((cache.latent[0][: PAGES_PER_SEQ * PAGE] == 3.0).all())
+    assert graphs.report.seconds[BUCKET] > 0
+
+
+def test_scratch_lies_outside_the_schedulers_pool() -> None:
+    """The scratch slot and row start at or past the bytes the scheduler hands out, and do not overlap."""
+    layout = pool_layout(preset("k3-tiny"), ServerArgs(page_size=PAGE))
+    plain = PoolBuffer(layout, 1 << 20)
+    buf = PoolBuffer(layout, 1 << 20, scratch=True)
+    g = buf.geometry
+    assert g == plain.geometry and plain.scratch_state_slot is None
+    state_start = g.state_offset(buf.scratch_state_slot)
+    kv_start = buf.scratch_kv_row * layout.kv_token_bytes
+    assert state_start == g.total_bytes and kv_start >= state_start + g.state_block_bytes
+    assert buf.data.numel() >= kv_start + layout.kv_token_bytes
+    buf.recurrent_state(0)[buf.scratch_state_slot].fill_(1.0)
+    buf.kv(0)[buf.scratch_kv_row].fill_(1.0)
+    assert not bool(buf.data[: g.total_bytes].any())  # nothing the scheduler owns was written
+
+
+def test_compile_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    assert ServerArgs().compile_decode and not ServerArgs(disable_compile=True).compile_decode
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    assert not ServerArgs().compile_decode
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    assert ServerArgs(disable_compile=True).compile_decode
+    assert ServerArgs(compile_max_bs=32).compile_buckets == [1, 2, 4, 8, 16, 32]
+    assert ServerArgs(compile_max_bs=32, max_running_requests=6).compile_buckets == [1, 2, 4, 6]
+    assert ServerArgs(compile_max_bs=1).compile_buckets == [1]
