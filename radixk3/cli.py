@@ -221,7 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampler (temperature > 0)")
     gen.add_argument("--ignore-eos", action="store_true")
     ServerArgs.add_cli_args(gen)
-    gen.set_defaults(fn=_generate)
+    # One short request never repays compiling the decode step (tens of seconds per batch size on a CPU): generate
+    # decodes eagerly; RADIXK3_COMPILE=1 compiles anyway. `serve` and Engine() compile (--disable-compile).
+    gen.set_defaults(fn=_generate, disable_compile=True)
 
     serve = sub.add_parser("serve", help="the HTTP server: native (/generate) and OpenAI-compatible (/v1) APIs",
                            description="Starts the engine with the ServerArgs flags below (--model/--model-path "
