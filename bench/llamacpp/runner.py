@@ -184,6 +184,7 @@ def run_jobs(gguf: str, threads: int, jobs: list[Job], warm: Job | None = None, 
     """Load `gguf` once and run every job (after `warm`, untimed); runs in the child process."""
     import llama_cpp as lc
 
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # an abort prints its message, not a gdb session
     sized = [*jobs, warm] if warm else jobs
     llm = LlamaCpp(gguf, threads, max(map(cells_needed, sized)), max(len(j.prompts) for j in sized), extra_buffers)
     try:
