@@ -30,8 +30,24 @@ routed experts each step against what it saves in bytes. Each column's JSON then
 "ratio" {bN: packed / dense}, "expert_bytes" (the packed routed experts, from `radixk3 plan --model`),
 "dense_expert_bytes" (the same experts in the model dtype)}.
 
+`--llamacpp` races llama.cpp (llama-cpp-python, a bench extra) on the same checkpoint written as GGUF
+(`bench/llamacpp/`): same token-id prompts, greedy, radixk3's thread count, f32 KV cache, flash attention off; each
+dtype column against a GGUF of that precision (fp32 - f32, bf16 - bf16), and `--quant-columns int8,int4` radixk3's
+weight-only int8 / int4 against Q8_0 / Q4_0. The decodes run as parallel sequences through the batch API; the
+gsm8k burst twice: the shared prefix decoded once and copied to every sequence (`gsm8k`), and every prompt
+prefilled whole (`gsm8k_prefill_all`). Each column's JSON then has `llamacpp` {"gguf_type", "tok_s" {workload},
+"peak_rss_mib" (its process), "agreement" / "agreement_sequences" (against radixk3's tokens in that column)} and
+`ratio_llamacpp_<workload>` = radixk3 / llama.cpp output tok/s (the prefill-all ratio against radixk3's burst).
+The summary has `ratio_llamacpp_b1`, `_b32`, `_gsm8k`, `_gsm8k_prefill_all`, `agreement_llamacpp` (f32: must
+be 1.0, a conversion that disagrees is a bug) and `llamacpp` {"version", "system_info", "threads", ...}.
+
+The weight-bandwidth floor (`bench/weight_floor.py`, every run): the weight bytes a batch-1 decode token reads
+over this machine's measured read rate, and each backend's batch-1 step (b1 seconds / new tokens, its 24-token
+prefill included) as a multiple of it; JSON `weight_floor`.
+
     python bench/offline_throughput.py [--backend radixk3|transformers|both] [--dtypes float32,bfloat16]
-                                       [--expert-format none|mxfp4|int4|fp8] [--quick] [--json]
+                                       [--expert-format none|mxfp4|int4|fp8] [--llamacpp]
+                                       [--quant-columns int8,int4] [--quick] [--json]
 """
 
 from __future__ import annotations
@@ -56,8 +72,11 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench.ideal_cache import ideal_prefill  # noqa: E402
+from bench.llamacpp.race import PREFILL_ALL, Column, run_column  # noqa: E402
+from bench.llamacpp.runner import available as llamacpp_available  # noqa: E402
 from bench.machine_info import cpu_name  # noqa: E402
 from bench.transformers_cpu import hide_fla  # noqa: E402
+from bench.weight_floor import DRAM_BYTES, Floor, read_rate, token_bytes  # noqa: E402
 
 hide_fla(torch.cuda.is_available())
 
@@ -156,15 +175,17 @@ def warm_prompts(vocab: int) -> Prompts:
 
 
 def run_radixk3(ckpt: Path, dtype: str, workloads: list[Workload], burst: Workload, vocab: int,
-                a: argparse.Namespace) -> dict[str, Run]:
+                a: argparse.Namespace, quantization: str | None = None) -> dict[str, Run]:
+    """Radix cache on over every workload, then off over the burst (not for a quantised column)."""
     import radixk3
 
     out: dict[str, Run] = {}
-    for radix in (True, False):
-        with radixk3.Engine(model=str(ckpt), **engine_kwargs(dtype, a, radix)) as engine:
+    extra = {"quantization": quantization} if quantization else {}
+    for radix in (True, False) if quantization is None else (True,):
+        with radixk3.Engine(model=str(ckpt), **engine_kwargs(dtype, a, radix), **extra) as engine:
             built = engine.procs.compile_seconds  # the compiled decode step: seconds per batch-size bucket
             if built:
-                print(f"  radixk3      {dtype:<9} compiled decode step: " +
+                print(f"  radixk3      {quantization or dtype:<9} compiled decode step: " +
                       ", ".join(f"batch {b} {s:.1f} s" for b, s in built.items()), flush=True)
             engine.generate(warm_prompts(vocab), params(4))
             todo = workloads if radix else [burst]
@@ -178,7 +199,8 @@ def run_radixk3(ckpt: Path, dtype: str, workloads: list[Workload], burst: Worklo
                 name = w.name if radix else f"{w.name}_radix_off"
                 out[name] = Run(sum(map(len, outs)) / dt, outs, dt, {"prefill_tokens_computed": computed,
                                                                      "compile_seconds": built})
-                print(f"  radixk3      {dtype:<9} {name:<18} {out[name].tok_s:9.1f} tok/s  ({dt:6.1f} s, "
+                label = quantization or dtype
+                print(f"  radixk3      {label:<9} {name:<18} {out[name].tok_s:9.1f} tok/s  ({dt:6.1f} s, "
                       f"{computed} prefill tokens computed)", flush=True)
     return out
 
@@ -307,6 +329,94 @@ def column(rk: dict[str, Run], tf: dict[str, Run], workloads: list[Workload], bu
         col["radix_on_off_agreement"] = agreement(*on_off)[0]
     return col
 
+# --- llama.cpp race and the weight-bandwidth floor -------------------------------------------------------
+QUANT_COLUMNS = ("int8", "int4")
+NEEDS_QUANTIZATION = "needs --quantization (radixk3's weight-only int8/int4 serving) in this build"
+
+
+def quantization_supported() -> bool:
+    import dataclasses
+
+    from runtime.server_args import ServerArgs
+
+    return "quantization" in {f.name for f in dataclasses.fields(ServerArgs)}
+
+
+def llamacpp_column(rk: dict[str, Run], lc: Column, burst: Workload) -> dict[str, Any]:
+    """llama.cpp's figures for one precision column, radixk3 / llama.cpp ratios and how far its greedy tokens
+    agree with radixk3's (radixk3's are the reference; the prefill-all burst is compared with radixk3's burst)."""
+    runs = lc.report.runs
+    col: dict[str, Any] = {"llamacpp": {
+        "gguf_type": lc.gguf.file_type, "tok_s": {k: v.tok_s for k, v in runs.items()},
+        "seconds": {k: v.seconds for k, v in runs.items()}, "peak_rss_mib": lc.report.peak_rss_mib,
+        "gguf_weight_bytes": lc.gguf.weight_bytes, "extra_buffers": lc.report.extra_buffers}}
+    ours: Prompts = []
+    theirs: Prompts = []
+    for name, run in runs.items():
+        mine = rk.get(burst.name if name == burst.name + PREFILL_ALL else name)
+        col[f"ratio_llamacpp_{name}"] = ratio(mine.tok_s if mine else None, run.tok_s)
+        if mine is not None:
+            ours += mine.outputs
+            theirs += run.outputs
+    tokens, seqs = agreement(theirs, ours) if ours else (None, None)
+    col["llamacpp"] |= {"agreement": tokens, "agreement_sequences": seqs}
+    col["agreement_llamacpp"] = tokens
+    return col
+
+
+def b1_step(runs: dict[str, Any], new_tokens: int | None) -> float | None:
+    """Seconds per output token of the batch-1 workload (its short prefill included)."""
+    run = runs.get("b1")
+    return run.seconds / new_tokens if run is not None and new_tokens else None
+
+
+def floor_column(bytes_per_token: int | None, threads: int, rk_step: float | None,
+                 lc_bytes: int | None = None, lc_step: float | None = None) -> dict[str, Any]:
+    """Each backend's batch-1 step against the floor of its own weight bytes, read at the rate this machine
+    reads that many bytes."""
+    out: dict[str, Any] = {}
+    for who, nbytes, step in (("radixk3", bytes_per_token, rk_step), ("llamacpp", lc_bytes, lc_step)):
+        if nbytes is None:
+            continue
+        f = Floor(nbytes, read_rate(nbytes, threads))
+        out[who] = f.as_dict() | {"step_ms": None if step is None else step * 1e3, "floor_multiple": f.multiple(step)}
+    return out
+
+
+def print_race(cols: dict[str, dict[str, Any]]) -> None:
+    names = [n for n in cols if "llamacpp" in cols[n]]
+    if not names:
+        return
+    print(f"\n{'llama.cpp race':<28}" + "".join(f"{n + ' (' + cols[n]['llamacpp']['gguf_type'] + ')':>30}"
+                                                for n in names))
+    runs = list(cols[names[0]]["llamacpp"]["tok_s"])
+    for w in runs:
+        cells = []
+        for n in names:
+            c = cols[n]
+            base = w.removesuffix(PREFILL_ALL)
+            r = c.get("tok_s", {}).get("radixk3", {}).get(base)
+            cells.append(f"{fmt(r, '.1f')} / {fmt(c['llamacpp']['tok_s'].get(w), '.1f')} = "
+                         f"{fmt(c.get(f'ratio_llamacpp_{w}'), '.2f', 'x')}")
+        print(f"{w + ' rk3 / llama.cpp':<28}" + "".join(f"{x:>30}" for x in cells))
+    print(f"{'llama.cpp peak RSS':<28}" + "".join(f"{fmt(cols[n]['llamacpp']['peak_rss_mib'], '.0f', ' MiB'):>30}"
+                                                 for n in names))
+    print(f"{'agreement with radixk3':<28}" + "".join(f"{fmt(cols[n]['agreement_llamacpp'], '.1%'):>30}"
+                                                     for n in names))
+    for n in names:
+        if cols[n].get("note"):
+            print(f"{n}: {cols[n]['note']}")
+        if not cols[n]["llamacpp"]["extra_buffers"]:
+            print(f"{n}: llama.cpp ran without its repacked-weight buffers (it aborted with them on this CPU)")
+
+
+def print_floor(cols: dict[str, dict[str, Any]]) -> None:
+    for n, c in cols.items():
+        for who, f in c.get("weight_floor", {}).items():
+            print(f"weight floor {n} {who}: {f['bytes_per_token'] / 1e6:.1f} MB per batch-1 token at "
+                  f"{f['read_gb_s']:.1f} GB/s = {f['floor_ms']:.2f} ms; b1 step {fmt(f['step_ms'], '.2f', ' ms')} = "
+                  f"{fmt(f['floor_multiple'], '.2f', 'x')} the floor (target <= 1.3x)")
+
 
 def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
@@ -343,15 +453,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tf-batch", type=int, default=0, help="transformers batch size (0: the whole workload)")
     ap.add_argument("--expert-format", choices=("none", "mxfp4", "int4", "fp8"), default="none",
                     help="also run radixk3 with the routed experts quantised (compressed-tensors) over the decodes")
+    ap.add_argument("--llamacpp", action="store_true",
+                    help="also race llama.cpp on the same checkpoint as GGUF (needs llama-cpp-python)")
+    ap.add_argument("--quant-columns", default=",".join(QUANT_COLUMNS),
+                    help="with --llamacpp: radixk3 int8/int4 against llama.cpp Q8_0/Q4_0 ('' for none)")
     a = ap.parse_args(argv)
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     if bad := [d for d in dtypes if d not in DTYPES]:
         ap.error(f"unknown dtype {bad[0]!r}")
+    quants = [q.strip() for q in a.quant_columns.split(",") if q.strip()] if a.llamacpp else []
+    if bad := [q for q in quants if q not in QUANT_COLUMNS]:
+        ap.error(f"unknown quant column {bad[0]!r}")
+    if a.llamacpp and (why := llamacpp_available()) is not None:
+        ap.error(why)
     if a.quick:
         a.mem_mib = min(a.mem_mib, 128)
 
     from radixk3.checkpoint import write_random_checkpoint
     from radixk3.config import preset
+    from radixk3.config_formats import load_model_config
     from radixk3.tokenizer import checkpoint_tokenizer
 
     mach = machine()
@@ -381,6 +501,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             packed_ckpt = write_quantised_checkpoint(load_model(ckpt), Path(tmp) / a.expert_format, a.expert_format)
             print(f"checkpoint: the same model with {a.expert_format} routed experts (compressed-tensors)")
         cols: dict[str, dict[str, Any]] = {}
+        threads, b1_new = mach["torch_threads"], next((w.new_tokens for w in decodes if w.name == "b1"), None)
+        cfg = load_model_config(Path(ckpt))
+        lc_build: dict[str, str] = {}  # llama-cpp-python's version and llama.cpp's build flags
         for dtype in dtypes:
             rk = run_radixk3(Path(ckpt), dtype, workloads, burst, vocab, a) if a.backend != "transformers" else {}
             tf = run_transformers(Path(ckpt), dtype, workloads, vocab, a) if a.backend != "radixk3" else {}
@@ -389,7 +512,38 @@ def main(argv: Sequence[str] | None = None) -> int:
                 packed = run_packed(packed_ckpt, dtype, decodes, vocab, a)
                 cols[dtype]["expert_format"] = packed_column(rk, packed, Path(ckpt), packed_ckpt, dtype,
                                                              a.expert_format)
+            served = cfg if dtype == "auto" else cfg.replace(dtype=dtype)
+            lc = None
+            if a.llamacpp:
+                lc = run_column(Path(ckpt), dtype, workloads, burst, vocab, threads, Path(tmp),
+                                cfg.num_experts_per_token)
+                cols[dtype] |= llamacpp_column(rk, lc, burst)
+                lc_build = {"version": lc.report.version, "system_info": lc.report.system_info}
+            cols[dtype]["weight_floor"] = floor_column(
+                token_bytes(served, served.torch_dtype.itemsize).total if rk else None, threads, b1_step(rk, b1_new),
+                lc.bytes_per_token if lc else None, b1_step(lc.report.runs, b1_new) if lc else None)
+        quant_cols: dict[str, dict[str, Any]] = {}
+        for q in quants:
+            rk = {}
+            if a.backend != "transformers" and quantization_supported():
+                rk = run_radixk3(Path(ckpt), dtypes[0], workloads, burst, vocab, a, quantization=q)
+            lc = run_column(Path(ckpt), q, workloads, burst, vocab, threads, Path(tmp), cfg.num_experts_per_token)
+            lc_build = {"version": lc.report.version, "system_info": lc.report.system_info}
+            quant_cols[q] = {"tok_s": {"radixk3": {k: v.tok_s for k, v in rk.items()}}} | llamacpp_column(rk, lc, burst)
+            quant_cols[q]["weight_floor"] = floor_column(None, threads, None, lc.bytes_per_token,
+                                                         b1_step(lc.report.runs, b1_new))
+            if not quantization_supported():
+                quant_cols[q]["note"] = f"radixk3 {q}: {NEEDS_QUANTIZATION}"
+            elif a.backend == "transformers":
+                quant_cols[q]["note"] = f"radixk3 {q}: not run (--backend transformers)"
+        dram_bytes = DRAM_BYTES if not a.quick else DRAM_BYTES >> 4  # a smoke test holds less
+        dram_gb_s = read_rate(dram_bytes, threads, repeats=3) / 1e9
     print_table(cols, workloads)
+    print_race(cols | quant_cols)
+    print_floor(cols | quant_cols)
+    print(f"DRAM read rate ({dram_bytes >> 20} MiB, {threads} threads): {dram_gb_s:.1f} GB/s")
+    if lc_build:
+        print(f"llama.cpp: llama-cpp-python {lc_build['version']}, {threads} threads; {lc_build['system_info']}")
     for name, c in cols.items():
         if "expert_format" in c:
             q = c["expert_format"]
@@ -399,6 +553,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("ratios: radixk3 / transformers output tok/s, measured in this run; agreement: share of transformers' "
           "tokens that radixk3 reproduces before the first divergence")
     for name, c in cols.items():
+        if c.get("agreement_llamacpp") is not None and c["agreement_llamacpp"] < 1 and name in ("auto", "float32"):
+            print(f"WARNING: {name}: llama.cpp's f32 greedy tokens differ from radixk3's (token agreement "
+                  f"{c['agreement_llamacpp']:.1%}): a conversion bug to find, not a figure to report")
         if c.get("radix_off_equal") is False:
             print(f"WARNING: {name}: radix cache on and off gave different greedy outputs "
                   f"(token agreement {c['radix_on_off_agreement']:.1%})")
@@ -410,6 +567,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                          "agreement_sequences", "tok_s", "expert_format",
                                                          "compile_seconds"]
         summary |= {k: first.get(k) for k in keys}
+        if a.llamacpp:
+            race_keys = [f"ratio_llamacpp_{k}" for k in first["llamacpp"]["tok_s"]] + ["agreement_llamacpp"]
+            summary |= {k: first.get(k) for k in race_keys}
+            lc_info = first["llamacpp"]
+            summary["llamacpp"] = lc_build | {"threads": threads,
+                                   "gguf_type": lc_info["gguf_type"], "tok_s": lc_info["tok_s"],
+                                   "peak_rss_mib": lc_info["peak_rss_mib"]}
+            summary["quant_columns"] = quant_cols
+        summary["weight_floor"] = first["weight_floor"] | {"dram_read_gb_s": dram_gb_s}
         summary["columns"] = cols
         print(json.dumps(summary))
     return 0

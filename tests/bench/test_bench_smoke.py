@@ -145,3 +145,43 @@ def test_spec_warm_up_leaves_no_trace(tmp_path: Path) -> None:
         want = timed(cold)
     with m.warmed_engine(ckpt, prompt, 1, **spec) as warm:
         assert timed(warm) == want
+
+
+# --- the llama.cpp race's columns ------------------------------------------------------------------------
+def test_llamacpp_jobs_and_column(tmp_path: Path) -> None:
+    """The burst runs both ways; ratios are radixk3 / llama.cpp (the prefill-all run against radixk3's burst);
+    agreement counts llama.cpp's tokens against radixk3's."""
+    from bench.llamacpp.gguf_export import Exported
+    from bench.llamacpp.race import Column, jobs
+    from bench.llamacpp.runner import Report, Timed
+
+    m = bench("offline_throughput")
+    burst = m.Workload("gsm8k", [[1, 2, 3, 4], [1, 2, 3, 5]], 2, "")
+    b1 = m.Workload("b1", [[9, 8]], 2, "")
+    js = jobs([burst, b1], burst)
+    assert [(j.name, j.shared_prefix) for j in js] == [("gsm8k", True), ("b1", False), ("gsm8k_prefill_all", False)]
+    rk = {"gsm8k": m.Run(40.0, [[7, 7], [6, 6]], 0.1), "b1": m.Run(10.0, [[5, 4]], 0.2)}
+    runs = {"gsm8k": Timed([[7, 7], [6, 6]], 0.2), "b1": Timed([[5, 3]], 0.1),
+            "gsm8k_prefill_all": Timed([[7, 7], [6, 6]], 0.8)}
+    col = m.llamacpp_column(rk, Column(Exported(tmp_path / "x.gguf", "f32", 1, 1), Report(runs), 1), burst)
+    assert col["ratio_llamacpp_gsm8k"] == pytest.approx(40.0 / 20.0)
+    assert col["ratio_llamacpp_gsm8k_prefill_all"] == pytest.approx(40.0 / 5.0)
+    assert col["ratio_llamacpp_b1"] == pytest.approx(10.0 / 20.0)
+    assert col["agreement_llamacpp"] == pytest.approx(9 / 10)  # b1 diverges at its second token
+    assert col["llamacpp"]["agreement_sequences"] == pytest.approx(4 / 5)
+
+
+def test_weight_floor_bytes_per_token() -> None:
+    from bench.weight_floor import Floor, token_bytes
+    from radixk3.config import preset
+
+    cfg = preset("k3-small")
+    fp32, bf16 = token_bytes(cfg, 4), token_bytes(cfg, 2)
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size  # gate, up, down
+    assert fp32.routed_used == 4 * moe_layers * cfg.num_experts_per_token * expert
+    assert fp32.embedding_row == 4 * cfg.hidden_size
+    assert 2 * bf16.total == fp32.total
+    assert fp32.dense > 4 * cfg.vocab_size * cfg.hidden_size  # lm_head and more
+    f = Floor(fp32.total, 1e10)
+    assert f.multiple(2 * f.seconds) == pytest.approx(2.0) and f.multiple(None) is None
