@@ -30,8 +30,14 @@ routed experts each step against what it saves in bytes. Each column's JSON then
 "ratio" {bN: packed / dense}, "expert_bytes" (the packed routed experts, from `radixk3 plan --model`),
 "dense_expert_bytes" (the same experts in the model dtype)}.
 
+`--quantization int8,int4` also serves the same checkpoint with weight-only quantisation at load over the decode
+workloads (`bench/weight_quant.py`): each column's JSON then has `quantization` {method: {"tok_s", "ratio_to_dense"
+(the dense run of this run), "greedy_agreement", "greedy_sequences_equal", "max_logit_error", "max_logit_error_rel",
+"top1_agreement" (no-cache logits of a few prompts)}}.
+
     python bench/offline_throughput.py [--backend radixk3|transformers|both] [--dtypes float32,bfloat16]
-                                       [--expert-format none|mxfp4|int4|fp8] [--quick] [--json]
+                                       [--expert-format none|mxfp4|int4|fp8] [--quantization int8,int4]
+                                       [--quick] [--json]
 """
 
 from __future__ import annotations
@@ -334,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tf-batch", type=int, default=0, help="transformers batch size (0: the whole workload)")
     ap.add_argument("--expert-format", choices=("none", "mxfp4", "int4", "fp8"), default="none",
                     help="also run radixk3 with the routed experts quantised (compressed-tensors) over the decodes")
+    ap.add_argument("--quantization", default="", help="comma-separated of int8, int4: also serve the checkpoint "
+                    "quantised at load (weight-only) over the decodes, with accuracy against the dense run")
     a = ap.parse_args(argv)
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     if bad := [d for d in dtypes if d not in DTYPES]:
@@ -380,6 +388,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 packed = run_packed(packed_ckpt, dtype, decodes, vocab, a)
                 cols[dtype]["expert_format"] = packed_column(rk, packed, Path(ckpt), packed_ckpt, dtype,
                                                              a.expert_format)
+            if a.quantization and rk:
+                from bench.weight_quant import quantization_column
+
+                todo = [(w.name, w.prompts, w.new_tokens) for w in decodes]
+                dense = {w.name: (rk[w.name].tok_s, rk[w.name].outputs) for w in decodes}
+                cols[dtype]["quantization"] = {
+                    m: quantization_column(Path(ckpt), dtype, m, todo, dense, engine_kwargs(dtype, a, True))
+                    for m in a.quantization.split(",")}
     print_table(cols, workloads)
     for name, c in cols.items():
         if "expert_format" in c:
@@ -387,6 +403,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             ratios = ", ".join(f"{k} {fmt(v, '.2f', 'x')}" for k, v in q["ratio"].items())
             print(f"{name}: {q['format']} experts {q['expert_bytes'] / 1e6:.1f} MB vs "
                   f"{q['dense_expert_bytes'] / 1e6:.1f} MB dense; decode tok/s packed / dense: {ratios}")
+    for name, c in cols.items():
+        for m, q in c.get("quantization", {}).items():
+            ratios = ", ".join(f"{k} {fmt(v, '.2f', 'x')}" for k, v in q["ratio_to_dense"].items())
+            print(f"{name}: --quantization {m}: decode tok/s / dense: {ratios}; greedy agreement "
+                  f"{q['greedy_agreement']:.1%}, max logit error {q['max_logit_error']:.3g} "
+                  f"({q['max_logit_error_rel']:.1%} of the largest), top-1 {q['top1_agreement']:.1%}")
     print("ratios: radixk3 / transformers output tok/s, measured in this run; agreement: share of transformers' "
           "tokens that radixk3 reproduces before the first divergence")
     for name, c in cols.items():
@@ -398,7 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = {"machine": mach, "dtype": dtypes[0],
                    "workloads": {w.name: w.shape for w in workloads}}
         keys = [f"ratio_{w.name}" for w in workloads] + ["radix_on_off", "prefill_vs_ideal", "agreement",
-                                                         "agreement_sequences", "tok_s", "expert_format"]
+                                                         "agreement_sequences", "tok_s", "expert_format",
+                                                         "quantization"]
         summary |= {k: first.get(k) for k in keys}
         summary["columns"] = cols
         print(json.dumps(summary))

@@ -1,15 +1,19 @@
 """Weight-only int8 / int4 GEMMs on torch's CPU kernels, with the dequantise-then-matmul torch references that are
 their oracles.
 
-A weight is [N, K] (N outputs, K inputs, as `F.linear` takes it); y = x W^T for x [..., K] in the compute dtype
-(fp32 or bf16), accumulated in fp32 by the kernels.
+A weight is [N, K] (N outputs, K inputs, as `F.linear` takes it); y = x W^T for x [..., K] in the model dtype
+(fp32 or bf16; scales and zeros in the same dtype), products accumulated in fp32, the result in x's dtype. Both
+CPU kernels are vectorised for bf16 activations only: with fp32 ones they take a scalar loop, several times slower
+than the dense GEMM (serve quantised models with --dtype bfloat16). They are not rounded to bf16 for speed behind
+the caller's back: a tensor-parallel partial sum would then be rounded where the unsharded product is not.
 - int8: symmetric, one scale per output row: W[n] = q[n] * scale[n], q in [-127, 127] (llama.cpp's Q8_0 rounding,
-  per row instead of per 32), scales in the compute dtype. `torch.ops.aten._weight_int8pack_mm(x, q, scales)`.
+  per row instead of per 32). `torch.ops.aten._weight_int8pack_mm(x, q, scales)`; it needs K % 16 == 0 (its bf16
+  path reads whole vectors of 16: with other K it reads past the rows, and segfaults at some sizes).
 - int4: asymmetric, one (scale, zero) per 32 inputs of a row: W[n, g*32 + i] = (q - 8) * scale + zero, q in
   [0, 15] (the convention of torch's int4 kernels and its own tests: zero = min + 8 scale). The codes are packed by
   `_convert_weight_to_int4pack_for_cpu`, which takes N in multiples of 16: rows are padded with zero scales and
-  zeros up to one and the padding cut off the result. Scales and zeros stored [K/32, N16, 2] in the compute
-  dtype; `_weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)`.
+  zeros up to one and the padding cut off the result. Scales and zeros stored [K/32, N16, 2];
+  `_weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)`.
 Both kernels take a 2-D contiguous x; each row's result does not depend on the other rows (checked in the tests:
 a sequence's logits do not depend on what it is batched with). No CUDA path yet: the kernels are the CPU ones.
 """
@@ -22,6 +26,7 @@ import torch
 from torch import Tensor
 
 GROUP = 32  # int4 inputs per (scale, zero)
+INT8_K = 16  # the int8 kernel takes K in multiples of this
 INT4_ROWS = 16  # the CPU int4 packing takes N in multiples of this (padded up to one)
 INNER_K_TILES = 2  # the packing's argument (the CPU layout ignores it beyond validating it)
 METHODS = ("int8", "int4")
@@ -29,25 +34,25 @@ METHODS = ("int8", "int4")
 
 class Int8Weight(NamedTuple):
     q: Tensor  # [..., N, K] int8
-    scales: Tensor  # [..., N] compute dtype
+    scales: Tensor  # [..., N] model dtype
 
 
 class Int4Codes(NamedTuple):
     """Unpacked int4 codes: what the packing consumes and the reference dequantises."""
 
     q: Tensor  # [N, K] int32 in [0, 15]
-    scales_zeros: Tensor  # [K / 32, N, 2] compute dtype: (scale, zero) of each group
+    scales_zeros: Tensor  # [K / 32, N, 2] model dtype: (scale, zero) of each group
 
 
 class Int4Weight(NamedTuple):
     packed: Tensor  # [N16, K / 2] uint8, the CPU kernel's layout (N16: N rounded up to 16)
-    scales_zeros: Tensor  # [K / 32, N16, 2] compute dtype (zero in the padding rows)
+    scales_zeros: Tensor  # [K / 32, N16, 2] model dtype (zero in the padding rows)
     rows: int  # N: the weight's rows (the result's columns)
 
 
-def int4_fits(k: int) -> bool:
-    """Whether a weight of k inputs quantises to int4: whole groups."""
-    return k % GROUP == 0
+def fits(method: str, k: int) -> bool:
+    """Whether a weight of k inputs runs on `method`'s kernel (int4: whole groups)."""
+    return k % (GROUP if method == "int4" else INT8_K) == 0
 
 
 def row_amax(w: Tensor) -> Tensor:
@@ -55,28 +60,26 @@ def row_amax(w: Tensor) -> Tensor:
     return w.detach().float().abs().amax(-1)
 
 
-def quantize_int8(w: Tensor, amax: Tensor | None = None, dtype: torch.dtype | None = None) -> Int8Weight:
+def quantize_int8(w: Tensor, amax: Tensor | None = None) -> Int8Weight:
     """Per-row symmetric int8 of w [..., N, K]. `amax` [..., N]: each row's largest |W| over the whole row when w
     holds only some of its columns (a tensor-parallel shard), so that every shard quantises as the whole does.
-    Scales are rounded to `dtype` (default w's) first and the codes made from the rounded scales."""
-    dtype = w.dtype if dtype is None else dtype
+    Scales are rounded to w's dtype first and the codes made from the rounded scales."""
     amax = row_amax(w) if amax is None else amax.float()
-    scales = (amax / 127).clamp(min=torch.finfo(torch.float32).tiny).to(dtype)
+    scales = (amax / 127).clamp(min=torch.finfo(w.dtype).tiny).to(w.dtype)
     q = torch.round(w.detach().float() / scales.float()[..., None]).clamp_(-127, 127).to(torch.int8)
     return Int8Weight(q.contiguous(), scales.contiguous())
 
 
-def quantize_int4(w: Tensor, dtype: torch.dtype | None = None) -> Int4Codes:
-    """Group-32 asymmetric int4 codes of w [N, K] (min-max per group), scales and zeros rounded to `dtype`
-    (default w's) first and the codes made from the rounded values."""
+def quantize_int4(w: Tensor) -> Int4Codes:
+    """Group-32 asymmetric int4 codes of w [N, K] (min-max per group), scales and zeros rounded to w's dtype first
+    and the codes made from the rounded values."""
     n, k = w.shape
     if k % GROUP:
         raise ValueError(f"int4 needs an input dim that is a multiple of {GROUP}, got {k}")
-    dtype = w.dtype if dtype is None else dtype
     groups = w.detach().float().reshape(n, k // GROUP, GROUP)
     lo, hi = groups.amin(-1), groups.amax(-1)
-    scale = ((hi - lo).clamp(min=1e-6) / 15).to(dtype)
-    zero = (lo + 8 * scale.float()).to(dtype)
+    scale = ((hi - lo).clamp(min=1e-6) / 15).to(w.dtype)
+    zero = (lo + 8 * scale.float()).to(w.dtype)
     low = zero.float() - 8 * scale.float()  # the value of code 0, as the kernel computes it
     q = torch.round((groups - low[..., None]) / scale.float()[..., None]).clamp_(0, 15).to(torch.int32)
     scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
@@ -102,14 +105,16 @@ def _check_cpu(x: Tensor) -> None:
 
 
 def int8_mm(x: Tensor, w: Int8Weight) -> Tensor:
-    """x [..., K] @ W^T for an int8 weight [N, K] -> [..., N] in x's dtype."""
+    """x [..., K] @ W^T for an int8 weight [N, K] (scales in x's dtype) -> [..., N] in x's dtype."""
     _check_cpu(x)
+    if not fits("int8", w.q.shape[-1]):
+        raise ValueError(f"the int8 kernel needs K % {INT8_K} == 0, got K = {w.q.shape[-1]}")
     y = torch.ops.aten._weight_int8pack_mm(_rows(x), w.q, w.scales)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def int4_mm(x: Tensor, w: Int4Weight) -> Tensor:
-    """x [..., K] @ W^T for a packed int4 weight [N, K] -> [..., N] in x's dtype."""
+    """x [..., K] @ W^T for a packed int4 weight [N, K] (scales in x's dtype) -> [..., N] in x's dtype."""
     _check_cpu(x)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(_rows(x), w.packed, GROUP, w.scales_zeros)
     if y.shape[-1] != w.rows:

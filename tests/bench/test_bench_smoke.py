@@ -145,3 +145,12 @@ def test_spec_warm_up_leaves_no_trace(tmp_path: Path) -> None:
         want = timed(cold)
     with m.warmed_engine(ckpt, prompt, 1, **spec) as warm:
         assert timed(warm) == want
+
+
+# --- weight_quant ----------------------------------------------------------------------------------------
+def test_weight_quant_quick_json(capsys: pytest.CaptureFixture[str]) -> None:
+    m = bench("weight_quant")
+    assert m.main(["--quick", "--dtypes", "bfloat16", "--methods", "int4"]) == 0
+    (col,) = last_json(capsys)["quantization"]
+    assert col["method"] == "int4" and set(col["tok_s"]) == set(col["ratio_to_dense"]) == {"b1", "b4"}
+    assert 0 <= col["greedy_agreement"] <= 1 and 0 <= col["top1_agreement"] <= 1 and col["max_logit_error"] >= 0

@@ -21,7 +21,7 @@ from kernels.weight_quant import (
 )
 
 DTYPES = [torch.float32, torch.bfloat16]
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rtol=2**-7, atol=2**-6)}
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-7, atol=2**-6)}
 
 
 def _weight(n: int, k: int, seed: int) -> torch.Tensor:
