@@ -110,3 +110,26 @@ def test_packed_int4_experts_run_on_the_int4_kernel(tmp_path: Path) -> None:
     eng = LocalEngine(ServerArgs(quantization="int4"), model, check=True)
     greedy = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
     assert eng.generate(prompts, greedy) == [greedy_reference(model, p, 5) for p in prompts]
+
+
+def test_int8_model_equals_the_dense_model_holding_its_dequantised_weights() -> None:
+    """The model-level oracle: every quantised GEMM is its dequantised weight's (within fp32 accumulation order),
+    so the logit error against the unquantised model is the quantisation's, not the wiring's."""
+    import copy
+
+    from kernels.weight_quant import Int8Weight, dequant_int8
+
+    dense = build_model(preset("k3-tiny-native"), seed=3)
+    model = quantize_model_(copy.deepcopy(dense), "int8")
+    held = dict(model.named_modules())
+    with torch.no_grad():
+        for name, m in dense.named_modules():
+            q = getattr(held.get(name), "quantized", None)
+            if isinstance(q, QuantizedLinear):
+                m.weight.copy_(dequant_int8(Int8Weight(q.qweight, q.qscales)))
+            elif isinstance(q, QuantizedExperts):
+                m.w13_weight.copy_(dequant_int8(Int8Weight(q.w13.qweight, q.w13.qscales)))
+                m.w2_weight.copy_(dequant_int8(Int8Weight(q.w2.qweight, q.w2.qscales)))
+    ids = torch.randint(0, 4096, (29,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids), dense(ids), rtol=0, atol=1e-4)
