@@ -30,6 +30,11 @@ routed experts each step against what it saves in bytes. Each column's JSON then
 "ratio" {bN: packed / dense}, "expert_bytes" (the packed routed experts, from `radixk3 plan --model`),
 "dense_expert_bytes" (the same experts in the model dtype)}.
 
+`--quantization int8,int4` also serves the same checkpoint with weight-only quantisation at load over the decode
+workloads (`bench/weight_quant.py`): each column's JSON then has `quantization` {method: {"tok_s", "ratio_to_dense"
+(the dense run of this run), "greedy_agreement", "greedy_sequences_equal", "max_logit_error", "max_logit_error_rel",
+"top1_agreement" (no-cache logits of a few prompts)}}.
+
 `--llamacpp` races llama.cpp (llama-cpp-python, a bench extra) on the same checkpoint written as GGUF
 (`bench/llamacpp/`): same token-id prompts, greedy, radixk3's thread count, f32 KV cache, flash attention off; each
 dtype column against a GGUF of that precision (fp32 - f32, bf16 - bf16), and `--quant-columns int8,int4` radixk3's
@@ -47,7 +52,8 @@ prefill included) as a multiple of it; JSON `weight_floor`.
 
     python bench/offline_throughput.py [--backend radixk3|transformers|both] [--dtypes float32,bfloat16]
                                        [--expert-format none|mxfp4|int4|fp8] [--llamacpp]
-                                       [--quant-columns int8,int4] [--quick] [--json]
+                                       [--quant-columns int8,int4] [--quantization int8,int4]
+                                       [--quick] [--json]
 """
 
 from __future__ import annotations
@@ -457,6 +463,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="also race llama.cpp on the same checkpoint as GGUF (needs llama-cpp-python)")
     ap.add_argument("--quant-columns", default=",".join(QUANT_COLUMNS),
                     help="with --llamacpp: radixk3 int8/int4 against llama.cpp Q8_0/Q4_0 ('' for none)")
+    ap.add_argument("--quantization", default="", help="comma-separated of int8, int4: also serve the checkpoint "
+                    "quantised at load (weight-only) over the decodes, with accuracy against the dense run")
     a = ap.parse_args(argv)
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     if bad := [d for d in dtypes if d not in DTYPES]:
@@ -512,6 +520,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 packed = run_packed(packed_ckpt, dtype, decodes, vocab, a)
                 cols[dtype]["expert_format"] = packed_column(rk, packed, Path(ckpt), packed_ckpt, dtype,
                                                              a.expert_format)
+            if a.quantization and rk:
+                from bench.weight_quant import quantization_column
+
+                todo = [(w.name, w.prompts, w.new_tokens) for w in decodes]
+                dense = {w.name: (rk[w.name].tok_s, rk[w.name].outputs) for w in decodes}
+                cols[dtype]["quantization"] = {
+                    m: quantization_column(Path(ckpt), dtype, m, todo, dense, engine_kwargs(dtype, a, True))
+                    for m in a.quantization.split(",")}
             served = cfg if dtype == "auto" else cfg.replace(dtype=dtype)
             lc = None
             if a.llamacpp:
@@ -550,6 +566,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             ratios = ", ".join(f"{k} {fmt(v, '.2f', 'x')}" for k, v in q["ratio"].items())
             print(f"{name}: {q['format']} experts {q['expert_bytes'] / 1e6:.1f} MB vs "
                   f"{q['dense_expert_bytes'] / 1e6:.1f} MB dense; decode tok/s packed / dense: {ratios}")
+    for name, c in cols.items():
+        for m, q in c.get("quantization", {}).items():
+            ratios = ", ".join(f"{k} {fmt(v, '.2f', 'x')}" for k, v in q["ratio_to_dense"].items())
+            print(f"{name}: --quantization {m}: decode tok/s / dense: {ratios}; greedy agreement "
+                  f"{q['greedy_agreement']:.1%}, max logit error {q['max_logit_error']:.3g} "
+                  f"({q['max_logit_error_rel']:.1%} of the largest), top-1 {q['top1_agreement']:.1%}")
     print("ratios: radixk3 / transformers output tok/s, measured in this run; agreement: share of transformers' "
           "tokens that radixk3 reproduces before the first divergence")
     for name, c in cols.items():
@@ -565,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "workloads": {w.name: w.shape for w in workloads}}
         keys = [f"ratio_{w.name}" for w in workloads] + ["radix_on_off", "prefill_vs_ideal", "agreement",
                                                          "agreement_sequences", "tok_s", "expert_format",
-                                                         "compile_seconds"]
+                                                         "compile_seconds", "quantization"]
         summary |= {k: first.get(k) for k in keys}
         if a.llamacpp:
             race_keys = [f"ratio_llamacpp_{k}" for k in first["llamacpp"]["tok_s"]] + ["agreement_llamacpp"]

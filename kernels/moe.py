@@ -8,12 +8,17 @@ runs on CUDA; the dispatch is `moe_experts`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from kernels.backend import kernel_backend
 from kernels.glu import GLU, SILU
 from kernels.moe_route import MoERoute, group_by_expert
+
+# (expert, rows [n, in]) -> rows [n, out]: one expert's GEMM (the dense weight's, or a weight-only quantised one's).
+ExpertGemm = Callable[[int, Tensor], Tensor]
 
 
 def moe_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU = SILU) -> Tensor:
@@ -27,16 +32,32 @@ def moe_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU = 
         return fused_moe_triton(x, route, w13, w2, act)
     if torch.compiler.is_compiling():  # a captured step: no host read of the routes
         return captured_experts(x, route, w13, w2, act)
+    return moe_experts_by(x, route, w13.shape[0], w2.shape[-1], *_dense_gemms(w13, w2), act)
+
+
+def _dense_gemms(w13: Tensor, w2: Tensor) -> tuple[ExpertGemm, ExpertGemm]:
+    return (lambda e, xs: xs @ w13[e].t()), (lambda e, h: h @ w2[e].t())
+
+
+def moe_experts_by(x: Tensor, route: MoERoute, num_experts: int, inter: int, gate_up: ExpertGemm,
+                   down: ExpertGemm, act: GLU = SILU) -> Tensor:
+    """The torch `moe_experts` with each expert's two GEMMs given as functions: `gate_up(e, x)` [n, 2I] (gate
+    columns, then up), `down(e, h)` [n, D] (weight-only quantised experts run their kernels through this)."""
     if x.shape[0] == 1:
-        return _one_token_experts(x, route, w13, w2, act)
-    return _grouped_experts(x, route, w13, w2, act)
+        return _one_token_experts(x, route, inter, gate_up, down, act)
+    return _grouped_by(x, route, num_experts, inter, gate_up, down, act)
 
 
 def _grouped_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU) -> Tensor:
+    """The grouped path for dense weights, whatever the token count."""
+    return _grouped_by(x, route, w13.shape[0], w2.shape[-1], *_dense_gemms(w13, w2), act)
+
+
+def _grouped_by(x: Tensor, route: MoERoute, num_experts: int, inter: int, gate_up: ExpertGemm,
+                down: ExpertGemm, act: GLU) -> Tensor:
     t, d = x.shape
     k = route.experts.shape[1]
-    inter = w2.shape[-1]
-    groups = group_by_expert(route, w13.shape[0])
+    groups = group_by_expert(route, num_experts)
     tok = groups.order // k
     xs = x[tok]  # [T*k, D], expert after expert
     ys = torch.empty(t * k, d, dtype=torch.float32, device=x.device)
@@ -45,8 +66,8 @@ def _grouped_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: G
         if count == 0:
             continue
         end = start + count
-        gu = xs[start:end] @ w13[e].t()
-        ys[start:end] = act(gu[:, :inter], gu[:, inter:]) @ w2[e].t()
+        gu = gate_up(e, xs[start:end])
+        ys[start:end] = down(e, act(gu[:, :inter], gu[:, inter:]))
         start = end
     ys *= route.weights.reshape(-1)[groups.order, None].float()
     out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
@@ -54,16 +75,16 @@ def _grouped_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: G
     return out.to(x.dtype)
 
 
-def _one_token_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU) -> Tensor:
+def _one_token_experts(x: Tensor, route: MoERoute, inter: int, gate_up: ExpertGemm, down: ExpertGemm,
+                       act: GLU) -> Tensor:
     """`moe_experts` for one token (batch-1 decode): the grouped path's products and fp32 sum in expert order
     (so its bits), without sorting, gathering and scattering pairs."""
-    inter = w2.shape[-1]
     experts, order = route.experts[0].sort(stable=True)
     weights = route.weights[0, order].float()
     out = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
     for i, e in enumerate(experts.tolist()):
-        gu = x @ w13[e].t()
-        out += (act(gu[:, :inter], gu[:, inter:]) @ w2[e].t()).float() * weights[i]
+        gu = gate_up(e, x)
+        out += down(e, act(gu[:, :inter], gu[:, inter:])).float() * weights[i]
     return out.to(x.dtype)
 
 

@@ -24,10 +24,12 @@ def _plan(args: argparse.Namespace) -> None:
     cfg = preset(args.preset) if args.model is None else load_model_config(args.model)
     name = args.preset if args.model is None else str(args.model)
     mem = None if args.mem_bytes is None else parse_bytes(args.mem_bytes)
-    par = parallel_plan(cfg, args.tp, args.ep, args.dp, args.enable_dp_attention, mem, args.expert_format)
+    par = parallel_plan(cfg, args.tp, args.ep, args.dp, args.enable_dp_attention, mem, args.expert_format,
+                        args.quantization)
     plan = memory_plan(cfg, par.attn_tp)
     if args.json:
         source = {"preset": args.preset} if args.model is None else {"model": str(args.model)}
+        source |= {"quantization": args.quantization}
         print(orjson.dumps(plan._asdict() | par.as_dict() | source).decode())
         return
     mtp = f" (+ {cfg.num_nextn_predict_layers} MTP)" if cfg.num_nextn_predict_layers else ""
@@ -48,10 +50,14 @@ def _plan(args: argparse.Namespace) -> None:
     if plan.mtp_kv_bytes_per_token:
         print(f"  MTP draft KV per token per rank: {plan.mtp_kv_bytes_per_token} bytes (not in the pool figures)")
     w = par.weights
-    expert_format = args.expert_format or (cfg.expert_quant.kind if cfg.expert_quant else cfg.dtype)
+    expert_format = args.expert_format or (cfg.expert_quant.kind if cfg.expert_quant else args.quantization
+                                           or cfg.dtype)
     print(f"  weights per rank: {w.total / 1e9:.2f} GB (routed experts {w.routed_experts / 1e9:.2f} GB as "
           f"{expert_format}, other split tensors {w.sharded / 1e9:.2f} GB, replicated "
           f"{w.replicated / 1e9:.2f} GB)")
+    if args.quantization:
+        print(f"  --quantization {args.quantization}: the projections and dense routed experts as codes and scales; "
+              f"the embedding, norms, router, KDA gates and MLA's kv_b_proj in {cfg.dtype}")
     if par.mem_bytes is None or par.pool_bytes is None:
         print("  (give --mem-bytes for the pool: device memory per rank less the weights)")
     elif par.pool_bytes <= 0:
@@ -191,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--expert-format", default=None, choices=sorted(EXPERT_FORMATS),
                       help="routed experts stored quantised (default: the model dtype, or with --model the "
                            "checkpoint's own format)")
+    plan.add_argument("--quantization", default=None, choices=("int8", "int4"),
+                      help="weight-only quantisation at load, as `radixk3 serve --quantization` does it: the "
+                           "projections' and the dense routed experts' codes and scales counted")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(fn=_plan)
 

@@ -22,7 +22,7 @@ from radixk3.config import ModelConfig
 from radixk3.forward_batch import ForwardBatch
 from radixk3.layers import FusedLinear, FusedWeight, gated_rms_norm
 from radixk3.parallel import parallel_state, shard_range
-from radixk3.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from radixk3.parallel_linear import ColumnParallelLinear, Linear, RowParallelLinear
 from radixk3.tensor_names import Shard
 
 
@@ -51,13 +51,13 @@ class KDAAttention(nn.Module):
         h_local = self.num_heads
         self.A_log = nn.Parameter(torch.zeros(h_local) if cfg.is_k3_format else torch.zeros(1, 1, h_local, 1))
         self.dt_bias = nn.Parameter(torch.zeros(local_p))
-        self.f_a_proj = nn.Linear(hid, d, bias=False)
+        self.f_a_proj = Linear(hid, d)
         self.f_b_proj = ColumnParallelLinear(d, p, unit=d)
         self.b_proj = ColumnParallelLinear(hid, h)
         if cfg.kda_full_rank_gate:
             self.g_proj = ColumnParallelLinear(hid, p, unit=d)
         else:
-            self.g_a_proj = nn.Linear(hid, d, bias=False)
+            self.g_a_proj = Linear(hid, d)
             self.g_b_proj = ColumnParallelLinear(d, p, unit=d)
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(d))

@@ -16,7 +16,7 @@ from radixk3.config import ModelConfig
 from radixk3.forward_batch import ForwardBatch
 from radixk3.layers import RMSNorm
 from radixk3.parallel import parallel_state
-from radixk3.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from radixk3.parallel_linear import ColumnParallelLinear, Linear, RowParallelLinear
 
 
 class MLAAttention(nn.Module):
@@ -37,10 +37,10 @@ class MLAAttention(nn.Module):
         if cfg.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hid, q_dim, unit=qk)
         else:
-            self.q_a_proj = nn.Linear(hid, cfg.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(hid, cfg.q_lora_rank)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.mla_q_norm_eps)
             self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, q_dim, unit=qk)
-        self.kv_a_proj_with_mqa = nn.Linear(hid, cfg.kv_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hid, cfg.kv_dim)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.mla_kv_norm_eps)
         kv_b_rows = self.nope + self.v_dim  # per head
         self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, h * kv_b_rows, unit=kv_b_rows)

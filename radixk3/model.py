@@ -71,6 +71,7 @@ class KimiForCausalLM(nn.Module):
         check_tensor_parallel(cfg, state.tp_size, state.attn_tp_size)
         self.dp_attention = state.dp_attention
         self.config = cfg
+        self.quantization: str | None = None  # weight-only int8 / int4 (`weight_quant.quantize_model_`)
         self.model = KimiModel(cfg)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
 
@@ -193,6 +194,9 @@ class KimiForCausalLM(nn.Module):
 
     def cast_(self, dtype: torch.dtype) -> KimiForCausalLM:
         """Cast to `dtype`, keeping the tensors that the references hold in fp32 in fp32."""
+        if self.quantization is not None:
+            raise ValueError(f"cast the model before quantising it ({self.quantization}): its scales are made for "
+                             "its dtype")
         keep = fp32_suffixes(self.config)
         for name, p in self.named_parameters():
             p.data = p.data.float() if name.endswith(keep) else p.data.to(dtype)

@@ -26,7 +26,7 @@ from radixk3.config import ConfigError, ModelConfig
 from radixk3.layers import GLU, MLP, PublicPart, RMSNorm
 from radixk3.packed_experts import PackedWeights
 from radixk3.parallel import ParallelState, parallel_state, shard_range, tp_all_reduce
-from radixk3.parallel_linear import TPRank
+from radixk3.parallel_linear import Linear, TPRank
 from radixk3.quant_format import ExpertQuant
 from radixk3.tensor_names import Shard
 
@@ -95,6 +95,8 @@ class Experts(nn.Module):
         self.intermediate = self.inter.stop - self.inter.start
         self.quant = quant
         self.act = act
+        # Set by `weight_quant.quantize_model_` (weight-only int8 / int4 of the dense experts): runs them instead.
+        self.quantized: nn.Module | None = None
         if quant is None:
             self.w13_weight = nn.Parameter(torch.zeros(len(self.held), 2 * self.intermediate, hidden))
             self.w2_weight = nn.Parameter(torch.zeros(len(self.held), hidden, self.intermediate))
@@ -118,6 +120,8 @@ class Experts(nn.Module):
         return combine_local(y, pairs, x.shape[0])
 
     def _experts(self, x: torch.Tensor, route: MoERoute) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x, route, self.act)
         if self.quant is None:
             return moe_experts(x, route, self.w13_weight, self.w2_weight, self.act)
         active = route.experts.unique()  # sorted: the routed experts keep their order, so their GEMM order
@@ -189,12 +193,12 @@ class MoE(nn.Module, TPRank):
             if cfg.num_shared_experts > 0
             else None
         )
-        self.routed_expert_down_proj: nn.Linear | None = None
-        self.routed_expert_up_proj: nn.Linear | None = None
+        self.routed_expert_down_proj: Linear | None = None
+        self.routed_expert_up_proj: Linear | None = None
         self.routed_expert_norm: RMSNorm | None = None
         if latent is not None:
-            self.routed_expert_down_proj = nn.Linear(cfg.hidden_size, latent, bias=False)
-            self.routed_expert_up_proj = nn.Linear(latent, cfg.hidden_size, bias=False)
+            self.routed_expert_down_proj = Linear(cfg.hidden_size, latent)
+            self.routed_expert_up_proj = Linear(latent, cfg.hidden_size)
             if cfg.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(latent, cfg.rms_norm_eps)
 

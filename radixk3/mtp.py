@@ -23,7 +23,7 @@ from radixk3.config import ModelConfig
 from radixk3.decoder_layer import DecoderLayer
 from radixk3.forward_batch import ForwardBatch, HybridCache
 from radixk3.layers import RMSNorm
-from radixk3.parallel_linear import ParallelLMHead, VocabParallelEmbedding
+from radixk3.parallel_linear import Linear, ParallelLMHead, VocabParallelEmbedding
 
 
 class MTPOutput(NamedTuple):
@@ -44,7 +44,7 @@ class MTPLayer(DecoderLayer):
         hid = cfg.hidden_size
         self.enorm = RMSNorm(hid, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(hid, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * hid, hid, bias=False)
+        self.eh_proj = Linear(2 * hid, hid)
         self.shared_head = SharedHead(cfg)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, hid) if index == 0 else None
 

@@ -188,6 +188,13 @@ def all_reduce(x: torch.Tensor, g: Group) -> torch.Tensor:
     return x
 
 
+def all_reduce_max(x: torch.Tensor, g: Group) -> torch.Tensor:
+    """The elementwise max of `x` over `g` (in place; the identity on one rank)."""
+    if g.size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=g.group)
+    return x
+
+
 def all_gather(x: torch.Tensor, g: Group, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank of `g`'s `x` along `dim`, in rank order."""
     if g.size == 1:

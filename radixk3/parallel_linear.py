@@ -40,6 +40,21 @@ def row_parts(attr: str, parts: Sequence[tuple[str, int]]) -> Iterator[PublicPar
         start += rows
 
 
+class Linear(nn.Linear):
+    """Bias-free nn.Linear whose GEMM (`matmul`) runs on a weight-only quantised copy of the weight once
+    `radixk3.weight_quant` has set `quantized` (and dropped the dense weight: the weights are held once)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.quantized: nn.Module | None = None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight) if self.quantized is None else self.quantized(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
+
+
 class TPRank:
     """The TP rank and size a layer was built for, and the group its collectives run in."""
 
@@ -53,7 +68,7 @@ class TPRank:
         self.tp_group = Group(state.tp_rank, state.tp_size, state.group)
 
 
-class ColumnParallelLinear(nn.Linear, TPRank):
+class ColumnParallelLinear(Linear, TPRank):
     """Bias-free y = x W^T with W's rows split over the TP ranks in whole `unit`s (a head's rows).
 
     `parts` (name, full rows): the checkpoint's separate tensors `{name}.weight` (siblings of this module)
@@ -70,7 +85,7 @@ class ColumnParallelLinear(nn.Linear, TPRank):
         self.sizes = [s.stop - s.start for s in self.row_slices]  # local rows of each part
         self.parts = tuple(parts) if parts is not None else None
         self.full_rows = [rows for _, rows in full]
-        super().__init__(in_features, sum(self.sizes), bias=False)
+        super().__init__(in_features, sum(self.sizes))
 
     def public_parts(self, local_name: str) -> Iterator[PublicPart]:
         if self.parts is None:
@@ -85,7 +100,7 @@ class ColumnParallelLinear(nn.Linear, TPRank):
             yield name, Shard((rows, self.in_features), (index,))
 
 
-class RowParallelLinear(nn.Linear, TPRank):
+class RowParallelLinear(Linear, TPRank):
     """Bias-free y = x W^T with W's input columns split over the TP ranks (x arrives split the same way);
     the partial products are summed over the group unless `reduce_results` is False (the caller sums several
     partial outputs with one all-reduce)."""
@@ -95,10 +110,10 @@ class RowParallelLinear(nn.Linear, TPRank):
         self.full_in = in_features
         self.col_slice = shard_range(in_features, self.tp_rank, self.tp_size, unit)
         self.reduce_results = reduce_results
-        super().__init__(self.col_slice.stop - self.col_slice.start, out_features, bias=False)
+        super().__init__(self.col_slice.stop - self.col_slice.start, out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x)
         if self.tp_size > 1 and self.reduce_results:
             all_reduce(y, self.tp_group)
         return y
@@ -161,17 +176,17 @@ class VocabParallelEmbedding(nn.Embedding, _VocabShard):
         return self._vocab_shards(local_name, self.embedding_dim)
 
 
-class ParallelLMHead(nn.Linear, _VocabShard):
+class ParallelLMHead(Linear, _VocabShard):
     """Bias-free LM head with the vocabulary split over the TP ranks: local logits gathered over the vocabulary
     (exact), the padding cut off: [..., vocab_size] on every rank."""
 
     def __init__(self, hidden: int, vocab_size: int) -> None:
-        super().__init__(hidden, self._split_vocab(vocab_size), bias=False)
+        super().__init__(hidden, self._split_vocab(vocab_size))
         with torch.no_grad():
             self.weight[self.num_valid:] = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.weight)
+        logits = self.matmul(x)
         if self.tp_size == 1:
             return logits
         if logits.numel() == 0:  # no tokens: the whole attention group is idle alike

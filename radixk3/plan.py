@@ -109,11 +109,32 @@ def _meta_params(cfg: ModelConfig, tp: int, ep: int) -> dict[str, _Held]:
     return held
 
 
+@functools.lru_cache(maxsize=8)
+def _quantized_bytes(cfg: ModelConfig, tp: int, ep: int, quantization: str) -> dict[str, int]:
+    """name -> bytes rank 0 holds of each weight `--quantization` quantises (codes, scales, zeros), from the meta
+    model under that layout and the quantiser's own plan (`weight_quant.plan_quantization`)."""
+    from radixk3.model import KimiForCausalLM
+    from radixk3.parallel import ParallelState, parallel_state, set_parallel_state
+    from radixk3.weight_quant import plan_quantization, quantized_bytes
+
+    saved = parallel_state()
+    set_parallel_state(ParallelState(tp_rank=0, tp_size=tp, ep_rank=0, ep_size=ep))
+    try:
+        with torch.device("meta"):
+            model = KimiForCausalLM(cfg)
+        planned = plan_quantization(model, quantization)
+    finally:
+        set_parallel_state(saved)
+    return {w.name: quantized_bytes(w.shape, w.method, cfg.torch_dtype) for w in planned}
+
+
 def weight_bytes(cfg: ModelConfig, tp: int = 1, ep: int = 1, attn_tp: int | None = None,
-                 expert_format: str | None = None) -> WeightBytes:
+                 expert_format: str | None = None, quantization: str | None = None) -> WeightBytes:
     """Rank 0's weight bytes under `--tp tp --ep ep`; `attn_tp` (DP attention: tp / dp) splits the attention
     layers that many ways instead; `expert_format` stores the routed experts as fp8, mxfp4 or int4 (a model whose
-    config has the checkpoint's own format, `expert_quant`, counts its packed tensors exactly)."""
+    config has the checkpoint's own format, `expert_quant`, counts its packed tensors exactly); `quantization`
+    (int8 / int4, weight-only at load) counts the weights it quantises as their codes and scales (the routed
+    experts stay in `expert_format` when one is given)."""
     if expert_format is not None and expert_format not in EXPERT_FORMATS:
         raise ConfigError(f"unknown expert format {expert_format!r}; choose one of {sorted(EXPERT_FORMATS)}")
     if expert_format is not None and cfg.expert_quant is not None:
@@ -124,18 +145,29 @@ def weight_bytes(cfg: ModelConfig, tp: int = 1, ep: int = 1, attn_tp: int | None
     whole = _meta_params(cfg, 1, 1)
     main = _meta_params(cfg, tp, ep)
     attn = main if attn_tp in (None, tp) else _meta_params(cfg, attn_tp, 1)
-    routed = packed = sharded = replicated = 0
+    quantized: dict[str, int] = {}
+    if quantization is not None:
+        quantized = _quantized_bytes(cfg, tp, ep, quantization)
+        if attn_tp not in (None, tp):
+            attn_q = _quantized_bytes(cfg, attn_tp, 1, quantization)
+            quantized |= {n: b for n, b in attn_q.items() if ".self_attn." in n}
+        if expert_format is not None:
+            quantized = {n: b for n, b in quantized.items() if not main[n].routed_expert}
+    routed = packed = sharded = replicated = 0  # elements (packed: bytes)
+    q_routed = q_sharded = q_replicated = 0  # bytes of quantised weights
     for name, held in main.items():
         n = attn[name].numel if ".self_attn." in name else held.numel
+        q = quantized.get(name)
         if held.packed_bytes is not None:
             packed += held.packed_bytes
         elif held.routed_expert:
-            routed += n
+            routed, q_routed = (routed + n, q_routed) if q is None else (routed, q_routed + q)
         elif n == whole[name].numel:
-            replicated += n
+            replicated, q_replicated = (replicated + n, q_replicated) if q is None else (replicated, q_replicated + q)
         else:
-            sharded += n
-    return WeightBytes(int(-(-routed * expert_elt // 1)) + packed, sharded * elt, replicated * elt)
+            sharded, q_sharded = (sharded + n, q_sharded) if q is None else (sharded, q_sharded + q)
+    return WeightBytes(int(-(-routed * expert_elt // 1)) + packed + q_routed, sharded * elt + q_sharded,
+                       replicated * elt + q_replicated)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -179,7 +211,8 @@ def state_block_bytes(cfg: ModelConfig, tp: int) -> int:
 
 
 def parallel_plan(cfg: ModelConfig, tp: int = 1, ep: int = 1, dp: int = 1, dp_attention: bool = False,
-                  mem_bytes: int | None = None, expert_format: str | None = None) -> ParallelPlan:
+                  mem_bytes: int | None = None, expert_format: str | None = None,
+                  quantization: str | None = None) -> ParallelPlan:
     for flag, v in (("--tp", tp), ("--ep", ep), ("--dp", dp)):
         if v < 1:
             raise ConfigError(f"{flag} must be >= 1, got {v}")
@@ -189,7 +222,7 @@ def parallel_plan(cfg: ModelConfig, tp: int = 1, ep: int = 1, dp: int = 1, dp_at
         raise ConfigError(f"--dp {dp} must divide --tp {tp} with DP attention")
     attn_tp = tp // dp if dp_attention else tp
     mp = memory_plan(cfg, attn_tp)
-    weights = weight_bytes(cfg, tp, ep, attn_tp, expert_format)
+    weights = weight_bytes(cfg, tp, ep, attn_tp, expert_format, quantization)
     sb = state_block_bytes(cfg, attn_tp)
     pool = None if mem_bytes is None else mem_bytes - weights.total
     states, tokens = pool_counts(sb, mp.kv_bytes_per_token, pool) if pool is not None and pool > 0 else (0, 0)

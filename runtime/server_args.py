@@ -25,6 +25,7 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 SAMPLING_DEFAULTS = ("model", "openai")
 TOOL_CALL_PARSERS = ("kimi_k2", "kimi_k3")
 REASONING_PARSERS = ("kimi_k2", "kimi", "kimi_k3")
+QUANTIZATIONS = ("int8", "int4")  # kernels.weight_quant.METHODS (this module imports no torch)
 
 
 @dataclass
@@ -88,6 +89,11 @@ class ServerArgs:
         "logprobs; vLLM's --max-logprobs, also spelled --max-top-logprobs); more: HTTP 400")})
     device: str = "cpu"
     dtype: str = "auto"  # serving dtype of weights, activations and pool: auto (the checkpoint's), bfloat16, float32
+    quantization: str | None = field(default=None, metadata={"help": (
+        "weight-only quantisation of the model's projections and routed experts at load, after --dtype (SGLang's "
+        "and vLLM's flag): int8 (one scale per output channel) or int4 (groups of 32 inputs, scale and zero; "
+        "int8 where a weight does not pack), on torch's CPU kernels; the embedding, norms, router and KDA "
+        "gates stay in the model dtype (README: Weight-only quantisation)")})
     seed: int = BUILTIN_SEED  # weights of the built-in model
     disable_compile: bool = field(default=False, metadata={"help": (
         "run decode steps eagerly, not through the compiled decode step (torch.compile of the whole decode "
@@ -160,6 +166,10 @@ class ServerArgs:
             raise ValueError("--schedule-policy must be 'lpm' or 'fcfs'")
         if self.dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError("--dtype must be 'auto', 'bfloat16' or 'float32'")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization is not None and self.device != "cpu":
+            raise ValueError(f"--quantization {self.quantization} runs on torch's CPU kernels: --device cpu")
         if self.schedule_conservativeness < 0:
             raise ValueError("--schedule-conservativeness must be >= 0")
         if self.max_queued_requests < 1:

@@ -39,13 +39,22 @@ def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
 
         model = load_model(args.model, device=args.device)
     dtype = serving_dtype(model.config, args)
-    return model if dtype == model.config.torch_dtype else model.cast_(dtype)
+    model = model if dtype == model.config.torch_dtype else model.cast_(dtype)
+    if args.quantization is not None:
+        from radixk3.weight_quant import quantize_model_
+
+        quantize_model_(model, args.quantization)
+    return model
 
 
 class ModelWorker:
     def __init__(self, args: ServerArgs, model: KimiForCausalLM | None = None) -> None:
         self.args = args
         self.model = model if model is not None else load_worker_model(args)
+        held = getattr(self.model, "quantization", None)
+        if held != args.quantization:  # a model given ready-made must be the one the flag describes
+            raise ValueError(f"--quantization {args.quantization}: the model given is quantised as {held} "
+                             "(quantise it with radixk3.weight_quant.quantize_model_ first)")
         self.layout = pool_layout(self.model.config, args)
         # Sized after the weights loaded (a --mem-fraction of what is left), the same on every rank of the group.
         budget = pool_budget(self.layout, args, pool_memory_bytes(args, self.model.device))

@@ -185,3 +185,12 @@ def test_weight_floor_bytes_per_token() -> None:
     assert fp32.dense > 4 * cfg.vocab_size * cfg.hidden_size  # lm_head and more
     f = Floor(fp32.total, 1e10)
     assert f.multiple(2 * f.seconds) == pytest.approx(2.0) and f.multiple(None) is None
+
+
+# --- weight_quant ----------------------------------------------------------------------------------------
+def test_weight_quant_quick_json(capsys: pytest.CaptureFixture[str]) -> None:
+    m = bench("weight_quant")
+    assert m.main(["--quick", "--dtypes", "bfloat16", "--methods", "int4"]) == 0
+    (col,) = last_json(capsys)["quantization"]
+    assert col["method"] == "int4" and set(col["tok_s"]) == set(col["ratio_to_dense"]) == {"b1", "b4"}
+    assert 0 <= col["greedy_agreement"] <= 1 and 0 <= col["top1_agreement"] <= 1 and col["max_logit_error"] >= 0

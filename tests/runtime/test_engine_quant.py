@@ -1,7 +1,11 @@
 """A model with packed (compressed-tensors) routed experts through the engine: greedy outputs equal the no-cache
 forward of the same packed model, token for token, radix on and off, page sizes 1 and 16, under retraction, with
 MTP speculation (the MTP layer's experts packed too); and the multi-process engine at --tp 2 and --tp 2 --ep 2 (the
-packed tensors and their scales sharded) equals --tp 1."""
+packed tensors and their scales sharded) equals --tp 1.
+
+The same for weight-only `--quantization int8 / int4` of a dense checkpoint (quantised at load): cached, chunked,
+retracting, MTP- and n-gram-speculative and --tp 2 (--ep 2) serving equal the no-cache forward of the same
+quantised model."""
 
 from __future__ import annotations
 
@@ -9,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from radixk3.checkpoint import load_model
+from radixk3.checkpoint import load_model, write_checkpoint
 from radixk3.config import preset
 from radixk3.model import build_model
 from radixk3.quant_checkpoint import write_quantised_checkpoint
+from radixk3.weight_quant import quantize_model_
 from runtime.local_engine import LocalEngine
 from runtime.server_args import ServerArgs
 from runtime.tokenizer.engine import Engine
@@ -79,3 +84,68 @@ def test_packed_native_k3_with_mtp_speculation(tmp_path: Path) -> None:
     eng = LocalEngine(ServerArgs(speculative_algorithm="mtp", speculative_num_draft_tokens=3), model, check=True)
     assert eng.generate(prompts, MTP_GREEDY) == refs
     assert eng.scheduler.metrics.verify_steps > 0 and eng.scheduler.metrics.draft_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def weight_only(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """Per --quantization method: a dense checkpoint of the k3-tiny above, the model loaded and quantised as the
+    worker does, a third of the first wave and its no-cache greedy outputs (of the quantised model)."""
+    out = {}
+    # MLA's o_proj 64 inputs wide, so that --tp 2 keeps whole int4 groups.
+    cfg = preset("k3-tiny").replace(moe_intermediate_size=64, v_head_dim=32)
+    path = write_checkpoint(build_model(cfg, seed=11), tmp_path_factory.mktemp("dense"))
+    for method in ("int8", "int4"):
+        model = quantize_model_(load_model(path), method)
+        # The first wave's prompts do not depend on outputs: no reference is run for the later waves' extensions.
+        waves = [_waves(model, lambda wave: [[] for _ in wave])[0][::3]]
+        out[method] = (path, model, waves, [[greedy_reference(model, p, MAX_NEW) for p in w] for w in waves])
+    return out
+
+
+# The suite's time budget: the kernels run a scalar loop on fp32 activations (only bf16 is vectorised), so each
+# method is served once here (int4 with its chunk split mid-prompt); the MTP and --tp 2 cases below cover the rest.
+WEIGHT_ONLY_CASES = [("int8", "radix"), ("int4", "chunked_mid_prompt")]
+
+
+@pytest.mark.parametrize("method,name", WEIGHT_ONLY_CASES)
+def test_weight_only_greedy_equals_no_cache_forward(method: str, name: str, weight_only: dict) -> None:
+    _, model, waves, refs = weight_only[method]
+    eng = LocalEngine(ServerArgs(quantization=method, **CONFIGS[name]), model, check=True)
+    for wave, ref in zip(waves, refs, strict=True):
+        assert eng.generate(wave, GREEDY) == ref
+
+
+@pytest.mark.parametrize("method,parallel", [("int8", dict(tp_size=2))], ids=["int8_tp2"])
+def test_weight_only_tp2_equals_tp1(method: str, parallel: dict, weight_only: dict) -> None:
+    """Each rank quantises its shard at load (int8: the row-parallel rows' amax over the group) into the codes of
+    the whole model: greedy equals the unsharded quantised model's no-cache forward."""
+    path, _, waves, refs = weight_only[method]
+    engine = Engine(str(Path(path)), mem_bytes=MEM, quantization=method, **parallel)
+    try:
+        assert [r["output_ids"] for r in engine.generate(waves[0], GREEDY, timeout=120)] == refs[0]
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def trained_int4() -> tuple:
+    """A K3-format target trained briefly (drafts mostly accepted), int4 with its MTP layer, its workload and the
+    quantised model's no-cache greedy outputs."""
+    from tests.runtime.test_spec_engine import _trained
+    from tests.runtime.test_spec_mtp import _workload
+
+    model = quantize_model_(_trained(), "int4")
+    return (model, *_workload(model))
+
+
+@pytest.mark.parametrize("algorithm", ["mtp"])
+def test_weight_only_speculation_equals_no_cache_forward(algorithm: str, trained_int4: tuple) -> None:
+    """MTP and n-gram speculation (k 3, radix on) on the int4 target equal its no-cache forward."""
+    from tests.runtime.test_spec_mtp import GREEDY as MTP_GREEDY
+
+    model, prompts, refs = trained_int4
+    eng = LocalEngine(ServerArgs(quantization="int4", speculative_algorithm=algorithm, speculative_num_draft_tokens=3,
+                                 debug_spec_state=True), model, check=True)
+    assert eng.generate(prompts, MTP_GREEDY) == refs
+    m = eng.scheduler.metrics
+    assert m.verify_steps > 0 and m.accepted_tokens > 0
