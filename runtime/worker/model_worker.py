@@ -30,12 +30,14 @@ from runtime.worker.sampler import WorkerSampler
 def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
     if args.model is None:
         model = build_model(preset(BUILTIN_PRESET), seed=args.seed, device=args.device)
-    else:
-        from radixk3.checkpoint import load_model
+        dtype = serving_dtype(model.config, args)
+        return model if dtype == model.config.torch_dtype else model.cast_(dtype)
+    from radixk3.checkpoint import load_model
 
-        model = load_model(args.model, device=args.device)
-    dtype = serving_dtype(model.config, args)
-    return model if dtype == model.config.torch_dtype else model.cast_(dtype)
+    # In the serving dtype from the start: each tensor is converted as it is read, so a bf16 engine never holds
+    # the whole model in the checkpoint's fp32 as well (a load-time copy that set the worker's peak).
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    return load_model(args.model, device=args.device, dtype=dtype)
 
 
 class ModelWorker:
