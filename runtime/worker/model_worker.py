@@ -22,7 +22,7 @@ from runtime.pool_layout import CopyCommand, pool_budget, pool_layout, serving_d
 from runtime.server_args import ServerArgs
 from runtime.spec.proposers import build_proposer, lockstep_proposer
 from runtime.worker.page_table import WorkerPageTable
-from runtime.worker.pool_buffer import PoolBuffer
+from runtime.worker.pool_buffer import PoolBuffer, torch_dtype
 from runtime.worker.pool_memory import pool_memory_bytes
 from runtime.worker.sampler import WorkerSampler
 
@@ -31,7 +31,7 @@ def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
     if args.model is None:
         model = build_model(preset(BUILTIN_PRESET), seed=args.seed, device=args.device)
         dtype = serving_dtype(model.config, args)
-        return model if dtype == model.config.torch_dtype else model.cast_(dtype)
+        return model if dtype == model.config.dtype else model.cast_(torch_dtype(dtype))
     from radixk3.checkpoint import load_model
 
     # In the serving dtype from the start: each tensor is converted as it is read, so a bf16 engine never holds
@@ -61,7 +61,7 @@ class ModelWorker:
         if args.speculative_algorithm is not None:
             self.window = SpecWindow.allocate(
                 cfg, args.spec_state, max(args.max_running_requests, 1), args.speculative_num_draft_tokens + 1,
-                self.layout.kv_dtype, self.model.device, record_inputs=args.debug_spec_state)
+                torch_dtype(self.layout.kv_dtype), self.model.device, record_inputs=args.debug_spec_state)
         # A model proposer (draft model) fills the verify windows' drafts; its cache lives in the same pool.
         self.proposer = build_proposer(args, self.model, self.buffer)
         # DP attention with MTP or a draft model: the proposer joins the other groups' calls (LockstepProposer).
