@@ -29,8 +29,6 @@ import functools
 from fractions import Fraction
 from typing import NamedTuple
 
-import torch
-
 from radixk3.config import ConfigError, ModelConfig
 from radixk3.quant_format import DATA, SCALE, SHAPE, ExpertQuant
 
@@ -91,6 +89,8 @@ class _Held(NamedTuple):
 def _meta_params(cfg: ModelConfig, tp: int, ep: int) -> dict[str, _Held]:
     """name -> what rank 0 holds of each parameter (and each packed expert tensor of a quantised checkpoint),
     from the model itself built on the meta device under that layout (no memory: the true-size presets too)."""
+    import torch  # here: the CLI (and `serve`'s tokenizer process) imports this module without needing torch
+
     from radixk3.model import KimiForCausalLM
     from radixk3.parallel import ParallelState, parallel_state, set_parallel_state
 
