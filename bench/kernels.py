@@ -151,7 +151,7 @@ class PoolSetup:
     def __init__(self, device: torch.device) -> None:
         layout = PoolLayout(
             num_kda_layers=6, kda_heads=H, head_dim=D, conv_kernel=4, num_mla_layers=2, kv_dim=MLA_R + MLA_DR,
-            kv_dtype=torch.float32, page_size=16,
+            kv_dtype="float32", page_size=16,
         )  # fmt: skip
         self.pb = PoolBuffer(layout, 256 << 20, device)
         self.rec, self.conv, self.kv = self.pb.recurrent_state(1), self.pb.conv_state(1), self.pb.kv(1)

@@ -81,6 +81,7 @@ from bench.ideal_cache import ideal_prefill  # noqa: E402
 from bench.llamacpp.race import PREFILL_ALL, Column, run_column  # noqa: E402
 from bench.llamacpp.runner import available as llamacpp_available  # noqa: E402
 from bench.machine_info import cpu_name  # noqa: E402
+from bench.memory import engine_memory, print_memory  # noqa: E402
 from bench.transformers_cpu import hide_fla  # noqa: E402
 from bench.weight_floor import DRAM_BYTES, Floor, read_rate, token_bytes  # noqa: E402
 
@@ -208,6 +209,10 @@ def run_radixk3(ckpt: Path, dtype: str, workloads: list[Workload], burst: Worklo
                 label = quantization or dtype
                 print(f"  radixk3      {label:<9} {name:<18} {out[name].tok_s:9.1f} tok/s  ({dt:6.1f} s, "
                       f"{computed} prefill tokens computed)", flush=True)
+            if radix:  # after every workload: the peaks cover them all (this process also holds the bench's own)
+                mem = engine_memory(engine)
+                print_memory(mem, f"radixk3 {dtype}")
+                out[burst.name].extra["memory"] = mem.to_json()
     return out
 
 
@@ -320,6 +325,10 @@ def column(rk: dict[str, Run], tf: dict[str, Run], workloads: list[Workload], bu
         col |= {"prefill_tokens_ideal": ideal, "prefill_vs_ideal": None}
     if burst.name in rk:  # per batch-size bucket; empty with --disable-compile
         col["compile_seconds"] = rk[burst.name].extra["compile_seconds"]
+    if burst.name in rk and "memory" in rk[burst.name].extra:
+        mem = rk[burst.name].extra["memory"]
+        col |= {"resident_mib": mem["resident_mib"], "resident_beyond_pool_mib": mem["resident_beyond_pool_mib"],
+                "resident_memory": mem}
     if rk and tf:
         per = {w.name: agreement(rk[w.name].outputs, tf[w.name].outputs) for w in workloads}
         ours = [o for w in workloads for o in rk[w.name].outputs]
@@ -587,7 +596,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "workloads": {w.name: w.shape for w in workloads}}
         keys = [f"ratio_{w.name}" for w in workloads] + ["radix_on_off", "prefill_vs_ideal", "agreement",
                                                          "agreement_sequences", "tok_s", "expert_format",
-                                                         "compile_seconds", "quantization"]
+                                                         "compile_seconds", "quantization",
+                                                         "resident_mib", "resident_beyond_pool_mib"]
         summary |= {k: first.get(k) for k in keys}
         if a.llamacpp:
             race_keys = [f"ratio_llamacpp_{k}" for k in first["llamacpp"]["tok_s"]] + ["agreement_llamacpp"]

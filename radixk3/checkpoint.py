@@ -151,12 +151,14 @@ def load_model(path: str | Path, *, device: torch.device | str = "cpu", dtype: t
     path = Path(path)
     cfg = load_model_config(path)
     if dtype is not None:
-        cfg = cfg.replace(dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype])
-    with torch.device("meta"):
-        skeleton = KimiForCausalLM(cfg)
-    shards = public_shards(skeleton)
+        cfg = cfg.replace(dtype=str(dtype).removeprefix("torch."))
+    # Allocated, cast to cfg's dtype with fp32 gates; filled below. Built for real, not as a meta-device skeleton
+    # first: initialising meta tensors runs torch's Python reference ops, which import torch._dynamo, sympy and
+    # triton for good (~150 MiB resident in every worker).
+    model = build_model(cfg)
+    shards = public_shards(model)
     # Public names; several may fill one fused parameter. Tensors that other ranks hold alone are expected too.
-    expected = set(public_layout(skeleton)) | {n for n, s in shards.items() if s.index is None}
+    expected = set(public_layout(model)) | {n for n, s in shards.items() if s.index is None}
     files: dict[str, tuple[str, Path]] = {}  # public model name -> (checkpoint name, file)
     for ckpt, f in sorted(weight_files(path).items()):
         name = model_name(cfg, ckpt)
@@ -176,7 +178,6 @@ def load_model(path: str | Path, *, device: torch.device | str = "cpu", dtype: t
     unexpected = set(files) - expected
     if unexpected:
         raise CheckpointError(f"unexpected tensor {_first({files[n][0] for n in unexpected})}")
-    model = build_model(cfg)  # allocated, cast to cfg's dtype with fp32 gates; filled below
     state = public_tensors(model)  # views into the fused parameters: copying into one fills its part
     packed = {n for n, (attr, _) in public_layout(model).items() if attr.rsplit(".", 1)[-1] in PACKED_ATTRS}
     by_file: dict[Path, list[str]] = {}

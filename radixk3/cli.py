@@ -13,7 +13,6 @@ from pathlib import Path
 
 import orjson
 
-from radixk3.checkpoint import CheckpointError, write_random_checkpoint
 from radixk3.config import BUILTIN_PRESET, PRESETS, TRUE_SIZE_PRESETS, ConfigError, preset
 from radixk3.config_formats import load_model_config
 from radixk3.generation_config import load_generation_config
@@ -104,6 +103,8 @@ def _make_checkpoint(args: argparse.Namespace) -> None:
         out = write_quantised_checkpoint(build_model(preset(args.preset), seed=args.seed), args.out,
                                          args.expert_format, num_shards=args.shards)
     else:
+        from radixk3.checkpoint import write_random_checkpoint  # torch: not for `serve`'s tokenizer process
+
         out = write_random_checkpoint(preset(args.preset), args.out, seed=args.seed, num_shards=args.shards)
     if args.vision:
         from radixk3.vision.weights import add_random_vision
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.fn(args)
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError, GenerateError) as e:
+    except (ConfigError, FileNotFoundError, ValueError, GenerateError) as e:  # CheckpointError is a ValueError
         print(f"radixk3 {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

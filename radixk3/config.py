@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from radixk3.quant_format import ExpertQuant
 
 
@@ -27,7 +27,8 @@ class ConfigError(ValueError):
     """A config.json value is missing, unknown or inconsistent; the message names the key."""
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Names only: the scheduler and tokenizer processes read configs without importing torch (hundreds of MiB each).
+_DTYPES = ("float32", "bfloat16", "float16")
 FORMATS = ("kimi_linear", "kimi_k3")
 ACTIVATIONS = ("silu", "situ")
 
@@ -173,7 +174,9 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def kv_dim(self) -> int:

@@ -29,8 +29,6 @@ import functools
 from fractions import Fraction
 from typing import NamedTuple
 
-import torch
-
 from radixk3.config import ConfigError, ModelConfig
 from radixk3.quant_format import DATA, SCALE, SHAPE, ExpertQuant
 
@@ -91,6 +89,8 @@ class _Held(NamedTuple):
 def _meta_params(cfg: ModelConfig, tp: int, ep: int) -> dict[str, _Held]:
     """name -> what rank 0 holds of each parameter (and each packed expert tensor of a quantised checkpoint),
     from the model itself built on the meta device under that layout (no memory: the true-size presets too)."""
+    import torch  # here: the CLI (and `serve`'s tokenizer process) imports this module without needing torch
+
     from radixk3.model import KimiForCausalLM
     from radixk3.parallel import ParallelState, parallel_state, set_parallel_state
 
@@ -113,6 +113,8 @@ def _meta_params(cfg: ModelConfig, tp: int, ep: int) -> dict[str, _Held]:
 def _quantized_bytes(cfg: ModelConfig, tp: int, ep: int, quantization: str) -> dict[str, int]:
     """name -> bytes rank 0 holds of each weight `--quantization` quantises (codes, scales, zeros), from the meta
     model under that layout and the quantiser's own plan (`weight_quant.plan_quantization`)."""
+    import torch
+
     from radixk3.model import KimiForCausalLM
     from radixk3.parallel import ParallelState, parallel_state, set_parallel_state
     from radixk3.weight_quant import plan_quantization, quantized_bytes

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from radixk3.config import ConfigError
 
@@ -29,9 +30,10 @@ FORMATS = ("mxfp4", "int4", "fp8")
 CT_FORMAT = {"mxfp4": "mxfp4-pack-quantized", "int4": "pack-quantized", "fp8": "float-quantized"}
 # The module attributes that hold a packed weight (never cast with the model), and their checkpoint suffixes.
 DATA, SCALE, SHAPE = "q_data", "q_scale", "q_shape"
-_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                "uint8": torch.uint8, "torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16,
-                "torch.float16": torch.float16, "torch.uint8": torch.uint8}
+# Scale dtypes by name, with their bytes: names only, so that reading a config (the scheduler and tokenizer
+# processes) does not import torch.
+_SCALE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
+_DATA_DTYPES = {"mxfp4": ("uint8", 1), "int4": ("int32", 4), "fp8": ("float8_e4m3fn", 1)}
 # What the routed experts' linears are called in the checkpoint (MTP layers included).
 EXPERT_TARGET = r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"
 
@@ -54,7 +56,9 @@ class ExpertQuant:
 
     @property
     def data_dtype(self) -> torch.dtype:
-        return {"mxfp4": torch.uint8, "int4": torch.int32, "fp8": torch.float8_e4m3fn}[self.kind]
+        import torch
+
+        return getattr(torch, _DATA_DTYPES[self.kind][0])
 
     @property
     def data_suffix(self) -> str:
@@ -62,7 +66,9 @@ class ExpertQuant:
 
     @property
     def scale_torch_dtype(self) -> torch.dtype:
-        return _DTYPE_NAMES[self.scale_dtype]
+        import torch
+
+        return getattr(torch, self.scale_dtype)
 
     @property
     def group(self) -> tuple[int, int]:
@@ -83,8 +89,8 @@ class ExpertQuant:
     def bytes_per_weight(self) -> Fraction:
         """Stored bytes per weight value, scales included (whole groups)."""
         gr, gc = self.group
-        return (Fraction(self.data_dtype.itemsize, self.pack)
-                + Fraction(self.scale_torch_dtype.itemsize, gr * gc))
+        return (Fraction(_DATA_DTYPES[self.kind][1], self.pack)
+                + Fraction(_SCALE_BYTES[self.scale_dtype], gr * gc))
 
     def row_index(self, part: slice, rows: int) -> tuple[slice, slice]:
         """(data index, scale index) along the rows for the rows `part` of a [rows, *] weight."""
@@ -163,7 +169,7 @@ def parse_quantization_config(raw: Any, model_dtype: str) -> ExpertQuant | None:
     kind = _scheme_kind(str(raw.get("format")), weights, f"{where}.config_groups.{name}")
     scale = weights.get("scale_dtype")
     scale_dtype = "uint8" if kind == "mxfp4" else str(scale).removeprefix("torch.") if scale else model_dtype
-    if scale_dtype not in _DTYPE_NAMES:
+    if scale_dtype not in _SCALE_BYTES:
         raise ConfigError(f"{where}.config_groups.{name}.weights.scale_dtype {scale!r} is not supported")
     return ExpertQuant(kind, scale_dtype)
 

@@ -18,8 +18,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-
 if TYPE_CHECKING:
     from radixk3.config import ModelConfig
     from runtime.server_args import ServerArgs
@@ -33,8 +31,13 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+# The pool's dtypes by name (torch's), with their bytes: the scheduler and the tokenizer side size the pool without
+# importing torch (hundreds of MiB resident in each process); the worker makes the tensors.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_bytes(dtype: str) -> int:
+    return DTYPE_BYTES[dtype]
 
 
 class CopyCommand(NamedTuple):
@@ -82,12 +85,15 @@ class PoolLayout:
     conv_kernel: int
     num_mla_layers: int
     kv_dim: int  # kv_lora_rank + qk_rope_head_dim
-    state_dtype: torch.dtype = torch.float32  # recurrent state
-    kv_dtype: torch.dtype = torch.bfloat16  # the model dtype: latent KV and the conv state
+    state_dtype: str = "float32"  # recurrent state (a DTYPE_BYTES name)
+    kv_dtype: str = "bfloat16"  # the model dtype: latent KV and the conv state
     page_size: int = 1
     draft: PoolLayout | None = None  # the draft model's part of every state block and token row
 
     def __post_init__(self) -> None:
+        for name in ("state_dtype", "kv_dtype"):
+            if getattr(self, name) not in DTYPE_BYTES:
+                raise ValueError(f"PoolLayout.{name} must be one of {list(DTYPE_BYTES)}, got {getattr(self, name)!r}")
         for name in ("num_kda_layers", "kda_heads", "head_dim", "num_mla_layers", "kv_dim", "page_size"):
             # A nested draft part may be MLA-only (the MTP layers' latents): no KDA layers there.
             least = 0 if name == "num_kda_layers" and self.draft is None else 1
@@ -104,7 +110,7 @@ class PoolLayout:
         cfg: ModelConfig,
         tp: int = 1,
         page_size: int = 1,
-        state_dtype: torch.dtype = torch.float32,
+        state_dtype: str = "float32",
     ) -> PoolLayout:
         if cfg.kda_num_heads % tp:
             raise ValueError(f"kda_num_heads={cfg.kda_num_heads} does not split over tp={tp}")
@@ -117,7 +123,7 @@ class PoolLayout:
             # The latent KV is one 576-wide "head" shared by all query heads: every rank keeps all of it.
             kv_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
             state_dtype=state_dtype,
-            kv_dtype=cfg.torch_dtype,
+            kv_dtype=cfg.dtype,
             page_size=page_size,
         )
 
@@ -239,9 +245,9 @@ class PoolLayout:
             raise IndexError(f"layer {layer} out of range [0, {n})")
 
 
-def serving_dtype(cfg: ModelConfig, args: ServerArgs) -> torch.dtype:
-    """The dtype the engine serves in: `args.dtype`, or the checkpoint's for "auto"."""
-    return cfg.torch_dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+def serving_dtype(cfg: ModelConfig, args: ServerArgs) -> str:
+    """The dtype the engine serves in (torch's name): `args.dtype`, or the checkpoint's for "auto"."""
+    return cfg.dtype if args.dtype == "auto" else args.dtype
 
 
 def pool_budget(layout: PoolLayout, args: ServerArgs, mem_bytes: int | None = None) -> int:

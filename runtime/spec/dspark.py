@@ -29,7 +29,7 @@ from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
 from radixk3.mtp import token_positions
 from runtime.spec.drafts import choose, draft_windows, window_layout
-from runtime.worker.pool_buffer import PoolBuffer
+from runtime.worker.pool_buffer import PoolBuffer, torch_dtype
 
 
 def block_length(num_drafts: Tensor, block_size: int) -> Tensor:
@@ -91,7 +91,7 @@ class DSparkProposer:
 def load_dspark_proposer(path: str, target: KimiForCausalLM, buffer: PoolBuffer) -> DSparkProposer:
     """The drafter at `path`, in the pool's model dtype (its latents share the target's token rows)."""
     drafter = load_dspark(path, target)
-    dtype = buffer.layout.kv_dtype
+    dtype = torch_dtype(buffer.layout.kv_dtype)
     if dtype != drafter.config.torch_dtype:
         drafter = drafter.to(dtype)
     return DSparkProposer(drafter.eval(), buffer)

@@ -48,7 +48,7 @@ from runtime.server_args import ServerArgs
 from runtime.spec.drafts import choose, draft_windows
 from runtime.spec.dspark import load_dspark_proposer
 from runtime.spec.mtp import MTPProposer
-from runtime.worker.pool_buffer import PoolBuffer
+from runtime.worker.pool_buffer import PoolBuffer, torch_dtype
 
 MODEL_PROPOSERS = ("draft", "mtp", "dspark")
 
@@ -192,7 +192,7 @@ def load_draft_model(args: ServerArgs, target: KimiForCausalLM) -> KimiForCausal
     draft = load_model(args.speculative_draft_model, device=target.device)
     check_draft_config(target.config, draft.config)
     dtype = serving_dtype(target.config, args)
-    return draft if dtype == draft.config.torch_dtype else draft.cast_(dtype)
+    return draft if dtype == draft.config.dtype else draft.cast_(torch_dtype(dtype))
 
 
 def build_proposer(args: ServerArgs, target: KimiForCausalLM, buffer: PoolBuffer) -> Proposer | None:
@@ -205,8 +205,8 @@ def build_proposer(args: ServerArgs, target: KimiForCausalLM, buffer: PoolBuffer
     if alg == "draft":
         draft = load_draft_model(args, target)
         window = SpecWindow.allocate(draft.config, args.spec_state, max(args.max_running_requests, 1),
-                                     args.speculative_num_draft_tokens + 1, buffer.layout.kv_dtype, target.device,
-                                     record_inputs=args.debug_spec_state)
+                                     args.speculative_num_draft_tokens + 1, torch_dtype(buffer.layout.kv_dtype),
+                                     target.device, record_inputs=args.debug_spec_state)
         return DraftModelProposer(draft, buffer, window)
     if alg == "dspark":
         assert args.speculative_draft_model is not None

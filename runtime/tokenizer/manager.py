@@ -600,7 +600,7 @@ class TokenizerManager:
             "model_path": args.model,
             "vocab_size": cfg.vocab_size,
             "context_length": self.context_length,
-            "dtype": str(serving_dtype(cfg, args)).removeprefix("torch."),
+            "dtype": serving_dtype(cfg, args),
             "page_size": args.page_size,
             "max_running_requests": args.max_running_requests,
             "max_queued_requests": args.max_queued_requests,

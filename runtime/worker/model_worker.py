@@ -24,7 +24,7 @@ from runtime.pool_layout import CopyCommand, pool_budget, pool_layout, serving_d
 from runtime.server_args import ServerArgs
 from runtime.spec.proposers import build_proposer, lockstep_proposer
 from runtime.worker.page_table import WorkerPageTable
-from runtime.worker.pool_buffer import PoolBuffer
+from runtime.worker.pool_buffer import PoolBuffer, torch_dtype
 from runtime.worker.pool_memory import pool_memory_bytes
 from runtime.worker.sampler import WorkerSampler
 
@@ -34,12 +34,15 @@ log = logging.getLogger(__name__)
 def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
     if args.model is None:
         model = build_model(preset(BUILTIN_PRESET), seed=args.seed, device=args.device)
+        dtype = serving_dtype(model.config, args)
+        model = model if dtype == model.config.dtype else model.cast_(torch_dtype(dtype))
     else:
         from radixk3.checkpoint import load_model
 
-        model = load_model(args.model, device=args.device)
-    dtype = serving_dtype(model.config, args)
-    model = model if dtype == model.config.torch_dtype else model.cast_(dtype)
+        # In the serving dtype from the start: each tensor is converted as it is read, so a bf16 engine never holds
+        # the whole model in the checkpoint's fp32 as well (a load-time copy that set the worker's peak).
+        dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+        model = load_model(args.model, device=args.device, dtype=dtype)
     if args.quantization is not None:
         from radixk3.weight_quant import quantize_model_
 
@@ -73,7 +76,7 @@ class ModelWorker:
         if args.speculative_algorithm is not None:
             self.window = SpecWindow.allocate(
                 cfg, args.spec_state, max(args.max_running_requests, 1), args.speculative_num_draft_tokens + 1,
-                self.layout.kv_dtype, self.model.device, record_inputs=args.debug_spec_state)
+                torch_dtype(self.layout.kv_dtype), self.model.device, record_inputs=args.debug_spec_state)
         # A model proposer (draft model) fills the verify windows' drafts; its cache lives in the same pool.
         self.proposer = build_proposer(args, self.model, self.buffer)
         # DP attention with MTP or a draft model: the proposer joins the other groups' calls (LockstepProposer).

@@ -10,6 +10,11 @@ import torch
 from runtime.pool_layout import ALIGN, CopyCommand, PoolGeometry, PoolLayout, dtype_bytes
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """A layout's dtype (torch's name, `pool_layout.DTYPE_BYTES`) as the worker's tensors take it."""
+    return getattr(torch, name)
+
+
 class PoolBuffer:
     """One rank's pool buffer. Views alias the buffer: writes through them land in it, and a slot index is
     only meaningful while the allocator has it in use.
@@ -36,9 +41,9 @@ class PoolBuffer:
         if self.data.data_ptr() % 16:
             raise RuntimeError("pool buffer is not 16-byte aligned")
 
-    def _typed(self, dtype: torch.dtype) -> torch.Tensor:
+    def _typed(self, dtype: str) -> torch.Tensor:
         # ALIGN-multiple total size makes every dtype view of the whole buffer legal.
-        return self.data.view(dtype)
+        return self.data.view(torch_dtype(dtype))
 
     def _part(self, draft: bool) -> tuple[PoolLayout, int, int]:
         """The layout of the target's (or the nested draft model's) part, and its byte offsets inside a state

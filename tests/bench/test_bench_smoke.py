@@ -55,8 +55,11 @@ def test_offline_throughput_quick_json(capsys: pytest.CaptureFixture[str]) -> No
     assert m.main(["--quick", "--dtypes", "float32", "--json"]) == 0
     out = last_json(capsys)
     for key in ("ratio_gsm8k", "ratio_b1", "ratio_b32", "ratio_b64", "radix_on_off", "prefill_vs_ideal",
-                "agreement", "tok_s", "machine"):
+                "agreement", "tok_s", "machine", "resident_mib", "resident_beyond_pool_mib"):
         assert out[key] is not None, key
+    mem = out["columns"]["float32"]["resident_memory"]  # every process of the engine, the pool counted once
+    assert {p["name"] for p in mem["processes"]} >= {"radixk3-sched0", "radixk3-w0-0"}
+    assert 0 < out["resident_beyond_pool_mib"] < out["resident_mib"] <= mem["resident_peak_mib"]
     assert set(out["tok_s"]["radixk3"]) == {"gsm8k", "b1", "b8", "b32", "b64", "gsm8k_radix_off"}
     assert set(out["tok_s"]["transformers"]) == {"gsm8k", "b1", "b8", "b32", "b64"}
     col = out["columns"]["float32"]

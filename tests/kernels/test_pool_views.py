@@ -33,7 +33,7 @@ def make_pool(kv_dtype: torch.dtype, page_size: int = 1, seed: int = 0) -> PoolB
     """A small pool whose every byte is random garbage (NaN and inf patterns included)."""
     layout = PoolLayout(
         num_kda_layers=2, kda_heads=H, head_dim=D, conv_kernel=CONV, num_mla_layers=2, kv_dim=R + DR,
-        kv_dtype=kv_dtype, page_size=page_size,
+        kv_dtype=str(kv_dtype).removeprefix("torch."), page_size=page_size,
     )  # fmt: skip
     pb = PoolBuffer(layout, POOL_BYTES)
     gen = torch.Generator().manual_seed(seed)

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,3 +84,29 @@ def test_legacy_and_flat_a_log_shapes(tmp_path: Path, tiny_checkpoint: Path) -> 
     flat = {k: (v.flatten() if k.endswith("A_log") else v) for k, v in good.items()}
     ids = torch.arange(10)
     assert torch.equal(load_model(_copy(tiny_checkpoint, tmp_path / "f", flat))(ids), load_model(tiny_checkpoint)(ids))
+
+
+def test_load_holds_no_meta_init_machinery(tiny_checkpoint: Path) -> None:
+    """Loading imports nothing a worker keeps for good without using it: initialising meta-device tensors runs
+    torch's Python reference ops, which import torch._dynamo and sympy (~150 MiB resident per worker)."""
+    code = ("import sys, torch; from radixk3.checkpoint import load_model; "
+            f"load_model({str(tiny_checkpoint)!r}); "
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_load_in_another_dtype_converts_as_read(tiny_checkpoint: Path) -> None:
+    """An fp32 checkpoint loaded for bf16 serving holds each weight once, in bf16 (the gates the references
+    keep in fp32 excepted), and equals the fp32 model cast."""
+    model = load_model(tiny_checkpoint, dtype=torch.bfloat16)
+    ref = load_model(tiny_checkpoint).cast_(torch.bfloat16)
+    assert model.config.dtype == "bfloat16"
+    got, want = model.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys()
+    for k, t in got.items():
+        assert t.dtype == want[k].dtype and torch.equal(t, want[k]), k
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert held == sum(t.numel() * t.element_size() for t in [*ref.parameters(), *ref.buffers()])

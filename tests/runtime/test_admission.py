@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from runtime.pool_layout import PoolLayout
 from runtime.scheduler.admission import Admission, Demand, request_demand
@@ -12,7 +11,7 @@ from runtime.scheduler.radix_cache import HybridRadixCache
 
 # 512 B state blocks, 16 B tokens, 4-token pages (64 B): a 4096 B pool is 8 states or 64 pages.
 LAYOUT = PoolLayout(num_kda_layers=1, kda_heads=1, head_dim=4, conv_kernel=2, num_mla_layers=1, kv_dim=8,
-                    state_dtype=torch.float32, kv_dtype=torch.bfloat16, page_size=4)
+                    state_dtype="float32", kv_dtype="bfloat16", page_size=4)
 
 
 def setup() -> tuple[UnifiedPool, HybridRadixCache, Admission]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from runtime.pool_layout import CopyCommand, PoolLayout
 from runtime.scheduler.pool import Kind, PoolExhausted, UnifiedPool
@@ -13,7 +12,7 @@ from tests.runtime.pool_rows import token_rows
 
 # 1 KDA layer of 1x4x4 fp32 (64 B -> one 256 B region) + conv 12x1 bf16 (one 256 B region): 512 B blocks.
 LAYOUT = PoolLayout(num_kda_layers=1, kda_heads=1, head_dim=4, conv_kernel=2, num_mla_layers=1, kv_dim=8,
-                    state_dtype=torch.float32, kv_dtype=torch.bfloat16, page_size=2)  # 32 B pages
+                    state_dtype="float32", kv_dtype="bfloat16", page_size=2)  # 32 B pages
 
 
 def make(total: int = 4096, **kw: int) -> UnifiedPool:

@@ -11,7 +11,7 @@ from runtime.worker.pool_buffer import PoolBuffer
 from tests.runtime.pool_rows import token_rows
 
 LAYOUT = PoolLayout(num_kda_layers=2, kda_heads=2, head_dim=4, conv_kernel=4, num_mla_layers=3, kv_dim=6,
-                    state_dtype=torch.float32, kv_dtype=torch.bfloat16, page_size=4)
+                    state_dtype="float32", kv_dtype="bfloat16", page_size=4)
 INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 

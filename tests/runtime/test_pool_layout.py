@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from runtime.pool_layout import ALIGN, PoolLayout
 
 
 def small(**kw: object) -> PoolLayout:
     args: dict[str, object] = dict(num_kda_layers=3, kda_heads=2, head_dim=4, conv_kernel=4, num_mla_layers=2,
-                                   kv_dim=6, state_dtype=torch.float32, kv_dtype=torch.bfloat16, page_size=1)
+                                   kv_dim=6, state_dtype="float32", kv_dtype="bfloat16", page_size=1)
     args.update(kw)
     return PoolLayout(**args)  # type: ignore[arg-type]
 
@@ -64,7 +63,7 @@ def test_true_size_presets() -> None:
 
     kl = PoolLayout.from_config(preset("kimi-linear-48b"))
     # 20 KDA layers x (32x128x128 fp32 + 3*4096 x 3 bf16) and 7 MLA layers x 576 bf16 per token.
-    assert kl.num_kda_layers == 20 and kl.num_mla_layers == 7 and kl.kv_dtype == torch.bfloat16
+    assert kl.num_kda_layers == 20 and kl.num_mla_layers == 7 and kl.kv_dtype == "bfloat16"
     assert kl.state_payload_bytes == 20 * (2 * 2**20 + 3 * 4096 * 3 * 2)
     assert kl.kv_token_bytes == 7 * 576 * 2
     # vLLM's hybrid block: one KDA layer's state in pages of one MLA layer, "about 1,900 tokens".

@@ -8,7 +8,6 @@ import random
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 from runtime.pool_layout import PoolLayout
 from runtime.scheduler.pool import PoolExhausted, UnifiedPool
@@ -17,7 +16,7 @@ from runtime.worker.pool_buffer import PoolBuffer
 
 # 2 KDA layers -> 2048 B state blocks; 1 MLA layer of 8 bf16 -> 16 B tokens, 4-token pages.
 LAYOUT = PoolLayout(num_kda_layers=2, kda_heads=2, head_dim=8, conv_kernel=4, num_mla_layers=1, kv_dim=8,
-                    state_dtype=torch.float32, kv_dtype=torch.bfloat16, page_size=4)
+                    state_dtype="float32", kv_dtype="bfloat16", page_size=4)
 TOTAL = 64 * 1024  # 32 state blocks, or 4096 tokens of KV
 PS = LAYOUT.page_size
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from runtime.pool_layout import PoolLayout
 from runtime.scheduler.pool import Kind, PoolExhausted, UnifiedPool
@@ -13,7 +12,7 @@ from runtime.scheduler.radix_cache import HybridRadixCache
 def layout(page_size: int = 1) -> PoolLayout:
     # 512 B state blocks, 16 B per token.
     return PoolLayout(num_kda_layers=1, kda_heads=1, head_dim=4, conv_kernel=2, num_mla_layers=1, kv_dim=8,
-                      state_dtype=torch.float32, kv_dtype=torch.bfloat16, page_size=page_size)
+                      state_dtype="float32", kv_dtype="bfloat16", page_size=page_size)
 
 
 def make(total: int = 16 * 1024, page_size: int = 1) -> HybridRadixCache:

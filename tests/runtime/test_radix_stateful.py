@@ -45,7 +45,7 @@ class PoolCacheMachine(RuleBasedStateMachine):
         lay = PoolLayout(
             num_kda_layers=d(st.integers(1, 2)), kda_heads=d(st.integers(1, 2)), head_dim=d(st.sampled_from([2, 4])),
             conv_kernel=d(st.integers(2, 4)), num_mla_layers=d(st.integers(1, 2)), kv_dim=d(st.integers(3, 6)),
-            state_dtype=torch.float32, kv_dtype=d(st.sampled_from([torch.bfloat16, torch.float32])),
+            state_dtype="float32", kv_dtype=d(st.sampled_from(["bfloat16", "float32"])),
             page_size=d(st.sampled_from([1, 2, 4])),
         )
         slots = d(st.integers(4, 12))
@@ -83,7 +83,7 @@ class PoolCacheMachine(RuleBasedStateMachine):
     def _rows(self, keys: list[tuple[object, ...]], layer: int) -> torch.Tensor:
         kv_dim = self.lay.kv_dim
         vals = [[(fingerprint(k, 200 + layer) >> (7 * j)) & 127 for j in range(kv_dim)] for k in keys]
-        return torch.tensor(vals, dtype=self.lay.kv_dtype)
+        return torch.tensor(vals, dtype=getattr(torch, self.lay.kv_dtype))
 
     def write_kv(self, pages: list[int], tokens: list[int], start: int, end: int) -> None:
         if start >= end:
