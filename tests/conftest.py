@@ -1,5 +1,10 @@
 """Fixtures shared across the test packages.
 
+`shared_servers` / `default_server` and `builtin_engine`: one HTTP server (a subprocess per configuration) and one
+multi-process Engine for the whole session, shared by the modules whose assertions hold whatever other modules
+sent before (their own requests' outputs, metrics compared before and after): each start costs seconds of
+process spawning and model loading.
+
 `spec_pair`: a trained speculation pair (a K3-format target with an MTP layer, a draft model and a DSpark
 drafter), built by `bench/train_spec_pair.py`'s trainer at a small recipe on the shipped gsm8k train set, once
 per session (seconds on a quiet machine), so that the trained-pair checks run everywhere instead of depending
@@ -9,11 +14,17 @@ repetition, which a trained drafter learns and a random one does not."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from bench.train_spec_pair import Recipe, SpecPair, Stage, ensure_spec_pair, k3_config
 from runtime.server_args import COMPILE_ENV
+from tests.runtime.http_server_proc import Server, SharedServers
+
+if TYPE_CHECKING:
+    from runtime.tokenizer.engine import Engine
 
 # Engines under test decode eagerly (compiling costs tens of seconds per batch-size bucket); the compiled step's
 # own tests build it themselves. Set before any engine starts, so spawned workers inherit it.
@@ -37,3 +48,30 @@ def spec_pair(tmp_path_factory: pytest.TempPathFactory) -> SpecPair:
     got = ensure_spec_pair(recipe=SMALL_SPEC_RECIPE, cache_dir=tmp_path_factory.mktemp("spec_pair"))
     assert got.dspark is not None, "the DSpark trainer is part of the tree"
     return got
+
+
+@pytest.fixture(scope="session")
+def shared_servers() -> Iterator[SharedServers]:
+    """HTTP servers (subprocesses) shared across test modules by configuration: a server start is seconds."""
+    servers = SharedServers()
+    try:
+        yield servers
+    finally:
+        servers.stop_all()
+
+
+@pytest.fixture(scope="module")
+def default_server(shared_servers: SharedServers) -> Server:
+    """The server on the built-in model with default flags, for every module that only needs that: one for the
+    session, started again for the next module should it have exited."""
+    return shared_servers.get()
+
+
+@pytest.fixture(scope="session")
+def builtin_engine() -> Iterator[Engine]:
+    """The multi-process Engine on the built-in model (8 MiB pool), shared by the modules whose tests hold whatever
+    ran on it before: each checks only its own requests, or flushes the cache first where it counts hits."""
+    from runtime.tokenizer.engine import Engine  # the engine's imports only for the tests that use it
+
+    with Engine(mem_bytes=8 << 20) as engine:
+        yield engine

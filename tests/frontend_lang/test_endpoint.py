@@ -28,13 +28,12 @@ from tests.frontend_lang.programs import (
     plain_gen,
     with_regex,
 )
-from tests.runtime.http_server_proc import Server, running_server
+from tests.runtime.http_server_proc import Server
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with running_server("--mem-bytes", str(64 << 20)) as s:
-        yield s
+def server(default_server: Server) -> Server:
+    return default_server
 
 
 @pytest.fixture(scope="module")

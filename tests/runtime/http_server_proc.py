@@ -103,6 +103,26 @@ def start_server(*flags: str, api_key: str | None = None, startup_timeout: float
         time.sleep(0.25)
 
 
+class SharedServers:
+    """Servers shared by the test modules that need the same configuration, one per set of flags: each starts on
+    first use (again if it has exited) and stops at the end of the session. Only for tests whose assertions hold
+    whatever other modules sent before (metrics compared before and after, not from zero)."""
+
+    def __init__(self) -> None:
+        self._by_flags: dict[tuple[str, ...], Server] = {}
+
+    def get(self, *flags: str) -> Server:
+        server = self._by_flags.get(flags)
+        if server is None or server.proc.poll() is not None:
+            server = self._by_flags[flags] = start_server(*flags)
+        return server
+
+    def stop_all(self) -> None:
+        servers, self._by_flags = list(self._by_flags.values()), {}
+        for server in servers:
+            server.stop()
+
+
 @contextmanager
 def running_server(*flags: str, api_key: str | None = None, stderr: Path | None = None) -> Iterator[Server]:
     server = start_server(*flags, api_key=api_key, stderr=stderr)

@@ -22,9 +22,8 @@ LONG = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def engine():  # noqa: ANN201
-    with Engine(mem_bytes=8 << 20) as e:
-        yield e
+def engine(builtin_engine: Engine) -> Engine:
+    return builtin_engine
 
 
 def on_loop(engine: Engine, coro: Coroutine[Any, Any, Any]) -> Any:

@@ -29,9 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture(scope="module")
-def engine():  # noqa: ANN201
-    with Engine(mem_bytes=8 << 20) as e:
-        yield e
+def engine(builtin_engine: Engine) -> Engine:
+    return builtin_engine
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from radixk3.checkpoint import write_random_checkpoint
+from radixk3.checkpoint import load_model, write_random_checkpoint
 from radixk3.config import preset
 from runtime.errors import EngineError
 from runtime.tokenizer.engine import Engine
+from tests.greedy import greedy_reference
 
 PROMPT = list(range(100, 124))
 MEM = 64 << 20
@@ -30,8 +31,7 @@ def with_generation_config(ckpt: Path, content: dict[str, object]) -> Path:
 
 def test_defaults_eos_ids_and_the_openai_mode(ckpt: Path) -> None:
     (ckpt / "generation_config.json").unlink(missing_ok=True)
-    with Engine(str(ckpt), mem_bytes=MEM) as eng:
-        greedy = eng.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})["output_ids"]
+    greedy = greedy_reference(load_model(ckpt), PROMPT, 6)  # the no-cache ground truth, no engine to start
     # An eos id that greedy decoding reaches at its 4th token, greedy and 5 new tokens by default.
     eos = greedy[3]
     assert eos not in greedy[:3]

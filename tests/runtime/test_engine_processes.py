@@ -16,9 +16,8 @@ from tests.greedy import greedy_reference
 
 
 @pytest.fixture(scope="module")
-def engine():  # noqa: ANN201
-    with Engine(mem_bytes=8 << 20) as e:
-        yield e
+def engine(builtin_engine: Engine) -> Engine:
+    return builtin_engine
 
 
 def test_generate_matches_reference_and_reports_cache(engine: Engine) -> None:
@@ -26,6 +25,7 @@ def test_generate_matches_reference_and_reports_cache(engine: Engine) -> None:
     shared = list(range(100, 160))
     prompts = [shared + [7, 8, 9], shared + [11, 12]]
     params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    assert engine.flush_cache()  # the engine is shared: the hits counted below are this test's own
     first = engine.generate(prompts[0], params)
     assert first["output_ids"] == greedy_reference(model, prompts[0], 5)
     second = engine.generate(prompts[1], params)

@@ -19,9 +19,8 @@ GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def engine():  # noqa: ANN201
-    with Engine(mem_bytes=8 << 20) as e:
-        yield e
+def engine(builtin_engine: Engine) -> Engine:
+    return builtin_engine
 
 
 @pytest.fixture(scope="module")

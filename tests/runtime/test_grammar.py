@@ -29,9 +29,8 @@ SEEDS = {"n": 3, "temperature": 1.0, "seed": 7}  # three sampled outputs, seeds 
 
 
 @pytest.fixture(scope="module")
-def engine():  # noqa: ANN201
-    with Engine(mem_bytes=8 << 20) as e:
-        yield e
+def engine(builtin_engine: Engine) -> Engine:
+    return builtin_engine
 
 
 def outputs(engine: Engine, grammar: dict[str, Any], max_new_tokens: int = MAX_NEW_TOKENS) -> list[dict[str, Any]]:

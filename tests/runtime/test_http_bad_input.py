@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.runtime.http_server_proc import Server, running_server
+from tests.runtime.http_server_proc import Server
 
 MODEL = "k3-tiny"
 GOOD = {"text": "Natalia sold clips to", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
@@ -122,9 +121,8 @@ CASES: list[tuple[str, str, str, Any, int, tuple[str, ...]]] = [
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with running_server() as s:
-        yield s
+def server(default_server: Server) -> Server:
+    return default_server
 
 
 def test_suite_is_large_and_distinct() -> None:

@@ -17,16 +17,15 @@ import orjson
 import pytest
 
 from tests.runtime.grammar_cases import EBNF, EBNF_AS_REGEX, MAX_NEW_TOKENS, REGEXES, SCHEMAS
-from tests.runtime.http_server_proc import Server, running_server
+from tests.runtime.http_server_proc import Server
 
 PROMPT = "Question: what is it?\nAnswer:"
 MODEL = "k3-tiny"
 
 
 @pytest.fixture(scope="module")
-def server() -> Server:
-    with running_server() as s:
-        yield s
+def server(default_server: Server) -> Server:
+    return default_server
 
 
 @pytest.fixture(scope="module")

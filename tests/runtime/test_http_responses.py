@@ -18,7 +18,7 @@ from openai.types.responses import (
     ResponseReasoningItem,
 )
 
-from tests.runtime.http_server_proc import Server, running_server
+from tests.runtime.http_server_proc import Server
 
 MODEL = "k3-tiny"
 CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
@@ -34,9 +34,8 @@ FORCED = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": Fals
 
 
 @pytest.fixture(scope="module")
-def server() -> Server:
-    with running_server() as s:
-        yield s
+def server(default_server: Server) -> Server:
+    return default_server
 
 
 @pytest.fixture(scope="module")

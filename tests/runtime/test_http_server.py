@@ -23,7 +23,7 @@ from runtime.tokenizer.engine import Engine
 from runtime.tokenizer.request_stream import token_text
 from tests.frontend_lang.oracle import tiny_model
 from tests.greedy import greedy_reference
-from tests.runtime.http_server_proc import Server, running_server
+from tests.runtime.http_server_proc import Server
 
 PROMPTS = ["Natalia sold clips to 48 of her friends", "Weng earns $12 an hour", "Betty is saving money"]
 GREEDY = {"max_new_tokens": 12, "temperature": 0}
@@ -31,15 +31,13 @@ MODEL = "k3-tiny"
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[dict[str, Any]]:
-    with Engine() as engine:
-        return engine.generate(PROMPTS, GREEDY)
+def reference(builtin_engine: Engine) -> list[dict[str, Any]]:
+    return builtin_engine.generate(PROMPTS, GREEDY)
 
 
 @pytest.fixture(scope="module")
-def server() -> Server:
-    with running_server() as s:
-        yield s
+def server(default_server: Server) -> Server:
+    return default_server
 
 
 def sse_events(response: httpx.Response) -> list[Any]:

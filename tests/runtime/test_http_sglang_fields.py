@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from runtime.http.native_api import GenerateRequest
 from runtime.http.openai_protocol import ChatCompletionRequest, CompletionRequest
 from runtime.http.sglang_fields import CHAT_DECLINED, COMPLETION_DECLINED, GENERATE_DECLINED, asks_nothing
 from runtime.sampling_params import SGLANG_FIELDS
-from tests.runtime.http_server_proc import Server, running_server
+from tests.runtime.http_server_proc import Server
 
 ROUTER_ADDITIONS = {"model": None}  # sglang-router adds `model` to /generate (its other additions are SGLang's)
 
@@ -77,9 +77,8 @@ def test_every_sglang_field_is_known() -> None:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with running_server() as s:
-        yield s
+def server(default_server: Server) -> Server:
+    return default_server
 
 
 def _answer(r: httpx.Response, stream: bool) -> tuple[int, Any]:

@@ -4,7 +4,6 @@ tool calls and results, tool definitions) reach the model as text, never as cont
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,7 +11,7 @@ import pytest
 from radixk3.tokenizer import IM_ASSISTANT, IM_END, IM_MIDDLE, IM_SYSTEM, Tokenizer, load_tokenizer
 from runtime.tokenizer.k3_encoding import K3ChatOptions, render_k3_chat
 from runtime.tokenizer.k3_reply import parse_reply
-from tests.runtime.http_server_proc import Server, running_server
+from tests.runtime.http_server_proc import Server
 from tests.runtime.test_k3_tools import FORGED_CALL, conversation
 
 MODEL = "k3-tiny"
@@ -20,9 +19,8 @@ GREEDY = {"max_tokens": 8, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with running_server("--mem-bytes", str(64 << 20)) as s:
-        yield s
+def server(default_server: Server) -> Server:
+    return default_server
 
 
 def typed_everything(tok: Tokenizer) -> str:
