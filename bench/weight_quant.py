@@ -28,13 +28,10 @@ Prompts = list[list[int]]
 
 def greedy_agreement(ours: Prompts, ref: Prompts) -> dict[str, float]:
     """Share of the reference's tokens reproduced before the first divergence, and of identical sequences."""
-    same = total = exact = 0
-    for a, b in zip(ours, ref, strict=True):
-        k = 0
-        while k < min(len(a), len(b)) and a[k] == b[k]:
-            k += 1
-        same, total, exact = same + k, total + len(b), exact + (a == b)
-    return {"greedy_agreement": same / max(total, 1), "greedy_sequences_equal": exact / max(len(ref), 1)}
+    from bench.offline_throughput import agreement
+
+    tokens, sequences = agreement(ours, ref)
+    return {"greedy_agreement": tokens, "greedy_sequences_equal": sequences}
 
 
 @torch.inference_mode()
