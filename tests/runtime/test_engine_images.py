@@ -20,6 +20,7 @@ from radixk3.vision.weights import random_vision_encoder
 from runtime.local_engine import LocalEngine
 from runtime.messages import ImageRef
 from runtime.server_args import ServerArgs
+from runtime.worker.image_embedder import EncoderCache
 
 MAX_NEW = 5
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
@@ -138,11 +139,13 @@ def test_greedy_with_images_equals_no_cache(model, encoder, prompts, refs, args)
     assert eng.worker.images.images_encoded == 3
 
 
-def test_same_image_hits_past_it_and_another_misses(model, encoder, prompts, refs) -> None:  # noqa: ANN001
-    """Sequentially (each request after the last): the repeat of prompt 0 hits its whole image and beyond; prompt 2
-    (another image of the same size, the same text around it: the same ids) hits nothing past its first pad."""
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_same_image_hits_past_it_and_another_misses(model, encoder, prompts, refs, page_size) -> None:  # noqa: ANN001
+    """Sequentially (each request after the last): the repeat of prompt 0 hits its image (page size 1: past it; 16:
+    up to the page inside its pad run, where the prefill restarts mid-image on a slice of its rows); prompt 2 (another
+    image of the same size, the same text around it: the same ids) hits nothing past its first pad."""
     assert prompts[2].ids == prompts[0].ids
-    eng = LocalEngine(ServerArgs(mem_bytes=16 << 20, page_size=1), model, check=True, vision=encoder)
+    eng = LocalEngine(ServerArgs(mem_bytes=16 << 20, page_size=page_size), model, check=True, vision=encoder)
     cached = {}
     for name, p in (("first", prompts[0]), ("again", prompts[0]), ("other", prompts[2])):
         rid = eng.submit(p.ids, GREEDY, **p.options())
@@ -152,7 +155,26 @@ def test_same_image_hits_past_it_and_another_misses(model, encoder, prompts, ref
     first_pad = prompts[0].refs[0].offset
     end = first_pad + prompts[0].refs[0].num_tokens
     assert cached["first"] == 0
-    assert cached["again"] > end
+    if page_size == 1:
+        assert cached["again"] > end
+    else:
+        assert first_pad < cached["again"] == 16 < end
     assert cached["other"] <= first_pad
     assert eng.worker.images.images_encoded == 2  # the repeat came from the encoder cache
     assert eng.worker.images.encoder_calls == 2
+
+
+def test_encoder_cache_is_bounded_and_keeps_held_entries() -> None:
+    rows = torch.zeros(4, 8)  # 128 bytes each
+    cache = EncoderCache(max_bytes=300)
+    cache.put("a", rows)
+    cache.hold(3, "a")  # a prefill is in the middle of image a
+    cache.put("b", rows.clone())
+    cache.put("c", rows.clone())  # over the bound: b (the least recent not held) goes, a stays
+    assert cache.get("a") is not None and cache.get("b") is None and cache.get("c") is not None
+    assert cache.bytes == 256
+    cache.put("d", rows.clone())  # c is the least recent not held
+    assert cache.get("c") is None and len(cache) == 2
+    cache.release(3)  # the row is reset: a may go now
+    cache.put("e", rows.clone())
+    assert cache.get("a") is None and cache.get("d") is not None and cache.get("e") is not None
