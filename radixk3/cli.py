@@ -18,6 +18,7 @@ from radixk3.config import BUILTIN_PRESET, PRESETS, TRUE_SIZE_PRESETS, ConfigErr
 from radixk3.config_formats import load_model_config
 from radixk3.generation_config import load_generation_config
 from radixk3.plan import EXPERT_FORMATS, memory_plan, parallel_plan, parse_bytes
+from radixk3.vision.plan import vision_plan
 
 
 def _plan(args: argparse.Namespace) -> None:
@@ -26,9 +27,11 @@ def _plan(args: argparse.Namespace) -> None:
     mem = None if args.mem_bytes is None else parse_bytes(args.mem_bytes)
     par = parallel_plan(cfg, args.tp, args.ep, args.dp, args.enable_dp_attention, mem, args.expert_format)
     plan = memory_plan(cfg, par.attn_tp)
+    vision = vision_plan(cfg)
     if args.json:
         source = {"preset": args.preset} if args.model is None else {"model": str(args.model)}
-        print(orjson.dumps(plan._asdict() | par.as_dict() | source).decode())
+        extra = {} if vision is None else {"vision": vision._asdict()}
+        print(orjson.dumps(plan._asdict() | par.as_dict() | source | extra).decode())
         return
     mtp = f" (+ {cfg.num_nextn_predict_layers} MTP)" if cfg.num_nextn_predict_layers else ""
     print(f"{'model' if args.model else 'preset'} {name} ({cfg.model_type}), TP={par.tp} EP={par.ep} DP={par.dp}"
@@ -52,6 +55,11 @@ def _plan(args: argparse.Namespace) -> None:
     print(f"  weights per rank: {w.total / 1e9:.2f} GB (routed experts {w.routed_experts / 1e9:.2f} GB as "
           f"{expert_format}, other split tensors {w.sharded / 1e9:.2f} GB, replicated "
           f"{w.replicated / 1e9:.2f} GB)")
+    if vision is not None:
+        print(f"  vision tower per rank (replicated, not in the figures above): {vision.weight_bytes / 1e6:.1f} MB "
+              f"weights; the largest image ({vision.image_patches} patches) needs about "
+              f"{vision.activation_bytes_varlen / 1e6:.0f} MB of activations with varlen flash attention, "
+              f"{vision.activation_bytes_sdpa / 1e9:.1f} GB with SDPA's mask and scores")
     if par.mem_bytes is None or par.pool_bytes is None:
         print("  (give --mem-bytes for the pool: device memory per rank less the weights)")
     elif par.pool_bytes <= 0:
