@@ -135,6 +135,8 @@ def checked(image: Image.Image, limits: ImageLimits, name: str, decode: bool = F
 
 
 def load_image(item: Any, limits: ImageLimits, name: str) -> ProcessedImage:
+    if isinstance(item, ProcessedImage):  # processed by the caller (the frontend's in-process backend)
+        return item
     image = item if isinstance(item, Image.Image) else open_image(image_bytes(item, limits, name), limits, name)
     if isinstance(item, Image.Image):
         checked(image, limits, name)

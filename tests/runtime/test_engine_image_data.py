@@ -1,7 +1,8 @@
 """`Engine.generate(..., image_data=...)` (SGLang's spelling) on a K3 checkpoint with a vision tower (`make-checkpoint
 --vision`): through the processes, a text prompt's `<|kimi_image_placeholder|>` becomes the image's media markers
 and pads, and the greedy tokens equal the no-cache forward with the tower's rows at the pads; the same image sent
-again is served from the worker's encoder cache and the radix cache hits past it; a bad image is refused by name."""
+again hits the radix cache past it; a bad image is refused by name. The frontend's `sgl.image` (in-process
+`Runtime` over the same engine, and as a file path) gives the same reply."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
+import frontend_lang as sgl
 from radixk3.checkpoint import load_model
 from radixk3.cli import main
 from radixk3.forward_batch import EmbeddingOverride
@@ -62,8 +64,15 @@ def reference(checkpoint: Path, image: Image.Image) -> list[int]:
     return out
 
 
-def test_generate_with_image_data(checkpoint: Path) -> None:
+@sgl.function
+def look(s, image) -> None:  # noqa: ANN001
+    s += "Look: " + sgl.image(image) + " and say"
+    s += sgl.gen("answer", max_tokens=MAX_NEW)
+
+
+def test_generate_with_image_data(checkpoint: Path, tmp_path: Path) -> None:
     image = png(0, 90, 60)
+    image.save(tmp_path / "look.png")
     want = reference(checkpoint, image)
     with Engine(str(checkpoint), mem_bytes=8 << 20, page_size=1) as engine:
         first = engine.generate(PROMPT, GREEDY, image_data=data_url(image))
@@ -78,3 +87,7 @@ def test_generate_with_image_data(checkpoint: Path) -> None:
         assert bad.value.param == "image_data[0]"
         with pytest.raises(InvalidRequest, match="1 image placeholder"):
             engine.generate(PROMPT, GREEDY, image_data=[image, image])
+        runtime = sgl.Runtime(engine=engine)
+        for source in (image, str(tmp_path / "look.png")):
+            state = look.run(image=source, temperature=0, ignore_eos=True, backend=runtime)
+            assert state["answer"] == first["text"]

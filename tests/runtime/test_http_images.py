@@ -14,6 +14,7 @@ import openai
 import pytest
 from PIL import Image
 
+import frontend_lang as sgl
 from radixk3.cli import main
 from tests.runtime.http_server_proc import Server, running_server
 
@@ -66,12 +67,21 @@ def test_chat_with_a_base64_image(server: Server, client: openai.OpenAI) -> None
     assert again.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
 
 
+@sgl.function
+def see(s) -> None:  # noqa: ANN001
+    s += "See " + sgl.image(GOOD) + " here"
+    s += sgl.gen("out", max_tokens=3)
+
+
 def test_generate_with_image_data(server: Server) -> None:
     with server.client() as c:
         r = c.post("/generate", json={"text": "See <|kimi_image_placeholder|> here", "image_data": GOOD,
-                                      "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+                                      "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}})
         assert r.status_code == 200, r.text
         assert len(r.json()["output_ids"]) == 3
+        # The frontend's sgl.image over HTTP sends the same request.
+        state = see.run(temperature=0, ignore_eos=True, backend=sgl.RuntimeEndpoint(server.url))
+        assert state["out"] == r.json()["text"]
         r = c.post("/generate", json={"text": ["<|kimi_image_placeholder|> a", "b"], "image_data": [GOOD, None],
                                       "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
         assert r.status_code == 200, r.text
