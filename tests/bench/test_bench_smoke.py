@@ -145,3 +145,14 @@ def test_spec_warm_up_leaves_no_trace(tmp_path: Path) -> None:
         want = timed(cold)
     with m.warmed_engine(ckpt, prompt, 1, **spec) as warm:
         assert timed(warm) == want
+
+
+# --- vision_prefill ------------------------------------------------------------------------------------
+def test_vision_prefill_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    m = bench("vision_prefill")
+    assert m.main(["--preset", "k3-tiny", "--requests", "2", "--image", "56x56", "--head", "4", "--tail", "4",
+                   "--json"]) == 0
+    out = last_json(capsys)
+    assert out["prefill_tok_s_images"] > 0 and out["prefill_tok_s_text"] > 0 and out["image_tokens"] == 4
+    # The repeated image is encoded once with the encoder cache, once per request without it.
+    assert (out["repeated_images_encoded_cache"], out["repeated_images_encoded_no_cache"]) == (1, 2)
