@@ -134,11 +134,11 @@ class Scheduler:
                 raise InvalidRequest("the queue is full, try again later")
             if params.grammar is not None and self.grammar is None:
                 raise InvalidRequest("structured output is not available in this engine", param=params.grammar[0])
+            images = request_images(msg.images, msg.image_patches)
         except Exception as e:  # refused, or something unexpected: this request fails, never the scheduler
             self.outputs.outbox.append(TokenOut(msg.rid, [], finished="error", error=str(e)))
             return
         self._arrivals += 1
-        images = request_images(msg.images, msg.image_patches)
         req = Req(msg.rid, list(msg.input_ids), params, msg.return_logprob, msg.logprob_start_len,
                   msg.top_logprobs_num, arrival=self._arrivals, images=images,
                   prompt_key=radix_key(list(msg.input_ids), images))
