@@ -23,6 +23,7 @@ from runtime.server_args import ServerArgs
 from runtime.worker.image_embedder import EncoderCache
 
 MAX_NEW = 5
+LONG_NEW = 12  # the retraction run's outputs
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
 PAD = 7  # the pad id: the engine never reads it (the image rows replace its embedding)
 
@@ -70,12 +71,13 @@ class Prompt:
 
 
 @torch.inference_mode()
-def reference(model, encoder, prompts: list[Prompt], images: bool = True) -> list[list[int]]:  # noqa: ANN001
+def reference(model, encoder, prompts: list[Prompt], images: bool = True,  # noqa: ANN001
+              max_new: int = MAX_NEW) -> list[list[int]]:
     """The plain no-cache greedy loop, the prompts packed side by side, with each image's rows (encoded alone) at
     its pad positions (`images` False: the pad ids' own embeddings)."""
     seqs = [list(p.ids) for p in prompts]
     rows = torch.cat([encoder.encode(im.patches, [im.grid]) for p in prompts for im in p.images])
-    for _ in range(MAX_NEW):
+    for _ in range(max_new):
         cu = np.cumsum([0] + [len(s) for s in seqs])
         over = None
         if images:
@@ -107,8 +109,13 @@ def prompts(model, images) -> list[Prompt]:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def refs(model, encoder, prompts) -> list[list[int]]:  # noqa: ANN001
-    return reference(model, encoder, prompts)
+def long_refs(model, encoder, prompts) -> list[list[int]]:  # noqa: ANN001
+    return reference(model, encoder, prompts, max_new=LONG_NEW)
+
+
+@pytest.fixture(scope="module")
+def refs(long_refs) -> list[list[int]]:  # noqa: ANN001
+    return [r[:MAX_NEW] for r in long_refs]  # greedy: the longer run's first tokens
 
 
 def _run(model, encoder, prompts: list[Prompt], **args) -> tuple[list[list[int]], list[int], LocalEngine]:  # noqa: ANN001
@@ -162,6 +169,18 @@ def test_same_image_hits_past_it_and_another_misses(model, encoder, prompts, ref
     assert cached["other"] <= first_pad
     assert eng.worker.images.images_encoded == 2  # the repeat came from the encoder cache
     assert eng.worker.images.encoder_calls == 2
+
+
+def test_retraction_with_images(model, encoder, prompts, long_refs) -> None:  # noqa: ANN001
+    """A pool small enough that decoding outgrows it (no decode reserve, unmixed steps): retracted requests prefill
+    their images again and still give the no-cache tokens."""
+    eng = LocalEngine(ServerArgs(mem_bytes=80_000, chunked_prefill_size=48, decode_checkpoint_interval=3,
+                                 schedule_conservativeness=0.0, enable_mixed_chunk=False, max_running_requests=12),
+                      model, check=True, vision=encoder)
+    rids = [eng.submit(p.ids, GREEDY | {"max_new_tokens": LONG_NEW}, **p.options()) for p in prompts * 3]
+    outs = eng.run()
+    assert [[t for o in outs[r] for t in o.token_ids] for r in rids] == long_refs * 3
+    assert eng.scheduler.metrics.retractions > 0
 
 
 def test_encoder_cache_is_bounded_and_keeps_held_entries() -> None:
