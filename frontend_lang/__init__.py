@@ -19,6 +19,7 @@ from frontend_lang.ir import (
     assistant_begin,
     assistant_end,
     gen,
+    image,
     select,
     system,
     system_begin,
@@ -34,7 +35,7 @@ from frontend_lang.state import ProgramState, ProgramStateGroup
 __all__ = [
     "Backend", "BackendError", "ChatTemplate", "ChoicesDecision", "ChoicesSamplingMethod", "ProgramState",
     "ProgramStateGroup", "Runtime", "RuntimeEndpoint", "SglFunction", "assistant", "assistant_begin",
-    "assistant_end", "function", "gen", "get_default_backend", "greedy_token_selection", "select",
+    "assistant_end", "function", "gen", "get_default_backend", "image", "greedy_token_selection", "select",
     "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized", "unnormalized",
     "user", "user_begin", "user_end",
 ]

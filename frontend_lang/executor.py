@@ -20,6 +20,7 @@ from frontend_lang.ir import (
     Expr,
     ExprList,
     Gen,
+    Image,
     Join,
     RoleBegin,
     RoleEnd,
@@ -28,6 +29,7 @@ from frontend_lang.ir import (
     Text,
 )
 from radixk3.chat_prompt import ChatPrompt
+from radixk3.vision.prompt import placeholder
 
 
 class StreamExecutor:
@@ -39,11 +41,13 @@ class StreamExecutor:
         self.text_ = ""
         self.prompt_ = ChatPrompt()  # text_, with the role markup's markers kept apart
         self.messages_: list[dict[str, str]] = []
+        self.images_: list[str] = []  # one per image placeholder in prompt_, in order
         self.variables: dict[str, Any] = {}
         self.meta_info: dict[str, Any] = {}
         self.cur_role: str | None = None
         self.role_begin_pos = 0
         self.fork_start = 0  # where a forked branch's own text begins
+        self.fork_images = 0  # ... and its own images
         self.new_vars: set[str] = set()  # variables set by this state itself (not inherited at a fork)
         self.error_: BaseException | None = None
         self.ended = False  # the program function has returned
@@ -118,6 +122,8 @@ class StreamExecutor:
         """A branch that starts from this state's text, messages and variables (after a sync)."""
         b = StreamExecutor(self.backend, self.defaults, self.stream)
         b.text_, b.prompt_, b.messages_ = self.text_, self.prompt_, list(self.messages_)
+        b.images_ = list(self.images_)
+        b.fork_images = len(self.images_)
         b.variables, b.meta_info = dict(self.variables), dict(self.meta_info)
         b.cur_role, b.role_begin_pos = self.cur_role, self.role_begin_pos
         b.fork_start = len(self.text_)
@@ -154,12 +160,18 @@ class StreamExecutor:
     def _execute(self, expr: Expr) -> None:
         if isinstance(expr, Text):
             self._fill(expr.value)
+        elif isinstance(expr, Image):
+            with self._cond:
+                self.images_.append(expr.data)
+            self._fill(placeholder())
         elif isinstance(expr, ExprList):
             for item in expr.items:
                 self._execute(item)
         elif isinstance(expr, Gen):
             self._gen(expr)
         elif isinstance(expr, Select):
+            if self.images_:
+                raise ValueError("select after an image is not supported (gen is)")
             decision = self.backend.select(self.prompt_, expr.choices, expr.method)
             self._fill(decision.decision)
             with self._cond:
@@ -181,17 +193,21 @@ class StreamExecutor:
             with self._cond:
                 self.messages_.append({"role": expr.role, "content": content})
         elif isinstance(expr, CommitPrefix):
-            if self.text_:
+            if self.text_ and not self.images_:  # a prefix with images is cached by the requests that carry them
                 self.backend.cache_prefix(self.prompt_)
         elif isinstance(expr, Join):
             for branch in expr.branches:
                 branch.sync()
+                with self._cond:
+                    self.images_.extend(branch.images_[branch.fork_images:])
                 self._fill(branch.prompt_.after(branch.fork_start))
         else:
             raise TypeError(f"unknown expression {type(expr).__name__}")
 
     def _gen(self, expr: Gen) -> None:
         sampling, options = self.defaults.merged(expr.params).to_request()
+        if self.images_:
+            options = options | {"image_data": list(self.images_)}
         if self.cur_role is not None and (stops := self.template.stop_markers(self.cur_role)):
             sampling["stop_token_ids"] = [*sampling.get("stop_token_ids", []), *self.backend.marker_ids(stops)]
         name = expr.name

@@ -1,12 +1,16 @@
-"""The expressions a program appends to its state (`s += ...`): text, `gen`, `select`, role begin/end.
+"""The expressions a program appends to its state (`s += ...`): text, `image`, `gen`, `select`, role begin/end.
 
 Names and arguments follow SGLang's `sglang.lang.api`, so an SGLang program runs after changing its import.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import itertools
+import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from frontend_lang.choices import ChoicesSamplingMethod, token_length_normalized
@@ -92,6 +96,13 @@ class Text(Expr):
 
 
 @dataclass
+class Image(Expr):
+    """An image in the prompt (a model with a vision tower): base64 text, a data: or http(s) URL (sent as it is)."""
+
+    data: str
+
+
+@dataclass
 class ExprList(Expr):
     items: list[Expr]
 
@@ -170,6 +181,24 @@ def select(name: str | None = None, choices: list[str] | None = None, temperatur
         raise ValueError("select scores choices greedily: temperature must be 0")
     return Select(name if name is not None else f"_select_{next(_anonymous)}", list(choices), choices_method,
                   temperature)
+
+
+def image(expr: str | os.PathLike[str] | bytes | Any) -> Image:  # noqa: ANN401
+    """An image at this point of the prompt, as SGLang's `sgl.image`: a file path, bytes, a PIL image, base64 text,
+    or a data: / http(s) URL; the image goes with every later request of the state."""
+    if isinstance(expr, str) and expr.startswith(("data:", "http://", "https://")):
+        return Image(expr)
+    if isinstance(expr, os.PathLike) or (isinstance(expr, str) and os.path.isfile(expr)):
+        expr = Path(expr).read_bytes()
+    elif hasattr(expr, "save"):  # a PIL image
+        buf = io.BytesIO()
+        expr.save(buf, format="PNG")
+        expr = buf.getvalue()
+    if isinstance(expr, bytes | bytearray):
+        return Image(base64.b64encode(expr).decode())
+    if isinstance(expr, str):
+        return Image(expr)  # base64 text
+    raise TypeError(f"sgl.image takes a path, bytes, a PIL image, base64 or a URL, not {type(expr).__name__}")
 
 
 def _role(role: str, expr: Expr | str | None) -> Expr:

@@ -17,7 +17,9 @@ from frontend_lang.backend import Backend, BackendError, check_result, logprob_o
 from frontend_lang.chat_template import K3, KIMI
 from frontend_lang.choices import ChoiceScore
 from radixk3.chat_prompt import ChatPrompt
+from radixk3.vision.prompt import expand_images
 from runtime.tokenizer.chat_format import K3 as K3_FAMILY
+from runtime.tokenizer.image_input import ImageLimits, load_images
 
 T = TypeVar("T")
 # What the engine raises for a request it refuses (InvalidRequest is a ValueError; EngineError a RuntimeError).
@@ -57,6 +59,15 @@ class Runtime(Backend):
         except _REFUSALS as e:
             raise BackendError(str(e)) from e
 
+    def _with_images(self, prompt: ChatPrompt, options: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+        """The prompt's ids, its image placeholders expanded for the options' `image_data` (decoded and processed
+        here, as the tokenizer side does), and the options with the processed images."""
+        if not options.get("image_data"):
+            return self._ids(prompt), options
+        images = self._call(lambda: load_images(options["image_data"], ImageLimits.of(self.engine.args)))
+        expanded = self._call(lambda: expand_images(prompt, [im.slot for im in images]))
+        return self._ids(expanded), options | {"image_data": images}
+
     def _one(self, ids: list[int], sampling: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         out = self._call(lambda: self.engine.generate(ids, sampling, **options))
         if isinstance(out, list):
@@ -66,12 +77,14 @@ class Runtime(Backend):
 
     def generate(self, prompt: ChatPrompt, sampling: dict[str, Any], options: dict[str, Any]
                  ) -> tuple[str, dict[str, Any]]:
-        out = self._one(self._ids(prompt), sampling, options)
+        ids, options = self._with_images(prompt, options)
+        out = self._one(ids, sampling, options)
         return out["text"], out["meta_info"]
 
     def generate_stream(self, prompt: ChatPrompt, sampling: dict[str, Any], options: dict[str, Any]
                         ) -> Iterator[tuple[str, dict[str, Any]]]:
-        chunks = self._call(lambda: self.engine.stream(self._ids(prompt), sampling, **options))
+        ids, options = self._with_images(prompt, options)
+        chunks = self._call(lambda: self.engine.stream(ids, sampling, **options))
         completion = 0
         it = iter(chunks)
         while (chunk := self._call(lambda: next(it, None))) is not None:

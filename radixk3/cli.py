@@ -26,10 +26,14 @@ def _plan(args: argparse.Namespace) -> None:
     par = parallel_plan(cfg, args.tp, args.ep, args.dp, args.enable_dp_attention, mem, args.expert_format,
                         args.quantization)
     plan = memory_plan(cfg, par.attn_tp)
+    from radixk3.vision.plan import vision_plan  # imports torch: `serve`'s process needs none of it
+
+    vision = vision_plan(cfg)
     if args.json:
         source = {"preset": args.preset} if args.model is None else {"model": str(args.model)}
         source |= {"quantization": args.quantization}
-        print(orjson.dumps(plan._asdict() | par.as_dict() | source).decode())
+        extra = {} if vision is None else {"vision": vision._asdict()}
+        print(orjson.dumps(plan._asdict() | par.as_dict() | source | extra).decode())
         return
     mtp = f" (+ {cfg.num_nextn_predict_layers} MTP)" if cfg.num_nextn_predict_layers else ""
     print(f"{'model' if args.model else 'preset'} {name} ({cfg.model_type}), TP={par.tp} EP={par.ep} DP={par.dp}"
@@ -57,6 +61,11 @@ def _plan(args: argparse.Namespace) -> None:
     if args.quantization:
         print(f"  --quantization {args.quantization}: the projections and dense routed experts as codes and scales; "
               f"the embedding, norms, router, KDA gates and MLA's kv_b_proj in {cfg.dtype}")
+    if vision is not None:
+        print(f"  vision tower per rank (replicated, not in the figures above): {vision.weight_bytes / 1e6:.1f} MB "
+              f"weights; the largest image ({vision.image_patches} patches) needs about "
+              f"{vision.activation_bytes_varlen / 1e6:.0f} MB of activations with varlen flash attention, "
+              f"{vision.activation_bytes_sdpa / 1e9:.1f} GB with SDPA's mask and scores")
     if par.mem_bytes is None or par.pool_bytes is None:
         print("  (give --mem-bytes for the pool: device memory per rank less the weights)")
     elif par.pool_bytes <= 0:

@@ -36,8 +36,8 @@ ACTIVATIONS = ("silu", "situ")
 @dataclass(frozen=True)
 class VisionSpec:
     """A checkpoint's vision tower, carried as its raw `vision_config` so that the config round-trips and a text
-    load never depends on it; `radixk3.vision` parses it strictly when it builds the tower. The engine does not
-    take images yet: requests with images are refused by `ModelConfig.check_images`."""
+    load never depends on it; `radixk3.vision` parses it strictly when it builds the tower (the worker does). A
+    model without one refuses requests with images (`ModelConfig.check_images`)."""
 
     model_type: str
     config_json: str  # the `vision_config` object as canonical JSON
@@ -221,15 +221,9 @@ class ModelConfig:
         return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
     def check_images(self, num_images: int) -> None:
-        """Refuse requests that carry images: the vision tower is accepted in the config but never built."""
-        if num_images <= 0:
-            return
-        if self.vision is None:
+        """Refuse requests that carry images when the checkpoint has no vision tower."""
+        if num_images > 0 and self.vision is None:
             raise ConfigError(f"request has {num_images} image(s) but this model has no vision tower")
-        raise ConfigError(
-            f"request has {num_images} image(s): the {self.vision.model_type} vision tower of this checkpoint is "
-            "not supported (radixk3 serves the text model only)"
-        )
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

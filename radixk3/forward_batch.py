@@ -51,6 +51,19 @@ class HybridCache:
         )
 
 
+@dataclass(frozen=True)
+class EmbeddingOverride:
+    """Rows that replace some packed tokens' embeddings in the first layer's input: an image's projected
+    embeddings at its `<|media_pad|>` positions. `positions` [R] int64 index the packed tokens, `rows` [R, hidden]."""
+
+    positions: torch.Tensor
+    rows: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` [T, hidden] (the token embeddings) with the override's rows in place."""
+        return x.index_copy(0, self.positions, self.rows.to(x.dtype))
+
+
 @dataclass
 class ForwardBatch:
     """N sequences, each extending its cached prefix by `cu_seqlens[i+1] - cu_seqlens[i]` new tokens (packed).
@@ -71,6 +84,7 @@ class ForwardBatch:
     logits_index: torch.Tensor | None = None  # [M] rows of the packed tokens to compute logits for; None = last
     attn_backend: AttentionBackend | None = None  # set by the model's forward_batch
     spec: WindowRows | None = None  # verify mode: the draft window the KDA layers fill (spec_window.py)
+    embeds: EmbeddingOverride | None = None  # extend mode: image rows in place of their pad tokens' embeddings
 
     @property
     def num_seqs(self) -> int:

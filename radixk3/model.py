@@ -19,7 +19,7 @@ from radixk3.attention_backend import AttentionBackend
 from radixk3.attn_res import attn_res_forward
 from radixk3.config import ConfigError, ModelConfig
 from radixk3.decoder_layer import DecoderLayer
-from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
+from radixk3.forward_batch import EmbeddingOverride, ForwardBatch, ForwardMode, HybridCache
 from radixk3.layers import RMSNorm
 from radixk3.mtp import MTPLayer, MTPOutput, run_mtp_layer
 from radixk3.packed_experts import PACKED_ATTRS
@@ -86,10 +86,12 @@ class KimiForCausalLM(nn.Module):
         cu_seqlens: torch.Tensor,
         batch: ForwardBatch | None = None,
         aux: dict[int, torch.Tensor] | None = None,
+        embeds: EmbeddingOverride | None = None,
     ) -> torch.Tensor:
         """The final hidden state before `model.norm` (what MTP layers read). `aux`: keys are layer ids whose
-        output state this fills (DSpark's target states: the AttnRes partial sum, or the residual stream)."""
-        return self._prenorm_hidden(input_ids, cu_seqlens, batch, aux)
+        output state this fills (DSpark's target states: the AttnRes partial sum, or the residual stream).
+        `embeds`: rows that replace some tokens' embeddings (images), when no `batch` carries them."""
+        return self._prenorm_hidden(input_ids, cu_seqlens, batch, aux, embeds)
 
     def _prenorm_hidden(
         self,
@@ -97,9 +99,13 @@ class KimiForCausalLM(nn.Module):
         cu_seqlens: torch.Tensor,
         batch: ForwardBatch | None = None,
         aux: dict[int, torch.Tensor] | None = None,
+        embeds: EmbeddingOverride | None = None,
     ) -> torch.Tensor:
         """`prenorm_hidden` outside inference mode: the no-cache path that training differentiates."""
         x = self.model.embed_tokens(input_ids)
+        override = batch.embeds if batch is not None else embeds
+        if override is not None:
+            x = override.apply(x)
         block = self.model.attn_res_block_size
         if block is not None:
             return attn_res_forward(x, list(self.model.layers), block, self.model.output_attn_res_norm,
@@ -116,19 +122,22 @@ class KimiForCausalLM(nn.Module):
         cu_seqlens: torch.Tensor,
         batch: ForwardBatch | None = None,
         aux: dict[int, torch.Tensor] | None = None,
+        embeds: EmbeddingOverride | None = None,
     ) -> torch.Tensor:
-        return self.model.norm(self.prenorm_hidden(input_ids, cu_seqlens, batch, aux))
+        return self.model.norm(self.prenorm_hidden(input_ids, cu_seqlens, batch, aux, embeds))
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """No-cache forward. input_ids [B, T] -> logits [B, T, V]; or packed [T] with cu_seqlens -> [T, V]."""
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                embeds: EmbeddingOverride | None = None) -> torch.Tensor:
+        """No-cache forward. input_ids [B, T] -> logits [B, T, V]; or packed [T] with cu_seqlens -> [T, V].
+        `embeds` replaces some (flattened) tokens' embeddings: an image's rows at its pad positions."""
         if input_ids.dim() == 2:
             b, t = input_ids.shape
             cu = torch.arange(0, (b + 1) * t, t, device=input_ids.device)
-            return self.lm_head(self.hidden(input_ids.reshape(-1), cu)).view(b, t, -1)
+            return self.lm_head(self.hidden(input_ids.reshape(-1), cu, embeds=embeds)).view(b, t, -1)
         if cu_seqlens is None:
             cu_seqlens = torch.tensor([0, input_ids.numel()], device=input_ids.device)
-        return self.lm_head(self.hidden(input_ids, cu_seqlens))
+        return self.lm_head(self.hidden(input_ids, cu_seqlens, embeds=embeds))
 
     @torch.inference_mode()
     def forward_batch(

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from radixk3.model import KimiForCausalLM
+from radixk3.vision.encoder import VisionEncoder
 from runtime.grammar import GrammarBackend
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, decode, encode
 from runtime.model_files import model_config, tokenizer_for
@@ -28,8 +29,9 @@ from runtime.worker.model_worker import ModelWorker
 
 class LocalEngine:
     def __init__(self, args: ServerArgs, model: KimiForCausalLM | None = None, *, wire: bool = True,
-                 check: bool = False, on_step: Callable[[Scheduler], None] | None = None) -> None:
-        self.worker = ModelWorker(args, model)
+                 check: bool = False, on_step: Callable[[Scheduler], None] | None = None,
+                 vision: VisionEncoder | None = None) -> None:
+        self.worker = ModelWorker(args, model, vision)
         tok = tokenizer_for(args)
         cfg = model_config(args) if model is None else model.config
         stop_ids = model_stop_ids(args, tok, cfg)
@@ -51,7 +53,8 @@ class LocalEngine:
 
     def submit(self, input_ids: list[int], sampling: dict[str, Any] | None, **options: Any) -> str:
         """Check and queue one request (one sample: `n` is not expanded); `options`: GenerateReq's
-        (return_logprob, logprob_start_len, top_logprobs_num). Raises InvalidRequest for bad input."""
+        (return_logprob, logprob_start_len, top_logprobs_num, images with image_patches). Raises InvalidRequest
+        for bad input."""
         params = SamplingParams.from_dict(sampling, self.vocab_size)
         req = GenerateReq(f"l{self._n}", check_prompt_ids(input_ids, self.vocab_size), params.for_sample(0),
                           **options)

@@ -4,8 +4,8 @@ A message is a list of ZeroMQ frames: frame 0 is the orjson header (the dataclas
 arrays, plus the message type), then one raw frame per array field, in field order: int64, or the dtype
 the class names for it in `ARRAY_DTYPES`; then, for each group of arrays (`ARRAY_GROUPS`: a dataclass of
 arrays, such as a plan's sampling columns), one raw frame per array of the group, in its field order and
-its `DTYPES`. A dataclass in the header (`NESTED`) is rebuilt as it was sent: it was checked before it was
-sent, so it is not checked again.
+its `DTYPES`. A dataclass in the header (`NESTED`), or a list of them (`NESTED_LISTS`), is rebuilt as it was
+sent: it was checked before it was sent, so it is not checked again.
 """
 
 from __future__ import annotations
@@ -22,11 +22,34 @@ from runtime.sampling_params import SamplingParams
 
 
 @dataclass
+class ImageRef:
+    """An image of a request's prompt: its `num_tokens` `<|media_pad|>` ids are prompt positions
+    [offset, offset + num_tokens); its patches (`num_patches` = t * h * w of `grid`) travel in the message's
+    `image_patches`, image after image. `content_hash` names its pixels (the radix key of its pads, the worker's
+    encoder-cache key)."""
+
+    content_hash: str
+    grid: tuple[int, int, int]
+    offset: int
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        self.grid = tuple(self.grid)  # a list after the JSON round trip
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+
+@dataclass
 class GenerateReq:
     """One sample of a request, checked at the door (the tokenizer manager, LocalEngine): nothing downstream
-    validates it again."""
+    validates it again. `image_patches`: the images' patches, flattened float32, in `images` order."""
 
     NESTED: ClassVar[dict[str, type]] = {"sampling": SamplingParams}
+    NESTED_LISTS: ClassVar[dict[str, type]] = {"images": ImageRef}
+    ARRAYS: ClassVar[tuple[str, ...]] = ("image_patches",)
+    ARRAY_DTYPES: ClassVar[dict[str, type]] = {"image_patches": np.float32}
     rid: str
     input_ids: list[int]
     sampling: SamplingParams  # n = 1; sample i of n draws with seed + i
@@ -34,6 +57,30 @@ class GenerateReq:
     logprob_start_len: int = -1  # -1: no input logprobs; else from this prompt position on
     top_logprobs_num: int = 0
     stream: bool = False
+    images: list[ImageRef] = field(default_factory=list)
+    image_patches: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+
+
+@dataclass
+class PlanImage:
+    """An image whose pad run meets a step's new tokens: rows [lo, hi) of its encoder output replace the
+    embeddings of packed tokens [dst, dst + hi - lo) of sequence `seq`. Its patches (t * h * w of `grid`) are in
+    the plan's `image_patches`, image after image."""
+
+    seq: int
+    content_hash: str
+    grid: tuple[int, int, int]
+    num_tokens: int
+    dst: int
+    lo: int
+    hi: int
+
+    def __post_init__(self) -> None:
+        self.grid = tuple(self.grid)  # a list after the JSON round trip
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
 
 
 @dataclass
@@ -89,8 +136,10 @@ class StepPlan:
     ARRAYS: ClassVar[tuple[str, ...]] = (
         "table_rows", "table_cols", "table_pages", "rows", "prefix_lens", "cu_seqlens", "state_slots",
         "input_ids", "ckpt_seq", "ckpt_offset", "ckpt_slot", "logits_index", "grammar_rows", "grammar_mask",
+        "image_patches",
     )
-    ARRAY_DTYPES: ClassVar[dict[str, type]] = {"grammar_mask": np.int32}
+    ARRAY_DTYPES: ClassVar[dict[str, type]] = {"grammar_mask": np.int32, "image_patches": np.float32}
+    NESTED_LISTS: ClassVar[dict[str, type]] = {"images": PlanImage}
     ARRAY_GROUPS: ClassVar[dict[str, type]] = {"sampling": SamplingColumns}
     step: int
     mode: str  # "extend" | "decode" | "verify" | "idle" (radixk3.forward_batch.ForwardMode values)
@@ -122,6 +171,9 @@ class StepPlan:
     # verify window over every group (0: none verifies), and whether some group runs an extend or decode step.
     dp_window_width: int = 0
     dp_extends: bool = False
+    # Images whose pad runs meet this step's new tokens, and their patches (flattened float32, in that order).
+    images: list[PlanImage] = field(default_factory=list)
+    image_patches: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
 
     @property
     def num_sampled(self) -> int:
@@ -267,4 +319,6 @@ def decode(frames: list[bytes]) -> Any:
         header[group] = kind(**grouped[group])
     for name, kind in getattr(cls, "NESTED", {}).items():
         header[name] = kind(**header[name])
+    for name, kind in getattr(cls, "NESTED_LISTS", {}).items():
+        header[name] = [kind(**item) for item in header[name]]
     return cls(**header)

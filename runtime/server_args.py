@@ -111,6 +111,20 @@ class ServerArgs:
     speculative_ngram_capacity: int = 1 << 16  # requests' tokens (running, finished) n-gram drafts come from (0: off)
     spec_state: str = "replay"  # how the KDA state of the draft window is recovered: replay | snapshot
     debug_spec_state: bool = False  # after every verify, check the live KDA state against plain decode (tests)
+    # Images (models with a vision tower): what a request's images may cost, and the worker's encoder cache.
+    max_images_per_request: int = field(default=16, metadata={"help": (
+        "the most images one request may carry; more: HTTP 400")})
+    max_image_bytes: int = field(default=16 << 20, metadata={"help": (
+        "the largest encoded image (decoded from base64, or fetched), in bytes; larger: HTTP 400")})
+    max_image_pixels: int = field(default=1 << 26, metadata={"help": (
+        "the most pixels (width x height) an image may have before it is resized; more: HTTP 400")})
+    allow_image_urls: bool = field(default=False, metadata={"help": (
+        "fetch http(s) image URLs (within --max-image-bytes and --image-url-timeout); without it only data: URLs "
+        "and base64 are taken")})
+    image_url_timeout: float = 10.0  # seconds an image URL's fetch may take in all
+    image_encoder_cache_bytes: int = field(default=256 << 20, metadata={"help": (
+        "bytes of vision-encoder outputs each worker rank keeps by image content hash (least recently used out), "
+        "so that a repeated image is not encoded again")})
     # Structured output (runtime.grammar): what a grammar may cost the server.
     max_grammar_bytes: int = field(default=128 << 10, metadata={"help": (
         "the largest regex / json_schema / ebnf a request may carry, in bytes (UTF-8); larger ones get 400")})
@@ -201,6 +215,10 @@ class ServerArgs:
         if self.max_grammar_bytes < 1 or self.grammar_cache_bytes < 0 or self.grammar_compile_workers < 1:
             raise ValueError("--max-grammar-bytes and --grammar-compile-workers must be >= 1, "
                              "--grammar-cache-bytes >= 0")
+        if min(self.max_images_per_request, self.max_image_bytes, self.max_image_pixels) < 1 \
+                or self.image_encoder_cache_bytes < 0 or not self.image_url_timeout > 0:
+            raise ValueError("--max-images-per-request, --max-image-bytes and --max-image-pixels must be >= 1, "
+                             "--image-encoder-cache-bytes >= 0, --image-url-timeout > 0")
         if not self.grammar_compile_timeout > 0:  # also refuses NaN
             raise ValueError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
         for name in ("tp_size", "ep_size", "dp_size", "nnodes"):

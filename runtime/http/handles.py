@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from radixk3.vision.image_processor import ProcessedImage
 from runtime.http.api_errors import APIError, request_failed
 from runtime.http.metrics import RequestTimer
 from runtime.sampling_params import SamplingParams
@@ -126,14 +127,16 @@ async def merged(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int
             t.cancel()
 
 
-def submit_all(tm: TokenizerManager, live: MutableMapping[str, RequestHandle], prompts: Sequence[list[int]],
-               params: Sequence[SamplingParams], rids: Sequence[str | None], **kw: Any) -> list[RequestHandle]:
+def submit_all(tm: TokenizerManager, live: MutableMapping[str, RequestHandle], prompts: Sequence[list[int] | str],
+               params: Sequence[SamplingParams], rids: Sequence[str | None],
+               images: Sequence[Sequence[ProcessedImage]] | None = None, **kw: Any) -> list[RequestHandle]:
     """Submit every prompt of a batch, or none: each is validated (`TokenizerManager.prepare`), then the batch is
     checked as a whole against the queue and sent (`send`), so a refused batch leaves nothing running and never
     takes the room of a request beside it. Each handle is listed in `live` (weak values) under its request id,
     for /abort_request."""
-    subs = [tm.prepare(ids, sp, rid=rid or uuid.uuid4().hex, **kw)
-            for ids, sp, rid in zip(prompts, params, rids, strict=True)]
+    images = images if images is not None else [()] * len(prompts)
+    subs = [tm.prepare(ids, sp, rid=rid or uuid.uuid4().hex, images=ims, **kw)
+            for ids, sp, rid, ims in zip(prompts, params, rids, images, strict=True)]
     handles = tm.send(subs)
     for sub, handle in zip(subs, handles, strict=True):
         live[sub.rid] = handle

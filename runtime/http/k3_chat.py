@@ -7,11 +7,13 @@ the reasoning before it runs free, as a reasoning parser lets it in SGLang and v
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from radixk3.vision.prompt import ImageSlot
 from runtime.errors import InvalidRequest
 from runtime.grammar_compile import ANY_JSON, error_message, xgrammar_module
 from runtime.grammar_schema import vet_json_schema
@@ -44,11 +46,12 @@ class K3Chat:
                               parallel=self.parallel_calls)
 
 
-def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
-    """The K3 prompt, and the grammar when a call is forced (or when the request's own grammar follows the
-    reasoning). A forcing grammar is built from the tools' parameter schemas, which are held to what a request's
-    own json_schema is held to (depth, supported features, and the grammar's size, `--max-grammar-bytes`). It
-    may take a while for large schemas: call it off the event loop."""
+def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int, images: Sequence[ImageSlot] = ()) -> K3Chat:
+    """The K3 prompt (its image parts expanded for `images`, in `image_parts` order), and the grammar when a call
+    is forced (or when the request's own grammar follows the reasoning). A forcing grammar is built from the
+    tools' parameter schemas, which are held to what a request's own json_schema is held to (depth, supported
+    features, and the grammar's size, `--max-grammar-bytes`). It may take a while for large schemas: call it off
+    the event loop."""
     if (problem := req.k3_template_kwargs_problem()) is not None:
         raise APIError(400, problem, "invalid_request_error", param="chat_template_kwargs")
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
@@ -75,7 +78,7 @@ def plan_k3_chat(req: ChatCompletionRequest, max_grammar_bytes: int) -> K3Chat:
         fmt = req.response_format.model_dump(by_alias=True, exclude_none=True) if req.response_format else None
         options = K3ChatOptions(thinking, effort, choice if isinstance(choice, str) else None, fmt, forced is not None,
                                 req.continue_final_message)
-        prompt = render_k3_chat(messages, tools, options)
+        prompt = render_k3_chat(messages, tools, options, images=images)
     except RenderError as e:
         raise APIError(400, str(e), "invalid_request_error", param="messages") from None
     except (ValueError, RuntimeError) as e:  # a tool's schema the declaration cannot write

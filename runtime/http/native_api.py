@@ -10,6 +10,7 @@ the others are declined by `runtime.http.sglang_fields` (accepted at their defau
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 from typing import Annotated, Any, ClassVar
 
@@ -17,6 +18,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 from starlette.responses import Response
 
+from radixk3.config import ConfigError
+from radixk3.vision.image_processor import ProcessedImage
+from runtime.errors import InvalidRequest
 from runtime.http.api_errors import APIError, OrjsonResponse, parse_body, request_failed, stream_failed
 from runtime.http.handles import (
     ClientDisconnected,
@@ -33,6 +37,7 @@ from runtime.http.sglang_fields import GENERATE_DECLINED, Declined, DeclinesSGLa
 from runtime.http.sse import DONE, event, sse_response
 from runtime.http.state import ServerState, state_of
 from runtime.sampling_params import SamplingParams
+from runtime.tokenizer.image_input import ImageLimits, expand_text_images, load_images
 from runtime.tokenizer.manager import RequestHandle
 from runtime.tokenizer.request_stream import StreamCursor
 
@@ -56,6 +61,9 @@ class GenerateRequest(DeclinesSGLangFields):
     logprob_start_len: StrictInt | None = None
     top_logprobs_num: StrictInt | None = None
     return_text_in_logprobs: StrictBool = False
+    # SGLang's spelling: one prompt's image or images (data: URLs, base64, or http(s) URLs with --allow-image-urls),
+    # one per <|kimi_image_placeholder|> in its text; a batch: one entry (an image, a list, or null) per prompt.
+    image_data: StrictStr | list[StrictStr | list[StrictStr] | None] | None = None
     # sglang-router's additions: the model as the OpenAI routes take its names; log_metrics=false keeps the
     # request out of /metrics (SGLang's health checks send it); no_logs: this server logs no request's content.
     model: StrictStr | None = None
@@ -67,6 +75,9 @@ class GenerateRequest(DeclinesSGLangFields):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text and input_ids")
         n = len(self.prompts()) if self.is_batch else 1
+        if self.is_batch and self.image_data is not None and (
+                not isinstance(self.image_data, list) or len(self.image_data) != n):
+            raise ValueError(f"image_data must hold one entry per prompt ({n})")
         for name in ("sampling_params", "rid"):
             value = getattr(self, name)
             if isinstance(value, list) and (not self.is_batch or len(value) != n):
@@ -90,6 +101,18 @@ class GenerateRequest(DeclinesSGLangFields):
                 "top_logprobs_num": self.top_logprobs_num or 0,
                 "return_text_in_logprobs": self.return_text_in_logprobs}
 
+    def images(self) -> list[list[tuple[str, str]]]:
+        """Each prompt's images as (name, data), the names as errors give them."""
+        d = self.image_data
+        if d is None:
+            return [[] for _ in self.prompts()]
+        if not self.is_batch:
+            return [[("image_data", d)] if isinstance(d, str) else [(f"image_data[{i}]", x) for i, x in enumerate(d)
+                                                                      if isinstance(x, str)]]
+        assert isinstance(d, list)
+        return [[] if x is None else [(f"image_data[{p}]", x)] if isinstance(x, str)
+                else [(f"image_data[{p}][{i}]", y) for i, y in enumerate(x)] for p, x in enumerate(d)]
+
     def per_prompt(self, name: str, n: int) -> list[Any]:
         value = getattr(self, name)
         return list(value) if isinstance(value, list) else [value] * n
@@ -110,10 +133,13 @@ async def generate(request: Request) -> Response:
     for p, sp in zip(prompts, sps, strict=True):
         if isinstance(p, str):
             st.tm.limits.check_text(len(p), sp.max_new_tokens, "text")
-    ids = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in prompts]
+    images = await _images(st, req)
+    ids = [expand_text_images(p, ims, st.tokenizer, param=field).ids if ims and isinstance(p, str)
+           else st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p)
+           for p, ims in zip(prompts, images, strict=True)]
     await st.tm.check_grammars(sps)  # parsed in a thread: a large grammar never stalls other requests
     handles = submit_all(st.tm, st.live, ids, sps,
-                         req.per_prompt("rid", len(ids)), **req.logprob_options)
+                         req.per_prompt("rid", len(ids)), images=images, **req.logprob_options)
     timers = [st.metrics.timer(req.log_metrics) for _ in handles]
     if req.stream:
         return sse_response(_stream(st, req, ids, handles, timers))
@@ -126,6 +152,20 @@ async def generate(request: Request) -> Response:
         raise err
     out = [handles[i].result_of(s) for i, group in enumerate(per_prompt) for s in group]
     return OrjsonResponse(out[0] if len(out) == 1 and not req.is_batch else out)
+
+
+async def _images(st: ServerState, req: GenerateRequest) -> list[list[ProcessedImage]]:
+    """Each prompt's images decoded and processed off the event loop; a 400 naming a bad one."""
+    per_prompt = req.images()
+    if not any(per_prompt):
+        return [[] for _ in per_prompt]
+    try:
+        st.tm.procs.config.check_images(sum(len(x) for x in per_prompt))
+    except ConfigError as e:
+        raise InvalidRequest(str(e), param="image_data") from None
+    limits = ImageLimits.of(st.args)
+    return [await asyncio.to_thread(load_images, [d for _, d in found], limits, [n for n, _ in found])
+            for found in per_prompt]
 
 
 def _sampling_params(st: ServerState, req: GenerateRequest, n: int) -> list[SamplingParams]:

@@ -14,13 +14,15 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from radixk3.config import ConfigError
 from radixk3.tokenizer import Tokenizer
+from radixk3.vision.image_processor import ProcessedImage
 from runtime.http.api_errors import APIError, OrjsonResponse, parse_body, request_failed, stream_failed
 from runtime.http.chat_reply import ChatReply, ReplyParser, whole_reply
 from runtime.http.handles import (
@@ -63,6 +65,7 @@ from runtime.http.template_chat import (
 )
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer.chat_format import K3
+from runtime.tokenizer.image_input import ImageLimits, load_images
 from runtime.tokenizer.manager import RequestHandle
 from runtime.tokenizer.request_stream import Sample, StreamChunk, token_text
 
@@ -132,14 +135,17 @@ def _check_limits(st: ServerState, params: SamplingParams, prompts: int, top: in
 
 
 async def submit(st: ServerState, prompts: list[list[int]], params: SamplingParams, rid: str | None,
-                 logprobs: bool = False, top: int = 0, prompt_logprobs: bool = False
+                 logprobs: bool = False, top: int = 0, prompt_logprobs: bool = False,
+                 images: Sequence[Sequence[ProcessedImage]] | None = None,
                  ) -> tuple[list[RequestHandle], list[RequestTimer]]:
-    """The prompts submitted (their grammar checked first), each with its metrics timer; one prompt keeps `rid`."""
+    """The prompts submitted (their grammar checked first), each with its metrics timer; one prompt keeps `rid`.
+    `images`: each prompt's images, whose pad runs its ids hold."""
     await st.tm.check_grammars([params])  # parsed in a thread: a large grammar never stalls other requests
     rids = [rid] if rid is not None and len(prompts) == 1 else [
         None if rid is None else f"{rid}-p{i}" for i in range(len(prompts))]
-    handles = submit_all(st.tm, st.live, prompts, [params] * len(prompts), rids, return_logprob=logprobs,
-                         logprob_start_len=0 if prompt_logprobs else -1, top_logprobs_num=top)
+    handles = submit_all(st.tm, st.live, prompts, [params] * len(prompts), rids, images=images,
+                         return_logprob=logprobs, logprob_start_len=0 if prompt_logprobs else -1,
+                         top_logprobs_num=top)
     return handles, [st.metrics.timer() for _ in handles]
 
 
@@ -251,7 +257,8 @@ async def chat_completions(request: Request) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
     st.check_model(req.model)
     plan = await plan_chat(st, req)
-    handles, timers = await submit(st, [plan.prompt], plan.params, req.rid, req.logprobs, req.top_logprobs or 0)
+    handles, timers = await submit(st, [plan.prompt], plan.params, req.rid, req.logprobs, req.top_logprobs or 0,
+                                   images=[plan.images])
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         return sse_response(_chat_stream(st, req, handles, timers, cid, created, plan.chat))
@@ -303,30 +310,53 @@ class ChatPlan:
     chat: RenderedChat
     prompt: list[int]
     params: SamplingParams
+    images: list[ProcessedImage] = field(default_factory=list)  # the image parts', whose pad runs `prompt` holds
 
     def reply(self, tok: Tokenizer) -> ChatReply | None:
         """A reader of one choice's text, when the chat's replies are parsed."""
         return self.chat.reply(tok)
 
 
-async def render_chat(st: ServerState, req: ChatCompletionRequest) -> RenderedChat:
-    """The chat in the model's format (a 400 for what the format cannot render); a forced call's grammar is
-    built off the event loop."""
+async def render_chat(st: ServerState, req: ChatCompletionRequest, images: Sequence[ProcessedImage] = ()
+                      ) -> RenderedChat:
+    """The chat in the model's format (a 400 for what the format cannot render), its image parts expanded for
+    `images` (K3's encoding only); a forced call's grammar is built off the event loop."""
     k3, tpl = None, None
+    if images and (st.chat_format.templated or not _renders_k3(st, req)):
+        raise APIError(400, "images need K3's chat encoding; this model's chat format cannot place them",
+                       "invalid_request_error", param="messages")
     if st.chat_format.templated:  # the checkpoint's own template (runtime.tokenizer.chat_format)
         tpl = await asyncio.to_thread(plan_template_chat, req, st.chat_format, st.args.max_grammar_bytes)
     elif _renders_k3(st, req):
-        k3 = await asyncio.to_thread(plan_k3_chat, req, st.args.max_grammar_bytes)
+        k3 = await asyncio.to_thread(plan_k3_chat, req, st.args.max_grammar_bytes, [im.slot for im in images])
     return RenderedChat(req, k3, tpl)
+
+
+async def chat_images(st: ServerState, req: ChatCompletionRequest) -> list[ProcessedImage]:
+    """The chat's image parts, in the order its prompt places them, decoded and processed off the event loop; a
+    400 naming the part (`messages[i].content[j]`) for a bad one."""
+    found = [(f"messages[{i}].content[{j}]", url) for i, m in enumerate(req.messages) for j, url in m.image_urls()]
+    if not found:
+        return []
+    for i, m in enumerate(req.messages):
+        if m.role == "tool" and m.image_urls():
+            raise APIError(400, "a tool message cannot carry an image part", "invalid_request_error",
+                           param=f"messages[{i}]")
+    try:
+        st.tm.procs.config.check_images(len(found))
+    except ConfigError as e:
+        raise APIError(400, str(e), "invalid_request_error", param=found[0][0]) from None
+    return await asyncio.to_thread(load_images, [u for _, u in found], ImageLimits.of(st.args), [n for n, _ in found])
 
 
 async def plan_chat(st: ServerState, req: ChatCompletionRequest) -> ChatPlan:
     """The chat rendered, its sampling parameters parsed and the door's limits checked: ready to submit."""
-    chat = await render_chat(st, req)
+    images = await chat_images(st, req)
+    chat = await render_chat(st, req, images)
     params = st.tm.parse_sampling(chat.sampling())
     _check_limits(st, params, 1, req.top_logprobs or 0, "top_logprobs",
                   [sum(len(m.text()) for m in req.messages)], "messages")
-    return ChatPlan(chat, chat.ids(st.tokenizer), params)
+    return ChatPlan(chat, chat.ids(st.tokenizer), params, images)
 
 
 def _renders_k3(st: ServerState, req: ChatCompletionRequest) -> bool:

@@ -132,6 +132,19 @@ class TextPart(_Strict):
     text: StrictStr
 
 
+class ImageURL(_Strict):
+    url: StrictStr  # a data: URL (or base64), or an http(s) URL the server fetches with --allow-image-urls
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the tower sees the processed image either way
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCall(_Strict):
     name: NonEmptyStr
     arguments: StrictStr  # a JSON object, as OpenAI sends it
@@ -145,7 +158,7 @@ class ToolCallIn(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool"]
-    content: StrictStr | Annotated[list[TextPart], Field(min_length=1)] | None = None
+    content: StrictStr | Annotated[list[ContentPart], Field(min_length=1)] | None = None
     name: NonEmptyStr | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: NonEmptyStr | None = None
@@ -166,7 +179,14 @@ class ChatMessage(_Strict):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content if isinstance(p, TextPart))
+
+    def image_urls(self) -> list[tuple[int, str]]:
+        """(content part index, URL) of each image part, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, p.image_url.url) for j, p in enumerate(self.content) if isinstance(p, ImagePart)]
 
     @property
     def is_k3(self) -> bool:

@@ -56,7 +56,7 @@ _COMMON = (
 GENERATE_DECLINED: Mapping[str, Declined] = (
     _COMMON
     | _declined(None, "input embeddings", "input_embeds", "positional_embed_overrides")
-    | _declined(None, "multimodal inputs", "image_data", "video_data", "audio_data", "mm_hashes",
+    | _declined(None, "multimodal inputs", "video_data", "audio_data", "mm_hashes",
                 "mm_content_hashes", "video_config", "modalities", "need_wait_for_mm_inputs", "num_items_assigned",
                 "encoder_urls", "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
                 "video_max_dynamic_patch")

@@ -10,7 +10,7 @@ import numpy as np
 
 from kernels.sampling_columns import PARAMETERS, SamplingColumns
 from runtime.grammar import GrammarMatcher, fill_masks
-from runtime.messages import StepPlan
+from runtime.messages import PlanImage, StepPlan
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.output_processor import OutputProcessor
 from runtime.scheduler.page_table import PageTables
@@ -51,6 +51,19 @@ def sampling_columns(params: list[SamplingParams], steps: list[int]) -> Sampling
                               **{name: [getattr(p, name) for p in params] for name in (*PARAMETERS, "seed")})
 
 
+def step_images(req: Req, seq: int, a: int, b: int, base: int) -> list[tuple[PlanImage, np.ndarray]]:
+    """The images of `req` whose pad runs meet its new tokens [a, b) (packed from row `base`), each with the slice
+    of its rows those tokens take (a chunked prefill may split a run) and its patches."""
+    out = []
+    for im in req.images:
+        r = im.ref
+        lo, hi = max(a, r.offset), min(b, r.offset + r.num_tokens)
+        if lo < hi:
+            out.append((PlanImage(seq, r.content_hash, r.grid, r.num_tokens, base + lo - a, lo - r.offset,
+                                  hi - r.offset), im.patches))
+    return out
+
+
 def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: OutputProcessor) -> StepPlan:
     for s in rec.seqs:
         tables.sync(s.req)
@@ -65,10 +78,13 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
     lp_rows: list[tuple[int, int]] = []  # (packed row, next token)
     grammar_rows: list[int] = []
     matchers: list[GrammarMatcher] = []
+    images: list[tuple[PlanImage, np.ndarray]] = []
     top_n = 0
-    for s in rec.seqs:
+    for i, s in enumerate(rec.seqs):
         req = s.req
         a, b = s.start, s.start + s.n
+        if req.images and a < len(req.prompt_ids):
+            images.extend(step_images(req, i, a, b, cu[-1]))
         known = min(b - len(s.drafts), req.known_len)
         ids.extend(req.ids(a, known))
         ids.extend([-1] * (b - len(s.drafts) - known))  # the token being sampled now: the worker feeds it itself
@@ -113,4 +129,6 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
         banned=banned, logit_bias=bias, reset_rows=resets, top_logprobs_num=top_n,
         input_logprob_rows=[(len(sample_rows) + i, tok) for i, (_, tok) in enumerate(lp_rows)],
         grammar_rows=arr(grammar_rows), grammar_mask=fill_masks(matchers).reshape(-1),
+        images=[im for im, _ in images],
+        image_patches=np.concatenate([p for _, p in images]) if images else np.zeros(0, dtype=np.float32),
     )

@@ -77,7 +77,7 @@ def shared_prefix_leader(ids: list[int], prefix_len: int, sources: Sequence[Req]
     best: tuple[Req, int] | None = None
     limit = (len(ids) - 1) // page_size * page_size
     for src in sources:
-        n = min(common_prefix_len(ids, src.ids(0, min(src.known_len, limit))), limit)
+        n = min(common_prefix_len(ids, src.key_ids(0, min(src.known_len, limit))), limit)
         p = n // page_size * page_size
         if p - prefix_len < IN_BATCH_PREFIX_MIN or (best is not None and p <= best[1]):
             continue

@@ -72,7 +72,7 @@ class ReqCache:
         request's duplicate (their entries must be rewritten)."""
         assert self.cache is not None and pos % self.ps == 0 and pos <= req.num_computed
         k = pos // self.ps
-        res = self.cache.insert(req.ids(0, pos), req.pages[:k], block)
+        res = self.cache.insert(req.key_ids(0, pos), req.pages[:k], block)
         mine = req.pages[:k]
         # Usually none (its earlier chunks already hold the tree's pages): compared in C, not page by page.
         changed = [i for i, (p, q) in enumerate(zip(mine, res.pages, strict=True)) if p != q] if mine != res.pages \
@@ -95,7 +95,7 @@ class ReqCache:
         n = req.num_computed
         if donate and self.cache is not None and n > 0 and n % self.ps == 0:
             k = n // self.ps
-            self.cache.insert(req.ids(0, n), req.pages[:k], req.state)  # donation
+            self.cache.insert(req.key_ids(0, n), req.pages[:k], req.state)  # donation
             own_from = k
         else:
             self.pool.free_state(req.state)

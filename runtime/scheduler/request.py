@@ -4,14 +4,58 @@ steps have run), what it owns in the pool, its page-table row, and its output bo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
+
+from runtime.messages import ImageRef
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.radix_cache import Node
 from runtime.spec.ngram import CorpusDoc, NgramIndex
 
 if TYPE_CHECKING:
     from runtime.grammar import GrammarMatcher
+
+
+# An image's pad positions are keyed in the radix tree by a value drawn from its content hash, above every token id
+# (SGLang's pad_value idea, in the key only: the worker still gets the pad id), so that two images behind the same
+# pad ids never share cached tokens and the same image hits.
+IMAGE_KEY_BASE = 1 << 60
+
+
+def image_key_id(content_hash: str) -> int:
+    return IMAGE_KEY_BASE + int(content_hash[:15], 16)
+
+
+class ReqImage(NamedTuple):
+    ref: ImageRef
+    patches: np.ndarray  # flattened float32, ref.num_patches patches
+
+
+def request_images(refs: list[ImageRef], patches: np.ndarray) -> list[ReqImage]:
+    """A GenerateReq's images, each with its own slice of the message's patches."""
+    total = sum(r.num_patches for r in refs)
+    if not refs:
+        return []
+    per_patch = len(patches) // total
+    if per_patch * total != len(patches):
+        raise ValueError(f"{len(patches)} patch values for {total} patches")
+    out, at = [], 0
+    for r in refs:
+        out.append(ReqImage(r, patches[at : at + r.num_patches * per_patch]))
+        at += r.num_patches * per_patch
+    return out
+
+
+def radix_key(prompt_ids: list[int], images: list[ReqImage]) -> list[int] | None:
+    """The prompt as the radix tree keys it (each image's pads replaced by its hash's value); None without images."""
+    if not images:
+        return None
+    key = list(prompt_ids)
+    for im in images:
+        r = im.ref
+        key[r.offset : r.offset + r.num_tokens] = [image_key_id(r.content_hash)] * r.num_tokens
+    return key
 
 
 @dataclass(eq=False)
@@ -23,6 +67,8 @@ class Req:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     arrival: int = 0  # admission order, for FCFS
+    images: list[ReqImage] = field(default_factory=list)  # in prompt order
+    prompt_key: list[int] | None = None  # `radix_key` of the prompt (None: the prompt ids themselves)
 
     output_ids: list[int] = field(default_factory=list)
     # Cache bookkeeping. `num_computed` tokens are planned: once the steps in flight have run, the KV of
@@ -102,6 +148,21 @@ class Req:
         if start >= n:
             return self.output_ids[start - n : end - n]
         return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    def key_ids(self, start: int, end: int) -> list[int]:
+        """`ids(start, end)` as the radix tree keys them: an image's pads by its content hash."""
+        if self.prompt_key is None:
+            return self.ids(start, end)
+        n = len(self.prompt_key)
+        if end <= n:
+            return self.prompt_key[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_key[start:] + self.output_ids[: end - n]
+
+    @property
+    def all_key_ids(self) -> list[int]:
+        return self.key_ids(0, self.known_len)
 
     @property
     def active(self) -> bool:

@@ -41,7 +41,7 @@ from runtime.scheduler.policy import NewTokenRatio, order_waiting, running_prefi
 from runtime.scheduler.pool import Kind, UnifiedPool
 from runtime.scheduler.radix_cache import HybridRadixCache, MatchResult
 from runtime.scheduler.req_cache import ReqCache
-from runtime.scheduler.request import Req
+from runtime.scheduler.request import Req, radix_key, request_images
 from runtime.server_args import ServerArgs
 from runtime.spec.ngram import NgramCorpus, NgramIndex, propose_drafts
 
@@ -134,12 +134,14 @@ class Scheduler:
                 raise InvalidRequest("the queue is full, try again later")
             if params.grammar is not None and self.grammar is None:
                 raise InvalidRequest("structured output is not available in this engine", param=params.grammar[0])
+            images = request_images(msg.images, msg.image_patches)
         except Exception as e:  # refused, or something unexpected: this request fails, never the scheduler
             self.outputs.outbox.append(TokenOut(msg.rid, [], finished="error", error=str(e)))
             return
         self._arrivals += 1
         req = Req(msg.rid, list(msg.input_ids), params, msg.return_logprob, msg.logprob_start_len,
-                  msg.top_logprobs_num, arrival=self._arrivals)
+                  msg.top_logprobs_num, arrival=self._arrivals, images=images,
+                  prompt_key=radix_key(list(msg.input_ids), images))
         if params.grammar is not None and self.grammar is not None:
             self.grammar_wait.append((req, self.grammar.submit(GrammarKey(*params.grammar))))
         else:
@@ -648,7 +650,7 @@ class Scheduler:
 
     # --- admission -------------------------------------------------------------------------------------
     def _match_ids(self, req: Req) -> list[int]:
-        ids = req.all_ids
+        ids = req.all_key_ids
         if req.wants_input_logprobs:  # tokens whose input logprobs are wanted must be recomputed
             ids = ids[: max(req.logprob_start_len - 1, 0) + 1]
         return ids

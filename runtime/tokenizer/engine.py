@@ -16,9 +16,11 @@ from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from radixk3.tokenizer import Tokenizer
+from radixk3.vision.image_processor import ProcessedImage
 from runtime.engine_processes import EngineProcesses
-from runtime.errors import EngineError, EngineOverloaded
+from runtime.errors import EngineError, EngineOverloaded, InvalidRequest
 from runtime.server_args import ServerArgs
+from runtime.tokenizer.image_input import ImageLimits, load_images
 from runtime.tokenizer.manager import SHUT_DOWN, RequestHandle, TokenizerManager
 from runtime.tokenizer.request_stream import StreamChunk
 
@@ -67,13 +69,34 @@ class Engine:
     async def _on_loop(self, fn: Any, *args: Any, **kw: Any) -> Any:
         return fn(*args, **kw)
 
+    async def _images(self, image_data: Any, count: int, single: bool) -> list[list[ProcessedImage]]:
+        """`image_data` as SGLang's Engine takes it (one prompt: an image or a list of them; a batch: one entry,
+        an image or a list, per prompt), decoded and processed off this loop, per prompt."""
+        if image_data is None:
+            return [[] for _ in range(count)]
+        if single:
+            per_prompt = [image_data]
+        elif isinstance(image_data, list) and len(image_data) == count:
+            per_prompt = list(image_data)
+        else:
+            raise InvalidRequest(f"image_data must hold one entry per prompt ({count})", param="image_data")
+        items = [[] if x is None else list(x) if isinstance(x, list | tuple) else [x] for x in per_prompt]
+        limits = ImageLimits.of(self.args)
+        return [await asyncio.to_thread(load_images, its, limits,
+                                        [f"image_data[{i}]" if single else f"image_data[{p}][{i}]"
+                                         for i in range(len(its))])
+                for p, its in enumerate(items)]
+
     async def _submit_for(self, consumer: asyncio.AbstractEventLoop, prompt: str | list[int],
                           sampling: dict[str, Any] | None, kw: dict[str, Any]) -> RequestHandle:
         """`TokenizerManager.submit` with the options in `kw`, its grammar parsed off this loop first (other
         requests' chunks keep flowing)."""
         params = self.tm.parse_sampling(sampling)
         await self.tm.check_grammars([params])
-        return self.tm.submit(prompt, params, consumer=consumer, **kw)
+        (images,) = await self._images(kw.pop("image_data", None), 1, True)
+        timing = {k: kw.pop(k) for k in ("timeout", "deadline") if k in kw}
+        sub = self.tm.prepare(prompt, params, images=images, **kw)
+        return self.tm.send([sub], consumer=consumer, **timing)[0]
 
     async def _submit_many(self, consumer: asyncio.AbstractEventLoop, prompts: Prompts,
                            sampling_params: dict[str, Any] | list[dict[str, Any]] | None, kw: dict[str, Any]
@@ -90,8 +113,9 @@ class Engine:
             raise ValueError(f"{len(batch)} prompts but {len(rids)} rids")
         parsed = [self.tm.parse_sampling(sp) for sp in params]
         await self.tm.check_grammars(parsed)  # off this loop; then the batch is sent all or none
+        images = await self._images(kw.pop("image_data", None), len(batch), single)
         options = {k: v for k, v in kw.items() if k not in ("timeout", "deadline")}
-        subs = [self.tm.prepare(p, sp, rid=rids[i] if rids != [None] else None, **options)
+        subs = [self.tm.prepare(p, sp, rid=rids[i] if rids != [None] else None, images=images[i], **options)
                 for i, (p, sp) in enumerate(zip(batch, parsed, strict=True))]
         handles = self.tm.send(subs, consumer=consumer, timeout=kw.get("timeout"), deadline=kw.get("deadline"))
         return single, handles
@@ -142,7 +166,9 @@ class Engine:
         all submitted at once. `timeout` bounds the wait for each chunk; expiring aborts every request of
         the call, as does `deadline` (seconds the whole request may take). `rid` (a str, or one per prompt)
         names the requests, so another thread can abort them; also `return_logprob`, `logprob_start_len`,
-        `top_logprobs_num`, `return_text_in_logprobs` as in `TokenizerManager.submit`."""
+        `top_logprobs_num`, `return_text_in_logprobs` as in `TokenizerManager.submit`. `image_data` (SGLang's
+        spelling; a model with a vision tower): a prompt's images (data: URLs, base64, bytes, PIL images), one
+        per `<|kimi_image_placeholder|>` in its prompt, in order; for a batch, one entry per prompt."""
 
         async def run() -> dict[str, Any] | list[dict[str, Any]]:
             single, handles = await self._submit_many(self._loop, prompts, sampling_params, kw | {"timeout": timeout})

@@ -36,6 +36,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from radixk3.config import ConfigError
+from radixk3.vision.image_processor import ProcessedImage
 from runtime.dp_router import CacheAwareConfig, DPRouter
 from runtime.engine_processes import EngineProcesses
 from runtime.errors import EngineError, EngineOverloaded, InvalidRequest
@@ -63,6 +65,7 @@ from runtime.sampling_params import (
     check_prompt_ids,
 )
 from runtime.server_args import ServerArgs
+from runtime.tokenizer.image_input import PromptImages, expand_text_images, locate_images
 from runtime.tokenizer.request_stream import Sample, SampleStream, StreamChunk, StreamCursor
 from runtime.tokenizer.scheduler_watch import SchedulerWatch
 
@@ -445,10 +448,12 @@ class TokenizerManager:
 
     def prepare(self, prompt: str | list[int], sampling_params: SamplingParams | dict[str, Any] | None = None, *,
                 rid: str | None = None, return_logprob: bool = False, logprob_start_len: int = -1,
-                top_logprobs_num: int = 0, return_text_in_logprobs: bool = False) -> Submission:
+                top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
+                images: Sequence[ProcessedImage] = (), images_param: str = "image_data") -> Submission:
         """Validate one prompt's request against the model and the limits, and build its messages; nothing is
-        registered or sent (`send`). Raises InvalidRequest (bad input, or a request that can never fit),
-        EngineError (shut down)."""
+        registered or sent (`send`). `images` (`image_input.load_images`'s) replace the prompt's
+        `<|kimi_image_placeholder|>` ids in order (`images_param` names them in errors). Raises InvalidRequest
+        (bad input, or a request that can never fit), EngineError (shut down)."""
         self._check_thread()
         self._check_open()
         params = self.parse_sampling(sampling_params)  # checks n before anything is built per sample
@@ -458,7 +463,8 @@ class TokenizerManager:
         check_bool("return_text_in_logprobs", return_text_in_logprobs)
         if isinstance(prompt, str):
             self.limits.check_text(len(prompt), params.max_new_tokens, "prompt")
-        ids = self._prompt_ids(prompt)
+        prompt_images = self._prompt_images(prompt, images, images_param) if images else None
+        ids = self._prompt_ids(prompt) if prompt_images is None else prompt_images.ids
         if params.grammar is not None and (key := GrammarKey(*params.grammar)).digest() not in self._grammars_ok:
             # Not checked by `check_grammars` (a direct caller): parse it here; no tokenizer, so it is cheap.
             check_grammar(key, self.args.max_grammar_bytes)
@@ -470,8 +476,10 @@ class TokenizerManager:
             raise InvalidRequest(f"rid must be a non-empty string, got {rid!r}", param="rid")
         n = params.n
         rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+        with_images = {} if prompt_images is None else {"images": prompt_images.refs,
+                                                         "image_patches": prompt_images.patches}
         msgs = [GenerateReq(r, ids, params.for_sample(i), return_logprob, logprob_start_len, top_logprobs_num,
-                            stream=True) for i, r in enumerate(rids)]
+                            stream=True, **with_images) for i, r in enumerate(rids)]
         return Submission(rid, rids, ids, params, msgs, return_logprob, return_text_in_logprobs)
 
     def send(self, subs: Sequence[Submission], *, consumer: asyncio.AbstractEventLoop | None = None,
@@ -534,6 +542,18 @@ class TokenizerManager:
         sink = self._reqs[live[0]].sink
         self._abort_now(live)
         self._deliver(sink, TimeoutError(f"request {', '.join(rids)} passed its deadline"))
+
+    def _prompt_images(self, prompt: Any, images: Sequence[ProcessedImage], param: str) -> PromptImages:
+        """The prompt's ids with its images in place (`image_input`), and where they are."""
+        try:
+            self.procs.config.check_images(len(images))
+        except ConfigError as e:
+            raise InvalidRequest(str(e), param=param) from None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty", param="prompt")
+            return expand_text_images(prompt, images, self.tokenizer, param=param)
+        return locate_images(self._prompt_ids(prompt), images, self.tokenizer, param)
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):

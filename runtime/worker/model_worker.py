@@ -3,6 +3,7 @@ plan's mode through the attention backend, sample."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import traceback
 
@@ -19,10 +20,12 @@ from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM, build_model
 from radixk3.parallel import is_collective_failure, parallel_state
 from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
+from radixk3.vision.encoder import VisionEncoder
 from runtime.messages import StepPlan, StepResult
 from runtime.pool_layout import CopyCommand, pool_budget, pool_layout, serving_dtype
 from runtime.server_args import ServerArgs
 from runtime.spec.proposers import build_proposer, lockstep_proposer
+from runtime.worker.image_embedder import ImageEmbedder
 from runtime.worker.page_table import WorkerPageTable
 from runtime.worker.pool_buffer import PoolBuffer, torch_dtype
 from runtime.worker.pool_memory import pool_memory_bytes
@@ -50,14 +53,30 @@ def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
     return model
 
 
+def load_worker_vision(args: ServerArgs, model: KimiForCausalLM) -> VisionEncoder | None:
+    """The checkpoint's vision tower (None for a text-only model), in the text model's serving dtype. Every rank
+    holds it whole: it is small beside the text model, and its output feeds the replicated first-layer input."""
+    if args.model is None or model.config.vision is None:
+        return None
+    from radixk3.vision.weights import load_vision_encoder
+
+    return load_vision_encoder(args.model, device=model.device, dtype=serving_dtype(model.config, args))
+
+
 class ModelWorker:
-    def __init__(self, args: ServerArgs, model: KimiForCausalLM | None = None) -> None:
+    def __init__(self, args: ServerArgs, model: KimiForCausalLM | None = None,
+                 vision: VisionEncoder | None = None) -> None:
+        """`model` and `vision` (its tower) given: used as they are; `model` None: both load from `args.model`."""
         self.args = args
-        self.model = model if model is not None else load_worker_model(args)
+        if model is None:
+            model = load_worker_model(args)
+            vision = load_worker_vision(args, model)
+        self.model = model
         held = getattr(self.model, "quantization", None)
         if held != args.quantization:  # a model given ready-made must be the one the flag describes
             raise ValueError(f"--quantization {args.quantization}: the model given is quantised as {held} "
                              "(quantise it with radixk3.weight_quant.quantize_model_ first)")
+        self.images = ImageEmbedder(vision, args.image_encoder_cache_bytes) if vision is not None else None
         self.layout = pool_layout(self.model.config, args)
         # Sized after the weights loaded (a --mem-fraction of what is left), the same on every rank of the group.
         budget = pool_budget(self.layout, args, pool_memory_bytes(args, self.model.device))
@@ -113,6 +132,8 @@ class ModelWorker:
         self.tables.move_pages(plan.page_moves)
         self.tables.write(plan.table_rows, plan.table_cols, plan.table_pages)
         self.sampler.reset(plan.reset_rows)
+        if self.images is not None:
+            self.images.reset_rows(r for r, _ in plan.reset_rows)
 
     def _params(self, plan: StepPlan) -> SamplingTensors:
         """The plan's sampling columns as the sampler's tensors (one row per sampled row)."""
@@ -149,10 +170,15 @@ class ModelWorker:
         if len(plan.ckpt_slot):
             ck = StateCheckpoints(self._tensor(plan.ckpt_seq), self._tensor(plan.ckpt_offset),
                                   self._tensor(plan.ckpt_slot))
-        return ForwardBatch.from_table(
+        batch = ForwardBatch.from_table(
             ForwardMode(plan.mode), ids, self._tensor(cu), self._tensor(prefix), self._tensor(plan.state_slots),
             self.tables.block_table(plan.rows, num_pages), ps, ck, self._tensor(plan.logits_index),
         )
+        if plan.images:
+            if self.images is None:
+                raise ValueError("a step with images for a model without a vision tower")
+            batch = dataclasses.replace(batch, embeds=self.images.override(plan))
+        return batch
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. An exception becomes a failed StepResult (the scheduler then confines it to the

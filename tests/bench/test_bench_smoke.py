@@ -197,3 +197,14 @@ def test_weight_quant_quick_json(capsys: pytest.CaptureFixture[str]) -> None:
     (col,) = last_json(capsys)["quantization"]
     assert col["method"] == "int4" and set(col["tok_s"]) == set(col["ratio_to_dense"]) == {"b1", "b4"}
     assert 0 <= col["greedy_agreement"] <= 1 and 0 <= col["top1_agreement"] <= 1 and col["max_logit_error"] >= 0
+
+
+# --- vision_prefill ------------------------------------------------------------------------------------
+def test_vision_prefill_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    m = bench("vision_prefill")
+    assert m.main(["--preset", "k3-tiny", "--requests", "2", "--image", "56x56", "--head", "4", "--tail", "4",
+                   "--json"]) == 0
+    out = last_json(capsys)
+    assert out["prefill_tok_s_images"] > 0 and out["prefill_tok_s_text"] > 0 and out["image_tokens"] == 4
+    # The repeated image is encoded once with the encoder cache, once per request without it.
+    assert (out["repeated_images_encoded_cache"], out["repeated_images_encoded_no_cache"]) == (1, 2)
