@@ -56,7 +56,7 @@ def image_request(text: list[int], at: int, image: ProcessedImage) -> tuple[list
     """`text` with the image's pad run inserted at `at`, and the GenerateReq options that carry the image."""
     ids = text[:at] + [PAD] * image.num_tokens + text[at:]
     ref = ImageRef(image.content_hash, tuple(image.grid), at, image.num_tokens)
-    return ids, {"images": [ref], "image_patches": image.patches.numpy().reshape(-1)}
+    return ids, {"images": [ref], "image_patches": image.patches.reshape(-1)}
 
 
 def timed_prefill(engine: LocalEngine, requests: list[tuple[list[int], dict[str, Any]]],

@@ -20,11 +20,10 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from PIL import Image
 
+from radixk3.vision.grid import ImageGrid
 from radixk3.vision.prompt import ImageSlot
-from radixk3.vision.tower import ImageGrid
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,8 @@ class ResizePlan:
 
 @dataclass(frozen=True)
 class ProcessedImage:
-    patches: torch.Tensor  # (grid.num_patches, 3, p, p) float32, row-major over the grid
+    patches: np.ndarray  # (grid.num_patches, 3, p, p) float32, row-major over the grid (numpy: the tokenizer
+    # process that makes it holds no torch)
     grid: ImageGrid
     width: int  # the original image's size, as the prompt writes it
     height: int
@@ -101,9 +101,9 @@ def process_image(image: Image.Image, cfg: ImageProcessorConfig = ImageProcessor
     # Scaled in float64 then normalised in float32, as transformers' numpy path rounds.
     scaled = (padded.astype(np.float64) * (1 / 255)).astype(np.float32)
     mean, std = np.asarray(cfg.mean, dtype=np.float32), np.asarray(cfg.std, dtype=np.float32)
-    normalised = torch.from_numpy((scaled - mean) / std).permute(2, 0, 1)  # (3, H, W)
+    normalised = ((scaled - mean) / std).transpose(2, 0, 1)  # (3, H, W)
     p = cfg.patch_size
     grid = ImageGrid(1, plan.padded_height // p, plan.padded_width // p)
-    patches = normalised.unflatten(1, (grid.h, p)).unflatten(3, (grid.w, p)).permute(1, 3, 0, 2, 4)
-    return ProcessedImage(patches.reshape(grid.num_patches, 3, p, p).contiguous(), grid, width, height,
+    patches = normalised.reshape(3, grid.h, p, grid.w, p).transpose(1, 3, 0, 2, 4)
+    return ProcessedImage(np.ascontiguousarray(patches.reshape(grid.num_patches, 3, p, p)), grid, width, height,
                           grid.num_tokens(cfg.merge_kernel), digest.hexdigest())

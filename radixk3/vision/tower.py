@@ -16,30 +16,14 @@ The result, (merged tokens, kernel patches, D), is what the projector takes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixk3.vision.config import VisionConfig
+from radixk3.vision.grid import ImageGrid
 from radixk3.vision.packed_attention import Packing, packed_attention
-
-
-class ImageGrid(NamedTuple):
-    """An image's patch grid: frames, rows, columns (an image has one frame)."""
-
-    t: int
-    h: int
-    w: int
-
-    @property
-    def num_patches(self) -> int:
-        return self.t * self.h * self.w
-
-    def num_tokens(self, merge_kernel: tuple[int, int]) -> int:
-        """Merged tokens (one `<|media_pad|>` each): the frames pooled, each kernel of patches one token."""
-        return (self.h // merge_kernel[0]) * (self.w // merge_kernel[1])
 
 
 def sincos_table(positions: int, dim: int) -> torch.Tensor:

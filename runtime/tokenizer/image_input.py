@@ -165,7 +165,7 @@ def marker_id(encoder: Encoder, marker: str) -> int | None:
 def _patches(images: Sequence[ProcessedImage]) -> np.ndarray:
     if not images:
         return np.zeros(0, dtype=np.float32)
-    return np.concatenate([im.patches.numpy().reshape(-1) for im in images])
+    return np.concatenate([im.patches.reshape(-1) for im in images])
 
 
 def _image_ids(im: ProcessedImage, encoder: Encoder) -> list[int]:

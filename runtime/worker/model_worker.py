@@ -60,7 +60,7 @@ def load_worker_vision(args: ServerArgs, model: KimiForCausalLM) -> VisionEncode
         return None
     from radixk3.vision.weights import load_vision_encoder
 
-    return load_vision_encoder(args.model, device=model.device, dtype=serving_dtype(model.config, args))
+    return load_vision_encoder(args.model, device=model.device, dtype=torch_dtype(serving_dtype(model.config, args)))
 
 
 class ModelWorker:

@@ -55,7 +55,7 @@ def reference(checkpoint: Path, image: Image.Image) -> list[int]:
     im = process_image(image)
     prompt = expand_text_images(PROMPT, [im], load_tokenizer(checkpoint))
     (ref,) = prompt.refs
-    rows = encoder.encode(im.patches, [im.grid])
+    rows = encoder.encode(torch.from_numpy(im.patches), [im.grid])
     over = EmbeddingOverride(torch.arange(ref.offset, ref.offset + ref.num_tokens), rows)
     seq, out = list(prompt.ids), []
     for _ in range(MAX_NEW):

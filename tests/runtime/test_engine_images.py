@@ -66,7 +66,7 @@ class Prompt:
                 self.ids.extend(p)
 
     def options(self) -> dict:
-        patches = np.concatenate([im.patches.numpy().reshape(-1) for im in self.images])
+        patches = np.concatenate([im.patches.reshape(-1) for im in self.images])
         return {"images": self.refs, "image_patches": patches}
 
 
@@ -76,7 +76,7 @@ def reference(model, encoder, prompts: list[Prompt], images: bool = True,  # noq
     """The plain no-cache greedy loop, the prompts packed side by side, with each image's rows (encoded alone) at
     its pad positions (`images` False: the pad ids' own embeddings)."""
     seqs = [list(p.ids) for p in prompts]
-    rows = torch.cat([encoder.encode(im.patches, [im.grid]) for p in prompts for im in p.images])
+    rows = torch.cat([encoder.encode(torch.from_numpy(im.patches), [im.grid]) for p in prompts for im in p.images])
     for _ in range(max_new):
         cu = np.cumsum([0] + [len(s) for s in seqs])
         over = None

@@ -38,8 +38,8 @@ def test_pixels_and_grid_equal_transformers(width: int, height: int, mode: str) 
     assert (ours.width, ours.height) == (width, height)
     assert ours.num_tokens == ref_grid[1] * ref_grid[2] // 4
     assert image_grid(height, width) == ours.grid  # the count without the pixels
-    assert ours.patches.dtype == torch.float32
-    torch.testing.assert_close(ours.patches, ref_pixels, rtol=0, atol=0)
+    assert ours.patches.dtype == np.float32
+    torch.testing.assert_close(torch.from_numpy(ours.patches), ref_pixels, rtol=0, atol=0)
 
 
 def test_content_hash_follows_the_pixels() -> None:

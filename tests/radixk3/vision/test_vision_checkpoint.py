@@ -37,7 +37,7 @@ def test_transformers_loads_the_checkpoint_and_agrees(checkpoint: Path) -> None:
     rng = np.random.default_rng(0)
     images = [process_image(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)))
               for w, h in ((60, 40), (30, 90), (112, 112))]
-    patches = torch.cat([im.patches for im in images])
+    patches = torch.cat([torch.from_numpy(im.patches) for im in images])
     grids = [tuple(im.grid) for im in images]
     with torch.no_grad():
         ours = encoder.encode(patches, grids)
