@@ -35,10 +35,10 @@ import torch
 from torch import nn
 
 from radixk3.config import ModelConfig
+from radixk3.vision.config import VISION_PREFIXES
 
 K3_PREFIX = "language_model."
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
-VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 # Tensors that only quantised checkpoints carry (compressed-tensors, fp8 block scales).
 QUANTISED_SUFFIXES = {
     "weight_packed": "MXFP4 packed weights (compressed-tensors)",

@@ -7,13 +7,19 @@ from radixk3.config import BUILTIN_PRESET, ModelConfig, preset
 from radixk3.config_formats import load_model_config
 from radixk3.generation_config import FILE_NAME, load_generation_config
 from radixk3.tokenizer import Tokenizer, checkpoint_tokenizer
+from radixk3.vision.config import has_vision_weights
 from runtime.errors import InvalidRequest
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 
 
 def model_config(args: ServerArgs) -> ModelConfig:
-    return preset(BUILTIN_PRESET) if args.model is None else load_model_config(args.model)
+    if args.model is None:
+        return preset(BUILTIN_PRESET)
+    cfg = load_model_config(args.model)
+    if cfg.vision is not None and not has_vision_weights(args.model):
+        return cfg.replace(vision=None)  # a vision_config without the tower's tensors: text only
+    return cfg
 
 
 def tokenizer_for(args: ServerArgs) -> Tokenizer:

@@ -11,9 +11,28 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from radixk3.config import ConfigError, VisionSpec
+
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")  # the published names of the tower's and projector's tensors
+
+
+def has_vision_weights(path: str | Path) -> bool:
+    """Whether the checkpoint at `path` holds any vision tensor. A `vision_config` without them (radixk3's text-only
+    K3 checkpoints carry the reference's defaults) serves text only: images are refused at the door, and the worker
+    builds no tower. Torch-free (the tokenizer process asks): the index's names, or the single file's header."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = json.loads(index.read_text()).get("weight_map", {})
+    else:
+        from safetensors import safe_open
+
+        with safe_open(path / "model.safetensors", framework="numpy") as f:
+            names = list(f.keys())
+    return any(n.startswith(VISION_PREFIXES) for n in names)
 
 # key -> the one value this implementation supports (K2.5's MoonViT3d with the patchmergerv2 projector)
 _FIXED = {

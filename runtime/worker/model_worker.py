@@ -20,6 +20,7 @@ from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM, build_model
 from radixk3.parallel import is_collective_failure, parallel_state
 from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
+from radixk3.vision.config import has_vision_weights
 from radixk3.vision.encoder import VisionEncoder
 from runtime.messages import StepPlan, StepResult
 from runtime.pool_layout import CopyCommand, pool_budget, pool_layout, serving_dtype
@@ -56,8 +57,8 @@ def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
 def load_worker_vision(args: ServerArgs, model: KimiForCausalLM) -> VisionEncoder | None:
     """The checkpoint's vision tower (None for a text-only model), in the text model's serving dtype. Every rank
     holds it whole: it is small beside the text model, and its output feeds the replicated first-layer input."""
-    if args.model is None or model.config.vision is None:
-        return None
+    if args.model is None or model.config.vision is None or not has_vision_weights(args.model):
+        return None  # a text-only checkpoint (its vision_config, if any, without the tower's tensors)
     from radixk3.vision.weights import load_vision_encoder
 
     return load_vision_encoder(args.model, device=model.device, dtype=torch_dtype(serving_dtype(model.config, args)))
