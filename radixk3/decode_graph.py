@@ -216,7 +216,7 @@ class DecodeGraphs:
         `model.forward_batch(batch, cache).float()` gives them."""
         n = batch.num_seqs
         b = self.bucket(n)
-        assert b is not None and self.supports(batch), "a step the decode graphs do not cover"
+        assert b is not None, "a step the decode graphs do not cover (the caller checks `supports` first)"
         self._validate(batch)
         logits = self._call(self._padded(batch, b))[:n]
         return logits if batch.logits_index is None else logits[batch.logits_index]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -75,3 +76,15 @@ def builtin_engine() -> Iterator[Engine]:
 
     with Engine(mem_bytes=8 << 20) as engine:
         yield engine
+
+
+@pytest.fixture(scope="session")
+def vision_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A K3 checkpoint with a small random vision tower, as `radixk3 make-checkpoint --vision` writes it."""
+    from radixk3.cli import main
+
+    out = tmp_path_factory.mktemp("k3_vision") / "ck"
+    assert main(["make-checkpoint", "--preset", "k3-tiny-native", "--tokenizer", "tiktoken", "--vision",
+                 "--seed", "5", str(out)]) == 0
+    return out
+

@@ -142,23 +142,19 @@ class Req:
 
     def ids(self, start: int, end: int) -> list[int]:
         """Known token ids [start, end), without building the whole sequence."""
-        n = len(self.prompt_ids)
-        if end <= n:
-            return self.prompt_ids[start:end]
-        if start >= n:
-            return self.output_ids[start - n : end - n]
-        return self.prompt_ids[start:] + self.output_ids[: end - n]
+        return self._span(self.prompt_ids, start, end)
 
     def key_ids(self, start: int, end: int) -> list[int]:
         """`ids(start, end)` as the radix tree keys them: an image's pads by its content hash."""
-        if self.prompt_key is None:
-            return self.ids(start, end)
-        n = len(self.prompt_key)
+        return self._span(self.prompt_ids if self.prompt_key is None else self.prompt_key, start, end)
+
+    def _span(self, prompt: list[int], start: int, end: int) -> list[int]:
+        n = len(prompt)
         if end <= n:
-            return self.prompt_key[start:end]
+            return prompt[start:end]
         if start >= n:
             return self.output_ids[start - n : end - n]
-        return self.prompt_key[start:] + self.output_ids[: end - n]
+        return prompt[start:] + self.output_ids[: end - n]
 
     @property
     def all_key_ids(self) -> list[int]:

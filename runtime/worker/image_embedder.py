@@ -83,14 +83,8 @@ class ImageEmbedder:
         self.cache = EncoderCache(cache_bytes)
         self.encoder_calls = 0  # batched encoder runs
         self.images_encoded = 0
-
-    @property
-    def _device(self) -> torch.device:
-        return next(self.encoder.parameters()).device
-
-    @property
-    def _dtype(self) -> torch.dtype:
-        return next(self.encoder.parameters()).dtype
+        weight = next(encoder.parameters())
+        self._device, self._dtype = weight.device, weight.dtype
 
     def reset_rows(self, rows: Iterable[int]) -> None:
         """Table rows (re)assigned to a request: whatever they held is free."""

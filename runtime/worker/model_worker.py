@@ -114,10 +114,12 @@ class ModelWorker:
     def _compiles(self, args: ServerArgs) -> bool:
         """The compiled decode step covers one rank's plain decode: not a TP group or DP attention (collectives),
         not speculative decoding (its proposers read the target's hiddens, its steps are verify windows), not
-        packed routed experts (a step dequantises the experts it routes to: shapes that depend on the routes)."""
+        packed routed experts (a step dequantises the experts it routes to: shapes that depend on the routes), not
+        `--quantization` (its experts read their routes on the host: a capture would fail after its compile time)."""
         state = parallel_state()
         return (args.compile_decode and state.tp_size == 1 and not state.dp_attention
-                and args.speculative_algorithm is None and self.model.config.expert_quant is None)
+                and args.speculative_algorithm is None and self.model.config.expert_quant is None
+                and args.quantization is None)
 
     @property
     def compile_seconds(self) -> dict[int, float]:

@@ -17,7 +17,6 @@ from PIL import Image
 
 import frontend_lang as sgl
 from radixk3.checkpoint import load_model
-from radixk3.cli import main
 from radixk3.forward_batch import EmbeddingOverride
 from radixk3.tokenizer import load_tokenizer
 from radixk3.vision.image_processor import process_image
@@ -31,14 +30,6 @@ GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
 PROMPT = "Look: <|kimi_image_placeholder|> and say"
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("k3_vision_engine") / "ck"
-    assert main(["make-checkpoint", "--preset", "k3-tiny-native", "--tokenizer", "tiktoken", "--vision",
-                 "--seed", "5", str(out)]) == 0
-    return out
-
-
 def png(seed: int, w: int, h: int) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
 
@@ -50,10 +41,10 @@ def data_url(image: Image.Image) -> str:
 
 
 @torch.inference_mode()
-def reference(checkpoint: Path, image: Image.Image) -> list[int]:
-    model, encoder = load_model(checkpoint), load_vision_encoder(checkpoint)
+def reference(vision_checkpoint: Path, image: Image.Image) -> list[int]:
+    model, encoder = load_model(vision_checkpoint), load_vision_encoder(vision_checkpoint)
     im = process_image(image)
-    prompt = expand_text_images(PROMPT, [im], load_tokenizer(checkpoint))
+    prompt = expand_text_images(PROMPT, [im], load_tokenizer(vision_checkpoint))
     (ref,) = prompt.refs
     rows = encoder.encode(torch.from_numpy(im.patches), [im.grid])
     over = EmbeddingOverride(torch.arange(ref.offset, ref.offset + ref.num_tokens), rows)
@@ -70,11 +61,11 @@ def look(s, image) -> None:  # noqa: ANN001
     s += sgl.gen("answer", max_tokens=MAX_NEW)
 
 
-def test_generate_with_image_data(checkpoint: Path, tmp_path: Path) -> None:
+def test_generate_with_image_data(vision_checkpoint: Path, tmp_path: Path) -> None:
     image = png(0, 90, 60)
     image.save(tmp_path / "look.png")
-    want = reference(checkpoint, image)
-    with Engine(str(checkpoint), mem_bytes=8 << 20, page_size=1) as engine:
+    want = reference(vision_checkpoint, image)
+    with Engine(str(vision_checkpoint), mem_bytes=8 << 20, page_size=1) as engine:
         first = engine.generate(PROMPT, GREEDY, image_data=data_url(image))
         assert first["output_ids"] == want
         again = engine.generate(PROMPT, GREEDY, image_data=[image])  # a PIL image, the same pixels

@@ -15,25 +15,16 @@ from PIL import Image
 from vision_oracle import k25_image_features, k25_vision_model
 
 from radixk3.checkpoint import CheckpointError, load_model
-from radixk3.cli import main
 from radixk3.config_formats import load_model_config
 from radixk3.vision.image_processor import process_image
 from radixk3.vision.weights import VISION_SHARD, add_random_vision, load_vision_encoder, vision_config_of
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("k3_vision") / "ck"
-    assert main(["make-checkpoint", "--preset", "k3-tiny-native", "--tokenizer", "tiktoken", "--vision",
-                 "--seed", "5", str(out)]) == 0
-    return out
-
-
-def test_transformers_loads_the_checkpoint_and_agrees(checkpoint: Path) -> None:
-    vcfg = vision_config_of(load_model_config(checkpoint))
+def test_transformers_loads_the_checkpoint_and_agrees(vision_checkpoint: Path) -> None:
+    vcfg = vision_config_of(load_model_config(vision_checkpoint))
     assert vcfg is not None and vcfg.text_hidden_size == 64
-    encoder = load_vision_encoder(checkpoint)
-    oracle = k25_vision_model(checkpoint, vcfg)
+    encoder = load_vision_encoder(vision_checkpoint)
+    oracle = k25_vision_model(vision_checkpoint, vcfg)
     rng = np.random.default_rng(0)
     images = [process_image(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)))
               for w, h in ((60, 40), (30, 90), (112, 112))]
@@ -47,19 +38,19 @@ def test_transformers_loads_the_checkpoint_and_agrees(checkpoint: Path) -> None:
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
 
 
-def test_text_model_loads_beside_the_tower(checkpoint: Path) -> None:
-    model = load_model(checkpoint)
+def test_text_model_loads_beside_the_tower(vision_checkpoint: Path) -> None:
+    model = load_model(vision_checkpoint)
     assert model.config.vision is not None
     with pytest.raises(CheckpointError, match="already"):
-        add_random_vision(checkpoint)
+        add_random_vision(vision_checkpoint)
 
 
-def test_missing_vision_tensor_is_named(checkpoint: Path, tmp_path: Path) -> None:
+def test_missing_vision_tensor_is_named(vision_checkpoint: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     broken = tmp_path / "ck"
     broken.mkdir()
-    for f in checkpoint.iterdir():
+    for f in vision_checkpoint.iterdir():
         (broken / f.name).write_bytes(f.read_bytes())
     tensors = load_file(broken / VISION_SHARD)
     del tensors["mm_projector.proj.2.bias"]
