@@ -273,10 +273,29 @@ class FlushCacheOut:
     flushed: bool  # False while requests are running or queued: the cache is left as it is
 
 
+@dataclass
+class PauseReq:
+    """SGLang's /pause_generation: plan no step until a ContinueReq (mode: in_place, retract or abort)."""
+    req_id: str = ""
+    mode: str = "in_place"
+
+
+@dataclass
+class ContinueReq:
+    req_id: str = ""
+
+
+@dataclass
+class PauseOut:
+    """The scheduler's answer to a PauseReq or a ContinueReq: whether it is paused now."""
+    req_id: str
+    paused: bool
+
+
 MESSAGES: dict[str, type] = {
     cls.__name__: cls
     for cls in (GenerateReq, AbortReq, TokenOut, StepPlan, StepResult, WorkerReady, RankFailed, Shutdown, Heartbeat,
-                MetricsReq, MetricsOut, FlushCacheReq, FlushCacheOut)
+                MetricsReq, MetricsOut, FlushCacheReq, FlushCacheOut, PauseReq, ContinueReq, PauseOut)
 }
 
 

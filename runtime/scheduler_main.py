@@ -30,12 +30,15 @@ import zmq
 from runtime.grammar import GrammarBackend
 from runtime.messages import (
     AbortReq,
+    ContinueReq,
     FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
     Heartbeat,
     MetricsOut,
     MetricsReq,
+    PauseOut,
+    PauseReq,
     RankFailed,
     Shutdown,
     StepPlan,
@@ -244,6 +247,12 @@ class _Server:
             self._emit(MetricsOut(metrics, msg.req_id))
         elif isinstance(msg, FlushCacheReq):
             self._emit(FlushCacheOut(msg.req_id, sched.flush_cache()))
+        elif isinstance(msg, PauseReq):
+            sched.pause(msg.mode)
+            self._emit(PauseOut(msg.req_id, sched.paused))
+        elif isinstance(msg, ContinueReq):
+            sched.resume()
+            self._emit(PauseOut(msg.req_id, sched.paused))
         elif isinstance(msg, Shutdown):
             raise _ShutdownAsked
 

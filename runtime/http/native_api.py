@@ -1,5 +1,5 @@
-"""The native, SGLang-compatible API: /generate, /health, /health_generate, /flush_cache, /abort_request (the
-server's info routes are `runtime.http.server_info`'s).
+"""The native, SGLang-compatible API: /generate, /health, /health_generate, /flush_cache, /abort_request,
+/pause_generation, /continue_generation (the server's info routes are `runtime.http.server_info`'s).
 
 `/generate` takes `text` or `input_ids`, one prompt or a batch, and returns `{"text", "output_ids",
 "meta_info"}` per sample (a list for a batch or n > 1). Streamed, each event is one sample's (see `_stream`),
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Mapping
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
@@ -243,6 +243,28 @@ async def flush_cache(request: Request) -> Response:
         raise APIError(409, "the cache was not flushed: requests are running or queued; retry when idle",
                        code="busy")
     return OrjsonResponse({"success": True, "message": "the radix cache is flushed"})
+
+
+class PauseGeneration(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+@router.post("/pause_generation")
+async def pause_generation(request: Request) -> Response:
+    """SGLang's pause (RL weight updates): no step runs until /continue_generation; requests sent meanwhile
+    queue. `abort` (the default) aborts every request in flight, `in_place` keeps the running ones where they
+    are, `retract` frees their memory and recomputes them after. An empty body takes the default."""
+    st = state_of(request)
+    req = await parse_body(request, PauseGeneration) if (await request.body()).strip() else PauseGeneration()
+    await st.tm.pause_generation(req.mode, timeout=10.0)
+    return OrjsonResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+
+@router.post("/continue_generation")
+async def continue_generation(request: Request) -> Response:
+    await state_of(request).tm.continue_generation(timeout=10.0)
+    return OrjsonResponse({"message": "Generation continued successfully.", "status": "ok"})
 
 
 class AbortRequest(BaseModel):

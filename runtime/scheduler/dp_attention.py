@@ -66,6 +66,18 @@ class DPAttentionScheduler:
         """Every group's requests fail (the watchdog: a step is stuck); see `Scheduler.fail_all`."""
         return self._finished([o for s in self.groups for o in s.fail_all(error)])
 
+    def pause(self, mode: str) -> None:
+        for s in self.groups:
+            s.pause(mode)
+
+    def resume(self) -> None:
+        for s in self.groups:
+            s.resume()
+
+    @property
+    def paused(self) -> bool:
+        return self.groups[0].paused
+
     # --- the step loop's view --------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:

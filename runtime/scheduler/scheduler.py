@@ -119,6 +119,7 @@ class Scheduler:
         # Drafts of this step's verify windows, by request: n-gram drafts are proposed here; a model proposer's
         # are -1 placeholders that the worker's proposer fills.
         self._drafts: dict[int, list[int]] = {}
+        self.paused = False  # /pause_generation: no step is planned until /continue_generation
 
     # --- requests in -----------------------------------------------------------------------------------
     def add(self, msg: GenerateReq) -> None:
@@ -180,8 +181,35 @@ class Scheduler:
         self._refresh_metrics()
         return self.take_outputs()
 
+    # --- pausing (SGLang's /pause_generation and /continue_generation) ----------------------------------
+    def pause(self, mode: str) -> None:
+        """Plan no step until `resume`; requests keep arriving and queue. Steps in flight complete. `in_place`:
+        running requests keep their memory and go on where they stopped; `retract`: they give it back (what
+        they computed stays in the radix cache) and queue again, to be recomputed; `abort`: every request,
+        queued or running, is aborted."""
+        if mode not in ("in_place", "retract", "abort"):
+            raise ValueError(f"unknown pause mode {mode!r}")
+        self.paused = True
+        if mode == "abort":
+            rids = [r.rid for r, _ in self.grammar_wait] + [r.rid for r in self.waiting] + \
+                [r.rid for r in self.running if r.active]
+            for rid in rids:
+                self.abort(rid)
+        elif mode == "retract":
+            for req in sorted((r for r in self.running if r.active), key=lambda r: -r.arrival):
+                if req.in_flight:
+                    req.retract_pending = True  # retracted once its step is processed
+                else:
+                    self._retract(req)  # newest first: the oldest ends at the queue's head
+        self._refresh_metrics()
+
+    def resume(self) -> None:
+        self.paused = False
+
     @property
     def has_work(self) -> bool:
+        if self.paused:  # only what is in flight, to be sent, or to be let go of
+            return bool(self._inflight or self.outputs.outbox or any(not r.active for r in self.running))
         return bool(self.waiting or self.running or self.outputs.outbox or self._inflight or self.grammar_wait)
 
     @property
@@ -229,6 +257,8 @@ class Scheduler:
             self._admit_compiled()
         for req in [r for r in self.running if r.in_flight == 0 and not r.active]:
             self._settle(req)
+        if self.paused:
+            return None
         batch, mode, n_prefill = self._compose_step()
         prefill = {id(r) for r, _ in batch[:n_prefill]}
         batch = [(r, n) for r, n in batch if r.row is not None]  # drop requests retracted while planning

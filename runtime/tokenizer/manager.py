@@ -29,7 +29,7 @@ import itertools
 import math
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,12 +44,15 @@ from runtime.errors import EngineError, EngineOverloaded, InvalidRequest
 from runtime.grammar import GrammarKey, check_grammar
 from runtime.messages import (
     AbortReq,
+    ContinueReq,
     FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
     Heartbeat,
     MetricsOut,
     MetricsReq,
+    PauseOut,
+    PauseReq,
     TokenOut,
     combine_metrics,
     decode,
@@ -352,6 +355,8 @@ class TokenizerManager:
             self._resolve(msg.req_id, msg.metrics)
         elif isinstance(msg, FlushCacheOut):
             self._resolve(msg.req_id, msg.flushed)
+        elif isinstance(msg, PauseOut):
+            self._resolve(msg.req_id, msg.paused)
         elif isinstance(msg, Heartbeat):
             self.watch.heard(msg.replica, msg.stuck, self._loop.time())  # type: ignore[union-attr]
 
@@ -583,7 +588,7 @@ class TokenizerManager:
             if (entry := self._reqs.get(r)) is not None:  # its final chunk ("abort") comes back from the scheduler
                 self._send(AbortReq(r), entry.replica)
 
-    async def _ask(self, msg_type: type, timeout: float | None) -> list[Any]:
+    async def _ask(self, msg_type: Callable[[str], Any], timeout: float | None) -> list[Any]:
         """Send `msg_type(req_id)` to every replica; their replies in replica order."""
         self._check_thread()
         self._check_alive()
@@ -607,6 +612,15 @@ class TokenizerManager:
         per = await self._ask(MetricsReq, timeout)
         metrics = per[0] if len(per) == 1 else combine_metrics(per) | {"replicas": per}
         return metrics | {"pending_requests": len(self._reqs)}
+
+    async def pause_generation(self, mode: str = "abort", timeout: float | None = 10.0) -> None:
+        """SGLang's pause: every replica plans no step until `continue_generation`; requests sent meanwhile
+        queue. `in_place` keeps the running requests' memory, `retract` gives it back (they are recomputed
+        after), `abort` aborts every request in flight."""
+        await self._ask(lambda req_id: PauseReq(req_id, mode), timeout)
+
+    async def continue_generation(self, timeout: float | None = 10.0) -> None:
+        await self._ask(ContinueReq, timeout)
 
     async def flush_cache(self, timeout: float | None = 10.0) -> bool:
         """Empty the radix cache of every replica that has nothing running or queued; returns whether all
