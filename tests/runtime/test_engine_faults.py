@@ -223,7 +223,7 @@ def test_after_shutdown_calls_fail_at_once() -> None:
         eng.abort("r0")
     with pytest.raises(EngineError, match="shut down"):
         eng.generate("x", GREEDY)
-    assert time.monotonic() - start < 1
+    assert time.monotonic() - start < 10  # at once: not after get_metrics's 30-s timeout
 
 
 UNGUARDED = """
