@@ -42,14 +42,17 @@ sys.path.insert(0, str(REPO))  # run as a script, bench/ is sys.path[0] and benc
 
 from bench.gsm8k import DATA, Workload, run_frontend, workload  # noqa: E402
 
-# cache_aware at sglang-router's defaults, spelled out: the threshold is far below the ~0.9 of a prompt's text
-# that the few-shot prefix covers; at these balance thresholds the prefix's server keeps every request until it
-# has 64 more in flight than the other (with the questions sent one at a time: always).
-POLICY_FLAGS: dict[str, tuple[str, ...]] = {
-    "cache_aware": ("--policy", "cache_aware", "--cache-threshold", "0.3", "--balance-abs-threshold", "64",
-                    "--balance-rel-threshold", "1.5"),
-    "round_robin": ("--policy", "round_robin"),
-}
+
+def router_flags(balance_abs_threshold: int = 64) -> dict[str, tuple[str, ...]]:
+    """Each policy's flags. cache_aware at sglang-router's defaults, spelled out: the cache threshold is far below
+    the ~0.9 of a prompt's text that the few-shot prefix covers; at the default balance thresholds the prefix's
+    server keeps every request until it has 64 more in flight than the other (with the questions sent one at a
+    time: always); a lower `balance_abs_threshold` spreads a burst over both servers sooner."""
+    return {"cache_aware": ("--policy", "cache_aware", "--cache-threshold", "0.3", "--balance-abs-threshold",
+                            str(balance_abs_threshold), "--balance-rel-threshold", "1.5"),
+            "round_robin": ("--policy", "round_robin")}
+
+
 START_S = 180.0  # a server's start, or the router's registration of its servers
 
 
@@ -68,8 +71,13 @@ def cache_counters(url: str) -> CacheCounters:
                          int(value["radixk3_admitted_prompt_tokens_total"]))
 
 
-def flush(url: str) -> None:
-    r = httpx.post(f"{url}/flush_cache", timeout=30.0)
+def flush(url: str, timeout: float = 30.0) -> None:
+    """Empty the server's radix cache; it refuses (409) until the last request's step has been released."""
+    deadline = time.monotonic() + timeout
+    while (r := httpx.post(f"{url}/flush_cache", timeout=timeout)).status_code == 409:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     r.raise_for_status()
 
 
@@ -203,6 +211,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-questions", type=int, default=40)
     ap.add_argument("--parallel", type=int, default=1, help="questions in flight (1: one after another)")
     ap.add_argument("--max-new-tokens", type=int, default=4)
+    ap.add_argument("--balance-abs-threshold", type=int, default=64, help="cache_aware's (the router's default: 64)")
     ap.add_argument("--json", action="store_true", help="end with one JSON object of the figures")
     a = ap.parse_args(argv)
     if a.servers is not None and len(a.servers) < 2:
@@ -214,7 +223,7 @@ def measure(a: argparse.Namespace, servers: list[str], tmp: Path) -> dict[str, S
     w = workload(DATA / "test.jsonl", DATA / "train.jsonl", a.num_shots, a.num_questions)
     with contextlib.ExitStack() as stack:
         routers = {p: stack.enter_context(launched_router(f, servers, tmp / f"router-{p}.log"))
-                   for p, f in POLICY_FLAGS.items()}
+                   for p, f in router_flags(a.balance_abs_threshold).items()}
         with ThreadPoolExecutor(len(routers)) as pool:
             list(pool.map(lambda p: wait_for_workers(routers[p], len(servers), tmp / f"router-{p}.log"), routers))
         return hit_rates(servers, routers, w, a.parallel, a.max_new_tokens)
@@ -230,7 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs = measure(a, servers, Path(tmp))
     one = runs["one_server"]
     print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs; {len(servers)} servers; gsm8k {a.num_shots}-shot, "
-          f"{a.num_questions} questions, parallel {a.parallel}, max new tokens {a.max_new_tokens}")
+          f"{a.num_questions} questions, parallel {a.parallel}, max new tokens {a.max_new_tokens}; "
+          f"cache_aware --balance-abs-threshold {a.balance_abs_threshold}")
     for name, r in runs.items():
         share = ", ".join(str(t) for t in r.prompt_tokens)
         print(f"{name:<12} cache hit rate {r.hit_rate:.3f}  (prompt tokens per server: {share}; "
@@ -239,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps({"hit_rates": {k: r.hit_rate for k, r in runs.items()},
                           "answers_equal_one_server": all(r.answers == one.answers for r in runs.values()),
                           "runs": {k: asdict(r) | {"answers": None} for k, r in runs.items()},
-                          "router_flags": {k: list(v) for k, v in POLICY_FLAGS.items()},
+                          "router_flags": {k: list(v) for k, v in router_flags(a.balance_abs_threshold).items()},
                           "args": vars(a)}))
     return 0
 

@@ -23,7 +23,7 @@ import orjson
 import pytest
 
 from bench.gsm8k import DATA, workload
-from bench.router_hit_rate import POLICY_FLAGS, hit_rates, launched_router, wait_for_workers
+from bench.router_hit_rate import hit_rates, launched_router, router_flags, wait_for_workers
 from tests.runtime.http_server_proc import Server, free_port, start_server
 
 NAME = "k3-routed"  # a served name of its own: the router's model id must come from the servers
@@ -55,7 +55,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     servers: list[Server] = []
     with contextlib.ExitStack() as stack:
-        routers = {p: stack.enter_context(launched_router(f, urls, logs / f"{p}.log")) for p, f in POLICY_FLAGS.items()}
+        routers = {p: stack.enter_context(launched_router(f, urls, logs / f"{p}.log"))
+                   for p, f in router_flags().items()}
         try:
             with ThreadPoolExecutor(2) as pool:  # each one started is stopped below
                 for f in [pool.submit(start_server, "--served-model-name", NAME, port=p) for p in ports]:
