@@ -37,6 +37,8 @@ _COUNTERS = (
     ("steps", "scheduler_steps", "forward steps run"),
     ("prefill_tokens_computed", "prefill_tokens_computed", "prompt tokens run through the model"),
     ("cached_tokens", "cached_prompt_tokens", "prompt tokens served from the radix cache"),
+    ("prompt_tokens", "admitted_prompt_tokens",
+     "prompt tokens admitted, cached or computed (the cache hit rate's denominator, summable over servers)"),
     ("state_hits", "state_checkpoint_hits", "admissions that found a KDA state checkpoint"),
     ("state_misses", "state_checkpoint_misses", "admissions that found no KDA state checkpoint"),
     ("evictions", "cache_evictions", "radix cache evictions"),

@@ -72,6 +72,8 @@ def test_request_timer_metrics() -> None:
     assert samples["radixk3_requests_total[('finish_reason', 'length')]"] == 1
     assert samples["radixk3_num_running_reqs[]"] == 2 and samples["radixk3_cache_hit_rate[]"] == 0.25
     assert samples["radixk3_state_checkpoint_hits_total[]"] == 1
+    assert samples["radixk3_admitted_prompt_tokens_total[]"] == 8
+    assert samples["radixk3_cached_prompt_tokens_total[]"] == 2
 
 
 def test_sse_events_escape_unicode_line_breaks() -> None:
