@@ -37,8 +37,9 @@ class LocalEngine:
         stop_ids = model_stop_ids(args, tok, cfg)
         self.vocab_size = cfg.vocab_size
         grammar = GrammarBackend(tok, cfg.vocab_size, stop_ids, args)
+        agents = [self.worker.transfer.describe()] if self.worker.transfer is not None else None
         self.scheduler = Scheduler(args, self.worker.layout, stop_ids, tok.decode, grammar,
-                                   pool_bytes=self.worker.pool_bytes)
+                                   pool_bytes=self.worker.pool_bytes, transfer_agents=agents)
         self.wire, self.check, self.on_step = wire, check, on_step
         self._n = 0
         self._sent: deque[StepPlan] = deque()

@@ -1,0 +1,115 @@
+"""P/D disaggregation in one process: a prefill and a decode LocalEngine over the fake backend (and over NIXL on
+loopback), greedy outputs equal the aggregated engine's token for token, the KDA state and the MLA pages on decode
+equal prefill's byte for byte after the transfer, and both pools return to their baseline."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import random
+
+import pytest
+
+from radixk3.config import preset
+from radixk3.model import build_model
+from runtime.local_engine import LocalEngine
+from runtime.messages import Bootstrap
+from runtime.server_args import ServerArgs
+from tests.runtime.http_server_proc import free_port
+
+MAX_NEW = 5
+GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+BASE = ServerArgs(disable_compile=True, page_size=4, max_running_requests=8, chunked_prefill_size=16)
+
+
+@pytest.fixture(scope="module")
+def model():  # noqa: ANN201
+    return build_model(preset("k3-tiny"), seed=11)
+
+
+@pytest.fixture(scope="module")
+def prompts(model) -> list[list[int]]:  # noqa: ANN001
+    g = random.Random(3)
+    v = model.config.vocab_size
+    shared = [g.randrange(v) for _ in range(9)]
+    return [[g.randrange(v) for _ in range(n)] for n in (3, 8, 21, 40)] + [shared + [g.randrange(v)] for _ in range(2)]
+
+
+def _pair(model, backend: str, **kw: object) -> tuple[LocalEngine, LocalEngine, int]:  # noqa: ANN001
+    port = free_port()
+    common = dict(disaggregation_transfer_backend=backend, **kw)
+    pre = LocalEngine(dataclasses.replace(BASE, disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
+                                          **common), model, check=True)
+    dec = LocalEngine(dataclasses.replace(BASE, disaggregation_mode="decode", **common), model, check=True)
+    return pre, dec, port
+
+
+def _run_both(pre: LocalEngine, dec: LocalEngine) -> dict[str, list[int]]:
+    """Step both engines in turn until neither has work; the decode side's tokens by request id."""
+    outs: dict[str, list[int]] = {}
+    while pre.loop.busy or dec.loop.busy:
+        for engine in (pre, dec):
+            got = engine.loop.step() if engine.loop.busy else []
+            if engine is dec:
+                for o in got:
+                    assert o.error is None, o.error
+                    outs.setdefault(o.rid, []).extend(o.token_ids)
+    return outs
+
+
+def _close(*engines: LocalEngine) -> None:
+    for e in engines:
+        side = e.scheduler.pd_prefill or e.scheduler.pd_decode
+        if side is not None:
+            side.close()
+
+
+def _state_digest(engine: LocalEngine, ids: list[int]) -> tuple[str, str]:
+    """Digests of the KDA state block and the MLA pages the radix tree holds for exactly `ids` (both sides
+    donate the request's state after its prompt to the tree)."""
+    s = engine.scheduler
+    m = s.cache.match_prefix([*ids, 0])  # a match leaves the last token to compute: one more to match all of ids
+    assert m.prefix_len == len(ids) and m.state is not None
+    buf = engine.worker.buffer
+    state = buf.state_bytes(s.pool.state_slot(m.state)).numpy().tobytes()
+    pages = b"".join(buf.page_bytes(s.pool.page_index(p)).numpy().tobytes() for p in m.pages)
+    return hashlib.sha256(state).hexdigest(), hashlib.sha256(pages).hexdigest()
+
+
+@pytest.mark.parametrize("backend", ["fake", "nixl"])
+def test_pd_equals_aggregated(model, prompts, backend: str) -> None:  # noqa: ANN001
+    if backend == "nixl":
+        pytest.importorskip("nixl")
+    want = LocalEngine(BASE, model).generate(prompts, GREEDY)
+    pre, dec, port = _pair(model, backend)
+    try:
+        rids = []
+        for i, p in enumerate(prompts):
+            boot = Bootstrap("127.0.0.1", port, 7000 + i)
+            pre.submit(p, GREEDY, bootstrap=boot)
+            rids.append(dec.submit(p, GREEDY, bootstrap=boot))
+        outs = _run_both(pre, dec)
+        assert [outs[r] for r in rids] == want
+        for e in (pre, dec):  # nothing left held: every request's memory went back to the pool or the tree
+            s = e.scheduler
+            s.check_integrity()
+            assert not s.running and not s.has_work
+            assert s.flush_cache() and s.pool.states_used == 0 and s.pool.pages_used == 0
+    finally:
+        _close(pre, dec)
+
+
+def test_state_bytes_equal_after_transfer(model, prompts) -> None:  # noqa: ANN001
+    """One token on decode: it ends on the first token, so each side's tree keeps the very state and pages the
+    prefill computed and the transfer wrote."""
+    pre, dec, port = _pair(model, "fake")
+    try:
+        one = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+        p = prompts[3]  # 40 tokens: page-aligned, so both sides donate the state after the whole prompt
+        boot = Bootstrap("127.0.0.1", port, 99)
+        pre.submit(p, one, bootstrap=boot)
+        dec.submit(p, one, bootstrap=boot)
+        _run_both(pre, dec)
+        assert _state_digest(dec, p) == _state_digest(pre, p)
+    finally:
+        _close(pre, dec)
