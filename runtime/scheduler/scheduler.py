@@ -167,22 +167,12 @@ class Scheduler:
             self.waiting.append(req)
 
     def _disaggregated(self, msg: GenerateReq) -> SamplingParams:
-        """A prefill or decode server's request: its bootstrap room is required, what P/D does not serve yet is
-        refused by name; a prefill server samples the first token only."""
-        mode, params = self.args.disaggregation_mode, msg.sampling
-        if msg.bootstrap is None:
-            raise InvalidRequest(f"this is a {mode} server (--disaggregation-mode {mode}): a request needs "
-                                 "bootstrap_host, bootstrap_port and bootstrap_room (send it through sglang-router "
-                                 "--pd-disaggregation)")
-        if params.grammar is not None:
-            raise InvalidRequest("structured output with P/D disaggregation is not supported yet",
-                                 param=params.grammar[0])
-        if msg.return_logprob and 0 <= msg.logprob_start_len < len(msg.input_ids):
-            raise InvalidRequest("input logprobs with P/D disaggregation are not supported yet",
-                                 param="logprob_start_len")
-        if params.max_new_tokens < 1:
-            raise InvalidRequest("P/D disaggregation needs max_new_tokens >= 1", param="max_new_tokens")
-        if mode == "prefill":
+        """A prefill or decode server's request (checked at the door: `runtime.disagg.door`): a prefill server
+        samples the first token only."""
+        params = msg.sampling
+        if msg.bootstrap is None:  # the door lets none through; a scheduler never serves one half-way
+            raise InvalidRequest("a P/D disaggregation server's request needs its bootstrap room")
+        if self.args.disaggregation_mode == "prefill":
             return dataclasses.replace(params, max_new_tokens=1, min_new_tokens=min(params.min_new_tokens, 1))
         return params
 
