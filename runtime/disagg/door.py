@@ -13,8 +13,8 @@ def check_disaggregated(mode: str, bootstrap: Bootstrap | None, params: Sampling
     """Raises InvalidRequest for a request this server (in --disaggregation-mode `mode`) cannot serve."""
     if mode == "null":
         if bootstrap is not None:
-            raise InvalidRequest("bootstrap fields: this server is not a prefill or decode server "
-                                 "(--disaggregation-mode null)", param="bootstrap_room")
+            raise InvalidRequest("bootstrap_host, bootstrap_port, bootstrap_room: this server is not a prefill or "
+                                 "decode server (--disaggregation-mode null)", param="bootstrap_room")
         return
     if bootstrap is None:
         raise InvalidRequest(f"this is a {mode} server (--disaggregation-mode {mode}): a request needs "

@@ -24,8 +24,9 @@ class BootstrapFields(BaseModel):
             return None
         missing = [name for name, v in zip(BOOTSTRAP_FIELDS, given, strict=True) if v is None]
         if missing:
-            raise bad_request(f"{', '.join(missing)}: the bootstrap fields come together (sglang-router sends all "
-                              "three)", missing[0])
+            sent = [name for name, v in zip(BOOTSTRAP_FIELDS, given, strict=True) if v is not None]
+            raise bad_request(f"{', '.join(sent)} without {', '.join(missing)}: the bootstrap fields come together "
+                              "(sglang-router sends all three)", missing[0])
         if prompts != 1:
             raise bad_request("a bootstrap room pairs one prompt: batches in P/D disaggregation are not supported "
                               "yet", "bootstrap_room")

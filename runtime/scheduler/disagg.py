@@ -128,6 +128,11 @@ class DecodeSide:
             if item[0].rid == rid:
                 self.pending.remove(item)
                 self._aborted.append(item[0])
+                boot = item[0].bootstrap
+                assert boot is not None
+                peer = self.peers.get((boot.host, boot.port))
+                if peer is not None and peer.socket is not None:  # prefill may hold the request already
+                    self._tell(peer, RoomFailed(self.id, boot.room, "aborted by the client"))
         for room, r in self.rooms.items():
             if r.req.rid == rid and not r.req.aborted:
                 r.req.aborted = True  # its memory waits for the transfer (or prefill's word that none comes)
@@ -301,11 +306,13 @@ class PrefillSide:
         self.reserves: dict[int, tuple[RoomReserve, float]] = {}  # came before their request
         self.waiting: dict[int, tuple[Req, float]] = {}  # requests waiting for their reservation
         self.admitted: dict[int, RoomReserve] = {}  # running requests' reservations
+        self._rids: dict[int, str] = {}  # their request ids
         self._cancelled: dict[int, float] = {}  # rooms decode gave up on before their request came here
         self._sends: list[dict[str, object]] = []
         self._sending: dict[int, list[tuple[int, str]]] = {}  # step -> (room, decode_id) its plan sends
         self._ready: list[Req] = []
         self._failed: list[tuple[Req, str]] = []
+        self._abort: list[str] = []  # admitted requests whose decode side gave up: abort them
 
     def add(self, req: Req) -> None:
         room = req.bootstrap.room  # type: ignore[union-attr]
@@ -315,6 +322,7 @@ class PrefillSide:
             self._failed.append((req, f"the decode server gave up on bootstrap room {room}"))
         elif room in self.reserves:
             self.admitted[room] = self.reserves.pop(room)[0]
+            self._rids[room] = req.rid
             self._ready.append(req)
         else:
             self.waiting[room] = (req, time.monotonic() + self.args.disaggregation_timeout)
@@ -328,7 +336,7 @@ class PrefillSide:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self._sends or self._new_peers or self._ready or self._failed)
+        return bool(self.waiting or self._sends or self._new_peers or self._ready or self._failed or self._abort)
 
     @property
     def waiting_on_peer(self) -> bool:
@@ -338,8 +346,9 @@ class PrefillSide:
     def plan_due(self) -> bool:
         return bool(self._sends or self._new_peers)
 
-    def tick(self) -> tuple[list[Req], list[tuple[Req, str]]]:
-        """Read decode's messages: requests whose reservation came (to admit) and requests that failed."""
+    def tick(self) -> tuple[list[Req], list[tuple[Req, str]], list[str]]:
+        """Read decode's messages: requests whose reservation came (to admit), requests that failed, and the ids
+        of admitted requests whose decode side gave up (to abort)."""
         now = time.monotonic()
         for msg in self.control.drain():
             if isinstance(msg, PeerHello):
@@ -350,6 +359,7 @@ class PrefillSide:
                 if msg.room in self.waiting:
                     req, _ = self.waiting.pop(msg.room)
                     self.admitted[msg.room] = msg
+                    self._rids[msg.room] = req.rid
                     self._ready.append(req)
                 else:
                     self.reserves[msg.room] = (msg, now + self.args.disaggregation_timeout)
@@ -366,7 +376,8 @@ class PrefillSide:
         self._cancelled = {r: d for r, d in self._cancelled.items() if d > now}
         ready, self._ready = self._ready, []
         failed, self._failed = self._failed, []
-        return ready, failed
+        abort, self._abort = self._abort, []
+        return ready, failed, abort
 
     def _hello(self, msg: PeerHello) -> None:
         sock = self.control.connect(msg.address)
@@ -379,14 +390,25 @@ class PrefillSide:
         self._new_peers.append({"decode_id": msg.decode_id, "ranks": [dataclasses.asdict(r) for r in msg.ranks]})
 
     def _decode_gave_up(self, msg: RoomFailed, now: float) -> None:
-        if msg.room in self.waiting:
-            req, _ = self.waiting.pop(msg.room)
-            self._failed.append((req, f"the decode server gave up on bootstrap room {msg.room}: {msg.error}"))
-        elif msg.room in self.admitted:
-            self.admitted[msg.room] = dataclasses.replace(self.admitted[msg.room], decode_id="")  # send nothing
+        """Decode aborted or failed a room. If a reservation of it is held here (its memory waits on decode), the
+        room is dropped and decode is told it may free that memory: nothing will be sent. A send already
+        queued still goes (decode frees the memory when it arrives)."""
+        room = msg.room
+        if room in self.waiting:  # decode gave up before reserving: it holds nothing
+            req, _ = self.waiting.pop(room)
+            self._failed.append((req, f"the decode server gave up on bootstrap room {room}: {msg.error}"))
+            return
+        held = room in self.admitted or room in self.reserves
+        if room in self.admitted:
+            del self.admitted[room]
+            self._abort.append(self._rids.pop(room))
+        elif room in self.reserves:
+            del self.reserves[room]
+            self._cancelled[room] = now + self.args.disaggregation_timeout  # its request may still come
         else:
-            self.reserves.pop(msg.room, None)
-            self._cancelled[msg.room] = now + self.args.disaggregation_timeout
+            self._cancelled[room] = now + self.args.disaggregation_timeout
+        if held:
+            self.tell_failed(msg.sender, room, "the prefill server dropped the room")
 
     def plan_fields(self, step: int) -> dict[str, object]:
         peers, self._new_peers = self._new_peers, []
@@ -408,6 +430,7 @@ class PrefillSide:
         that nothing will come."""
         room = req.bootstrap.room  # type: ignore[union-attr]
         reserve = self.admitted.pop(room, None)
+        self._rids.pop(room, None)
         if reserve is None or not reserve.decode_id:
             return
         ok = req.output_ids and not req.poisoned and not req.aborted and req.finished in ("stop", "length")

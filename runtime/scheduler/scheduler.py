@@ -310,10 +310,12 @@ class Scheduler:
         """Prefill: admit the requests whose reservation came. Decode: reserve memory for waiting requests (the
         plan of this schedule carries the allocation's copies). Both: fail what the other side gave up on."""
         if self.pd_prefill is not None:
-            ready, failed = self.pd_prefill.tick()
+            ready, failed, abort = self.pd_prefill.tick()
             self.waiting.extend(ready)
             for req, error in failed:
                 self.outputs.finish(req, "error", error)
+            for rid in abort:
+                self.abort(rid)
         if self.pd_decode is not None:
             self.pd_decode.reserve(len(self.running), self._step + 1)
             self._pd_take_failed()

@@ -113,3 +113,55 @@ def test_state_bytes_equal_after_transfer(model, prompts) -> None:  # noqa: ANN0
         assert _state_digest(dec, p) == _state_digest(pre, p)
     finally:
         _close(pre, dec)
+
+
+def _finish(engine: LocalEngine) -> dict[str, list]:
+    """Step one engine until it has no work; its TokenOuts by request id."""
+    outs: dict[str, list] = {}
+    while engine.loop.busy:
+        for o in engine.loop.step():
+            outs.setdefault(o.rid, []).append(o)
+    return outs
+
+
+def _baseline(engine: LocalEngine) -> None:
+    s = engine.scheduler
+    s.check_integrity()
+    assert s.flush_cache() and s.pool.states_used == 0 and s.pool.pages_used == 0
+
+
+def test_room_without_partner_times_out(model) -> None:  # noqa: ANN001
+    """A decode request whose prefill never comes, and a prefill request whose decode never reserves, fail with an
+    error naming the timeout; both pools are back to empty."""
+    pre, dec, port = _pair(model, "fake", disaggregation_timeout=0.3)
+    try:
+        dec_rid = dec.submit([1, 2, 3], GREEDY, bootstrap=Bootstrap("127.0.0.1", port, 1))
+        pre_rid = pre.submit([4, 5, 6], GREEDY, bootstrap=Bootstrap("127.0.0.1", port, 2))
+        for engine, rid, side in ((dec, dec_rid, "prefill"), (pre, pre_rid, "decode")):
+            last = _finish(engine)[rid][-1]
+            assert last.finished == "error" and "--disaggregation-timeout" in last.error and side in last.error
+            _baseline(engine)
+    finally:
+        _close(pre, dec)
+
+
+def test_abort_on_decode_reaches_prefill(model) -> None:  # noqa: ANN001
+    pre, dec, port = _pair(model, "fake")
+    try:
+        boot = Bootstrap("127.0.0.1", port, 5)
+        pre_rid = pre.submit(list(range(10, 40)), GREEDY, bootstrap=boot)
+        dec_rid = dec.submit(list(range(10, 40)), GREEDY, bootstrap=boot)
+        while not dec.scheduler.pd_decode.rooms or not all(r.sent for r in dec.scheduler.pd_decode.rooms.values()):
+            dec.loop.step()  # decode reserved and told prefill where
+        dec.scheduler.abort(dec_rid)
+        outs: dict[str, list] = {}
+        while pre.loop.busy or dec.loop.busy:
+            for engine in (pre, dec):
+                for o in engine.loop.step() if engine.loop.busy else []:
+                    outs.setdefault(o.rid, []).append(o)
+        assert outs[dec_rid][-1].finished == "abort"
+        assert outs[pre_rid][-1].finished == "abort"
+        for engine in (pre, dec):
+            _baseline(engine)
+    finally:
+        _close(pre, dec)
