@@ -165,3 +165,18 @@ def test_abort_on_decode_reaches_prefill(model) -> None:  # noqa: ANN001
             _baseline(engine)
     finally:
         _close(pre, dec)
+
+
+def test_page_size_mismatch_is_refused_by_name(model) -> None:  # noqa: ANN001
+    port = free_port()
+    pre = LocalEngine(dataclasses.replace(BASE, disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
+                                          disaggregation_transfer_backend="fake"), model)
+    dec = LocalEngine(dataclasses.replace(BASE, page_size=1, disaggregation_mode="decode",
+                                          disaggregation_transfer_backend="fake"), model)
+    try:
+        rid = dec.submit([1, 2, 3], GREEDY, bootstrap=Bootstrap("127.0.0.1", port, 1))
+        last = _finish(dec)[rid][-1]
+        assert last.finished == "error" and "--page-size 4" in last.error and "same page size" in last.error
+        _baseline(dec)
+    finally:
+        _close(pre, dec)
