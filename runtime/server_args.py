@@ -161,6 +161,9 @@ class ServerArgs:
         "nixl: NIXL (UCX) writes into the decode pool's registered memory; fake: in-process copies (tests)")})
     disaggregation_bootstrap_port: int = field(default=8998, metadata={"help": (
         "prefill mode: the port of the bootstrap server (decode servers look up this server's transfer address)")})
+    disaggregation_decode_enable_radix_cache: bool = field(default=False, metadata={"help": (
+        "decode mode: a request whose prompt prefix is in this server's radix cache reserves (and receives) only "
+        "the MLA pages past it; the KDA state always moves")})
     disaggregation_timeout: float = field(default=60.0, metadata={"help": (
         "seconds a disaggregated request may wait for its other side (decode's reservation, prefill's transfer) "
         "before it fails and its memory is freed")})
@@ -283,6 +286,9 @@ class ServerArgs:
             raise ValueError("--disaggregation-bootstrap-port must be in [1, 65535]")
         if not 0 < self.disaggregation_timeout < float("inf"):
             raise ValueError("--disaggregation-timeout must be a positive number of seconds")
+        if self.disaggregation_decode_enable_radix_cache and (mode != "decode" or self.disable_radix_cache):
+            raise ValueError("--disaggregation-decode-enable-radix-cache needs --disaggregation-mode decode and the "
+                             "radix cache (no --disable-radix-cache)")
         if mode == "null":
             return
         unsupported = [(self.dp_size > 1, "--dp > 1"), (self.enable_dp_attention, "--enable-dp-attention"),

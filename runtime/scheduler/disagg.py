@@ -39,6 +39,7 @@ from runtime.disagg.protocol import (
 )
 from runtime.pool_layout import PoolLayout
 from runtime.scheduler.pool import Kind, PoolExhausted, UnifiedPool
+from runtime.scheduler.radix_cache import HybridRadixCache, MatchResult
 from runtime.scheduler.request import Req
 from runtime.server_args import ServerArgs
 
@@ -97,8 +98,11 @@ class _Room:
 
 
 class DecodeSide:
-    def __init__(self, args: ServerArgs, pool: UnifiedPool, agents: list[RankAgent], tp_size: int) -> None:
+    def __init__(self, args: ServerArgs, pool: UnifiedPool, agents: list[RankAgent], tp_size: int,
+                 cache: HybridRadixCache | None) -> None:
+        """`cache`: the radix cache whose prefix hits skip pages (--disaggregation-decode-enable-radix-cache)."""
         self.args, self.pool = args, pool
+        self.cache = cache if args.disaggregation_decode_enable_radix_cache else None
         self.ps = pool.geometry.page_size
         self.id = uuid.uuid4().hex
         self.control = _Control(args.host)
@@ -147,8 +151,9 @@ class DecodeSide:
         return bool(self.rooms)
 
     def holds(self) -> tuple[list[int], list[int]]:
-        """The state blocks and pages held by rooms not yet arrived."""
-        return [r.req.state for r in self.rooms.values()], [p for r in self.rooms.values() for p in r.req.pages]
+        """The state blocks and the pages (past their tree pages) held by rooms not yet arrived."""
+        return ([r.req.state for r in self.rooms.values()],  # type: ignore[misc]
+                [p for r in self.rooms.values() for p in r.req.pages[r.req.tree_pages :]])
 
     # --- each schedule -------------------------------------------------------------------------------
     def reserve(self, running: int, step: int) -> None:
@@ -181,20 +186,34 @@ class DecodeSide:
             self._expect.append((boot.room, slot))
 
     def _alloc(self, req: Req) -> bool:
+        """A state block and the prompt's pages; with the decode-side radix cache, the tree's pages of a cached
+        prefix (its node locked) and new pages past it. The blocks a transfer writes are pinned."""
         n_pages = -(-len(req.prompt_ids) // self.ps)
+        match = self.cache.match_prefix(req.all_key_ids) if self.cache is not None else None
+        if match is not None:
+            self.cache.lock(match.node)  # type: ignore[union-attr]
+        cached = list(match.pages) if match is not None else []
         try:
-            state = self.pool.alloc_state()
+            state = self.pool.alloc_state()  # never the checkpoint's copy: prefill sends the whole state
         except PoolExhausted:
+            self._unlock(match)
             return False
         try:
-            pages = self.pool.alloc_pages(n_pages)
+            pages = self.pool.alloc_pages(n_pages - len(cached))
         except PoolExhausted:
             self.pool.free_state(state)
+            self._unlock(match)
             return False
         self.pool.pin(Kind.STATE, [state])
         self.pool.pin(Kind.KV, pages)
-        req.state, req.pages, req.num_computed = state, pages, len(req.prompt_ids)
+        req.state, req.pages, req.num_computed = state, cached + pages, len(req.prompt_ids)
+        req.node, req.tree_pages = (match.node, len(cached)) if match is not None else (None, 0)
+        req.cached_tokens = len(cached) * self.ps  # reported by decode alone (prefill's response is not returned)
         return True
+
+    def _unlock(self, match: MatchResult | None) -> None:
+        if match is not None:
+            self.cache.unlock(match.node)  # type: ignore[union-attr]
 
     def plan_fields(self) -> dict[str, object]:
         expect, self._expect = self._expect, []
@@ -214,9 +233,10 @@ class DecodeSide:
         g = self.pool.geometry
         for room, r in self.rooms.items():
             if not r.sent and r.step <= step and not r.req.aborted:
-                offsets = [g.page_offset(self.pool.page_index(p)) for p in r.req.pages]
-                state = g.state_offset(self.pool.state_slot(r.req.state))  # type: ignore[arg-type]
-                self._tell(r.peer, RoomReserve(self.id, room, offsets, state, r.slot, 0))
+                req = r.req
+                offsets = [g.page_offset(self.pool.page_index(p)) for p in req.pages[req.tree_pages :]]
+                state = g.state_offset(self.pool.state_slot(req.state))  # type: ignore[arg-type]
+                self._tell(r.peer, RoomReserve(self.id, room, offsets, state, r.slot, req.tree_pages * self.ps))
                 r.sent = True
         out = []
         for room, tok, lp in arrived:
@@ -281,12 +301,14 @@ class DecodeSide:
 
     def _unpin(self, req: Req) -> None:
         self.pool.unpin(Kind.STATE, [req.state])  # type: ignore[list-item]
-        self.pool.unpin(Kind.KV, req.pages)
+        self.pool.unpin(Kind.KV, req.pages[req.tree_pages :])
 
     def _let_go(self, req: Req) -> None:
         self.pool.free_state(req.state)  # type: ignore[arg-type]
-        self.pool.free_pages(req.pages)
-        req.state, req.pages, req.num_computed = None, [], 0
+        self.pool.free_pages(req.pages[req.tree_pages :])
+        if req.node is not None:
+            self.cache.unlock(req.node)  # type: ignore[union-attr]
+        req.state, req.pages, req.num_computed, req.node, req.tree_pages = None, [], 0, None, 0
 
     def close(self) -> None:
         self.control.close()

@@ -130,7 +130,7 @@ class Scheduler:
         if args.disaggregation_mode == "decode":
             if not transfer_agents:
                 raise ValueError("a decode server needs its ranks' transfer agents")
-            self.pd_decode = DecodeSide(args, self.pool, transfer_agents, args.tp_size)
+            self.pd_decode = DecodeSide(args, self.pool, transfer_agents, args.tp_size, self.cache)
 
     # --- requests in -----------------------------------------------------------------------------------
     def add(self, msg: GenerateReq) -> None:
@@ -350,6 +350,7 @@ class Scheduler:
             req.admitted = req.prefill_done = True
             req.last_sampled_step = step
             self.metrics.prompt_tokens += len(req.prompt_ids)
+            self.metrics.cached_tokens += req.cached_tokens
             reason = self.outputs.on_token(req, tok, lp, [], [])
             self.tables.assign(req)
             self.running.append(req)

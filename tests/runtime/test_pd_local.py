@@ -185,3 +185,32 @@ def test_page_size_mismatch_is_refused_by_name(model) -> None:  # noqa: ANN001
         _baseline(dec)
     finally:
         _close(pre, dec)
+
+
+def test_decode_side_radix_cache(model, prompts, want) -> None:  # noqa: ANN001
+    """--disaggregation-decode-enable-radix-cache: the next turn of a conversation hits what decode donated to its
+    tree at the end of the last turn (a page-aligned end holds a state), so decode reserves and receives only the
+    pages past it (the state still moves); outputs stay equal to the aggregated engine's."""
+    turn2 = [p + w + [7, 8, 9] for p, w in zip(prompts, want, strict=True)]
+    want2 = LocalEngine(BASE, model).generate(turn2, GREEDY)
+    port = free_port()
+    common = dict(disaggregation_transfer_backend="fake")
+    pre = LocalEngine(dataclasses.replace(BASE, disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
+                                          **common), model, check=True)
+    dec = LocalEngine(dataclasses.replace(BASE, disaggregation_mode="decode",
+                                          disaggregation_decode_enable_radix_cache=True, **common), model, check=True)
+    try:
+        for turn, (wave, expected) in enumerate([(prompts, want), (turn2, want2)]):
+            rids = []
+            for i, p in enumerate(wave):
+                boot = Bootstrap("127.0.0.1", port, 100 * turn + i)
+                pre.submit(p, GREEDY, bootstrap=boot)
+                rids.append(dec.submit(p, GREEDY, bootstrap=boot))
+            outs = _run_both(pre, dec)
+            assert [outs[r] for r in rids] == expected, f"turn {turn}"
+            cached = dec.scheduler.metrics_now().cached_tokens
+            assert (cached > 0) == (turn == 1), cached  # the 40-token prompt's first turn ends page-aligned
+        for e in (pre, dec):
+            _baseline(e)
+    finally:
+        _close(pre, dec)
