@@ -822,6 +822,10 @@ class Scheduler:
     def _refresh_metrics(self) -> None:
         m = self.metrics
         m.running, m.queued = len(self.running), len(self.waiting) + len(self.grammar_wait)
+        if self.pd_prefill is not None:  # waiting for decode's reservation
+            m.queued += len(self.pd_prefill.waiting)
+        if self.pd_decode is not None:  # waiting for memory, or for prefill's transfer
+            m.queued += len(self.pd_decode.pending) + len(self.pd_decode.rooms)
         u = self.pool.usage()
         m.state_pool_bytes, m.kv_pool_bytes = u.state_bytes, u.kv_bytes
         if self.cache is not None:
