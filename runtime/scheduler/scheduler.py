@@ -219,6 +219,11 @@ class Scheduler:
                     or self._pd_busy)
 
     @property
+    def _rows_taken(self) -> int:
+        """Page-table rows in use or promised: the running requests', and (P/D decode) the rooms' on arrival."""
+        return len(self.running) + (len(self.pd_decode.rooms) if self.pd_decode is not None else 0)
+
+    @property
     def _pd_busy(self) -> bool:
         side = self.pd_prefill or self.pd_decode
         return side is not None and side.has_work
@@ -538,7 +543,7 @@ class Scheduler:
         batch: list[tuple[Req, int]] = []
         budget, chunk = self.args.step_prefill_budget, self.args.chunked_prefill_size
         share = budget
-        if self.waiting and len(self.running) < self.args.max_running_requests:
+        if self.waiting and self._rows_taken < self.args.max_running_requests:
             share = running_prefill_share(budget, self.ps)
         for req in sorted(self.running, key=lambda r: r.arrival):
             if share <= 0:
@@ -574,7 +579,7 @@ class Scheduler:
         sources = [r for r in self.running if r.active and (not r.prefill_done or r.pending_ckpts)]
         reserved = self._running_reserve()
         deferred: list[Req] = []
-        while self.waiting and budget > 0 and len(self.running) < self.args.max_running_requests:
+        while self.waiting and budget > 0 and self._rows_taken < self.args.max_running_requests:
             req = self.waiting.popleft()
             if id(req) in self._retracted_now:
                 deferred.append(req)
