@@ -16,6 +16,7 @@ from typing import Any
 
 from radixk3.model import KimiForCausalLM
 from radixk3.vision.encoder import VisionEncoder
+from runtime.disagg.door import check_disaggregated
 from runtime.grammar import GrammarBackend
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, decode, encode
 from runtime.model_files import model_config, tokenizer_for
@@ -37,9 +38,10 @@ class LocalEngine:
         stop_ids = model_stop_ids(args, tok, cfg)
         self.vocab_size = cfg.vocab_size
         grammar = GrammarBackend(tok, cfg.vocab_size, stop_ids, args)
+        agents = [self.worker.transfer.describe()] if self.worker.transfer is not None else None
         self.scheduler = Scheduler(args, self.worker.layout, stop_ids, tok.decode, grammar,
-                                   pool_bytes=self.worker.pool_bytes)
-        self.wire, self.check, self.on_step = wire, check, on_step
+                                   pool_bytes=self.worker.pool_bytes, transfer_agents=agents)
+        self.args, self.wire, self.check, self.on_step = args, wire, check, on_step
         self._n = 0
         self._sent: deque[StepPlan] = deque()
         self.loop = StepLoop(self.scheduler, self._sent.append, self._run_next,
@@ -59,6 +61,8 @@ class LocalEngine:
         req = GenerateReq(f"l{self._n}", check_prompt_ids(input_ids, self.vocab_size), params.for_sample(0),
                           **options)
         check_output_options(req.return_logprob, req.logprob_start_len, req.top_logprobs_num, self.vocab_size)
+        check_disaggregated(self.args.disaggregation_mode, req.bootstrap, params, req.return_logprob,
+                            req.logprob_start_len, len(input_ids))
         self._n += 1
         self.scheduler.add(req)
         return req.rid

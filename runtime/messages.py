@@ -4,8 +4,8 @@ A message is a list of ZeroMQ frames: frame 0 is the orjson header (the dataclas
 arrays, plus the message type), then one raw frame per array field, in field order: int64, or the dtype
 the class names for it in `ARRAY_DTYPES`; then, for each group of arrays (`ARRAY_GROUPS`: a dataclass of
 arrays, such as a plan's sampling columns), one raw frame per array of the group, in its field order and
-its `DTYPES`. A dataclass in the header (`NESTED`), or a list of them (`NESTED_LISTS`), is rebuilt as it was
-sent: it was checked before it was sent, so it is not checked again.
+its `DTYPES`. A dataclass in the header (`NESTED`; `NESTED_OPTIONAL` where it may be None), or a list of them
+(`NESTED_LISTS`), is rebuilt as it was sent: it was checked before it was sent, so it is not checked again.
 """
 
 from __future__ import annotations
@@ -42,11 +42,22 @@ class ImageRef:
 
 
 @dataclass
+class Bootstrap:
+    """Prefill/decode disaggregation: where the request's prefill server's bootstrap server is, and the room that
+    pairs the request's two halves (sglang-router adds these to the request it sends to both servers)."""
+
+    host: str
+    port: int
+    room: int
+
+
+@dataclass
 class GenerateReq:
     """One sample of a request, checked at the door (the tokenizer manager, LocalEngine): nothing downstream
     validates it again. `image_patches`: the images' patches, flattened float32, in `images` order."""
 
     NESTED: ClassVar[dict[str, type]] = {"sampling": SamplingParams}
+    NESTED_OPTIONAL: ClassVar[dict[str, type]] = {"bootstrap": Bootstrap}
     NESTED_LISTS: ClassVar[dict[str, type]] = {"images": ImageRef}
     ARRAYS: ClassVar[tuple[str, ...]] = ("image_patches",)
     ARRAY_DTYPES: ClassVar[dict[str, type]] = {"image_patches": np.float32}
@@ -59,6 +70,7 @@ class GenerateReq:
     stream: bool = False
     images: list[ImageRef] = field(default_factory=list)
     image_patches: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    bootstrap: Bootstrap | None = None  # set on a prefill or decode server (P/D disaggregation)
 
 
 @dataclass
@@ -174,6 +186,14 @@ class StepPlan:
     # Images whose pad runs meet this step's new tokens, and their patches (flattened float32, in that order).
     images: list[PlanImage] = field(default_factory=list)
     image_patches: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    # P/D disaggregation (runtime.disagg.protocol's dicts), applied before the byte copies: a prefill rank
+    # adds the decode peers (`pd_peers`) and writes the finished prefills' memory into them (`pd_sends`); a
+    # decode rank learns which rooms to expect (`pd_expect`: room -> metadata slot) and, with `pd_poll`, reports
+    # the rooms that arrived.
+    pd_peers: list[dict[str, Any]] = field(default_factory=list)
+    pd_sends: list[dict[str, Any]] = field(default_factory=list)
+    pd_expect: list[tuple[int, int]] = field(default_factory=list)
+    pd_poll: bool = False
 
     @property
     def num_sampled(self) -> int:
@@ -199,6 +219,10 @@ class StepResult:
     # and a row error's index is the sequence's.
     num_accepted: list[int] = field(default_factory=list)
     dp_rank: int = 0  # DP attention: the attention group whose plan this is the result of
+    # P/D decode: (room, first token, its logprob) of each transfer that completed; a prefill rank's failed
+    # sends: (room, error)
+    pd_arrived: list[tuple[int, int, float]] = field(default_factory=list)
+    pd_failed: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -213,6 +237,7 @@ class WorkerReady:
     # Its compiled decode step's batch-size buckets and the seconds each took to build (empty: decode is eager).
     compile_buckets: list[int] = field(default_factory=list)
     compile_seconds: list[float] = field(default_factory=list)
+    transfer: dict[str, Any] | None = None  # P/D: this rank's transfer agent (runtime.disagg.protocol.RankAgent)
 
 
 @dataclass
@@ -338,6 +363,9 @@ def decode(frames: list[bytes]) -> Any:
         header[group] = kind(**grouped[group])
     for name, kind in getattr(cls, "NESTED", {}).items():
         header[name] = kind(**header[name])
+    for name, kind in getattr(cls, "NESTED_OPTIONAL", {}).items():
+        if header.get(name) is not None:
+            header[name] = kind(**header[name])
     for name, kind in getattr(cls, "NESTED_LISTS", {}).items():
         header[name] = [kind(**item) for item in header[name]]
     return cls(**header)

@@ -27,6 +27,7 @@ from collections import deque
 
 import zmq
 
+from runtime.disagg.protocol import RankAgent
 from runtime.grammar import GrammarBackend
 from runtime.messages import (
     AbortReq,
@@ -63,6 +64,7 @@ from runtime.topology import Topology, rank_label
 # How long an idle scheduler waits for more arrivals after the first before it plans (a TTFT cost paid only
 # when the engine was idle).
 ARRIVAL_WINDOW_MS = 5
+PEER_WAIT_MS = 1  # P/D: how long a scheduler with nothing to do but wait for the other side sleeps between looks
 
 
 class RankLost(Exception):
@@ -208,7 +210,9 @@ class _Server:
         hundred microseconds apart) for up to ARRIVAL_WINDOW_MS before planning, so that they see each other
         and share their prefix (in-batch sharing)."""
         idle = not self.loop.busy
-        timeout = None if idle else 0
+        # P/D: a scheduler with nothing to do but wait for the other side looks every PEER_WAIT_MS, not in a spin.
+        peer_wait = isinstance(self.sched, Scheduler) and self.sched.waiting_on_peer
+        timeout = None if idle else PEER_WAIT_MS if peer_wait else 0
         window_end: float | None = None
         while events := dict(self.poller.poll(timeout)):
             self._take(events)
@@ -333,7 +337,9 @@ def scheduler_main(args: ServerArgs, topo: Topology, replica: int) -> None:
         if topo.attention_groups > 1:
             sched = DPAttentionScheduler(args, layout, stop_ids, tok.decode, lambda: grammar, pool_bytes=pool_bytes)
         else:
-            sched = Scheduler(args, layout, stop_ids, tok.decode, grammar, pool_bytes=pool_bytes)
+            agents = [RankAgent(**r.transfer) for r in sorted(readies, key=lambda r: r.rank) if r.transfer is not None]
+            sched = Scheduler(args, layout, stop_ids, tok.decode, grammar, pool_bytes=pool_bytes,
+                              transfer_agents=agents or None)
     except Exception as e:
         ready_out.send_multipart(encode(WorkerReady(-1, error=f"scheduler {replica}: {type(e).__name__}: {e}")))
         ctx.destroy(linger=LINGER_MS)

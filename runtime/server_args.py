@@ -25,6 +25,8 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 SAMPLING_DEFAULTS = ("model", "openai")
 TOOL_CALL_PARSERS = ("kimi_k2", "kimi_k3")
 REASONING_PARSERS = ("kimi_k2", "kimi", "kimi_k3")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("nixl", "fake")
 QUANTIZATIONS = ("int8", "int4")  # kernels.weight_quant.METHODS (this module imports no torch)
 
 
@@ -149,6 +151,22 @@ class ServerArgs:
         "seconds a forward step, or a scheduler with requests pending, may go without progress before the "
         "watchdog fails the requests concerned with an error naming the stuck process (the worker rank or "
         "the scheduler) and /health answers 503 until it recovers; 0 turns the watchdog off")})
+    # Prefill/decode disaggregation, spelled as SGLang spells it (runtime.disagg): a prefill server computes the
+    # prompt and writes the request's memory into a decode server's pool; sglang-router --pd-disaggregation
+    # sends each request to both with a bootstrap room.
+    disaggregation_mode: str = field(default="null", metadata={"help": (
+        "null: serve whole requests; prefill: compute prompts and send their KV pages and KDA state to the decode "
+        "server that a request's bootstrap fields name; decode: receive them and decode")})
+    disaggregation_transfer_backend: str = field(default="nixl", metadata={"help": (
+        "nixl: NIXL (UCX) writes into the decode pool's registered memory; fake: in-process copies (tests)")})
+    disaggregation_bootstrap_port: int = field(default=8998, metadata={"help": (
+        "prefill mode: the port of the bootstrap server (decode servers look up this server's transfer address)")})
+    disaggregation_decode_enable_radix_cache: bool = field(default=False, metadata={"help": (
+        "decode mode: a request whose prompt prefix is in this server's radix cache reserves (and receives) only "
+        "the MLA pages past it; the KDA state always moves")})
+    disaggregation_timeout: float = field(default=60.0, metadata={"help": (
+        "seconds a disaggregated request may wait for its other side (decode's reservation, prefill's transfer) "
+        "before it fails and its memory is freed")})
     log_level: str = "warning"
     # HTTP server (`radixk3 serve`); the offline Engine ignores these.
     host: str = "127.0.0.1"
@@ -251,10 +269,34 @@ class ServerArgs:
                              f"got {self.watchdog_timeout}")
         if not self.graceful_shutdown_timeout >= 0:  # also refuses NaN
             raise ValueError("--graceful-shutdown-timeout must be >= 0")
+        self._check_disaggregation()
         for flag, seconds in (("--timeout-keep-alive", self.timeout_keep_alive),
                               ("--timeout-request-head", self.timeout_request_head)):
             if not 0 < seconds < float("inf"):
                 raise ValueError(f"{flag} must be a positive number of seconds, got {seconds}")
+
+    def _check_disaggregation(self) -> None:
+        """P/D combinations that are not supported yet fail here, by name, rather than serve wrongly."""
+        mode = self.disaggregation_mode
+        if mode not in DISAGGREGATION_MODES:
+            raise ValueError(f"--disaggregation-mode must be one of {', '.join(DISAGGREGATION_MODES)}, got {mode!r}")
+        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"--disaggregation-transfer-backend must be one of {', '.join(TRANSFER_BACKENDS)}")
+        if not 0 < self.disaggregation_bootstrap_port <= 65535:
+            raise ValueError("--disaggregation-bootstrap-port must be in [1, 65535]")
+        if not 0 < self.disaggregation_timeout < float("inf"):
+            raise ValueError("--disaggregation-timeout must be a positive number of seconds")
+        if self.disaggregation_decode_enable_radix_cache and (mode != "decode" or self.disable_radix_cache):
+            raise ValueError("--disaggregation-decode-enable-radix-cache needs --disaggregation-mode decode and the "
+                             "radix cache (no --disable-radix-cache)")
+        if mode == "null":
+            return
+        unsupported = [(self.dp_size > 1, "--dp > 1"), (self.enable_dp_attention, "--enable-dp-attention"),
+                       (self.nnodes > 1, "--nnodes > 1"),
+                       (self.speculative_algorithm is not None, "speculative decoding")]
+        for on, what in unsupported:
+            if on:
+                raise ValueError(f"--disaggregation-mode {mode} with {what} is not supported yet")
 
     @property
     def overlap_schedule(self) -> bool:

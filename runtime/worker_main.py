@@ -43,8 +43,10 @@ def worker_main(args: ServerArgs, topo: Topology, replica: int, rank: int) -> No
         ctx.destroy(linger=LINGER_MS)
         return
     built = worker.compile_seconds
+    agent = dataclasses.asdict(worker.transfer.describe()) if worker.transfer is not None else None
     results.send_multipart(encode(WorkerReady(rank, pool_bytes=worker.pool_bytes, pid=os.getpid(),
-                                              compile_buckets=list(built), compile_seconds=list(built.values()))))
+                                              compile_buckets=list(built), compile_seconds=list(built.values()),
+                                              transfer=agent)))
     poller = zmq.Poller()
     poller.register(plans, zmq.POLLIN)
     poller.register(scheduler_watch, zmq.POLLIN)

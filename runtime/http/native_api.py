@@ -33,6 +33,7 @@ from runtime.http.handles import (
     unless_disconnected,
 )
 from runtime.http.metrics import RequestTimer
+from runtime.http.pd_fields import BootstrapFields
 from runtime.http.sglang_fields import GENERATE_DECLINED, Declined, DeclinesSGLangFields
 from runtime.http.sse import DONE, event, sse_response
 from runtime.http.state import ServerState, state_of
@@ -47,7 +48,7 @@ NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
 
-class GenerateRequest(DeclinesSGLangFields):
+class GenerateRequest(DeclinesSGLangFields, BootstrapFields):
     declined: ClassVar[Mapping[str, Declined]] = GENERATE_DECLINED
 
     text: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
@@ -138,8 +139,8 @@ async def generate(request: Request) -> Response:
            else st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p)
            for p, ims in zip(prompts, images, strict=True)]
     await st.tm.check_grammars(sps)  # parsed in a thread: a large grammar never stalls other requests
-    handles = submit_all(st.tm, st.live, ids, sps,
-                         req.per_prompt("rid", len(ids)), images=images, **req.logprob_options)
+    handles = submit_all(st.tm, st.live, ids, sps, req.per_prompt("rid", len(ids)), images=images,
+                         bootstrap=req.bootstrap(len(ids) if req.is_batch else 1), **req.logprob_options)
     timers = [st.metrics.timer(req.log_metrics) for _ in handles]
     if req.stream:
         return sse_response(_stream(st, req, ids, handles, timers))

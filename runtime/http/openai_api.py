@@ -63,6 +63,7 @@ from runtime.http.template_chat import (
     plan_template_chat,
     template_sampling,
 )
+from runtime.messages import Bootstrap
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer.chat_format import K3
 from runtime.tokenizer.image_input import ImageLimits, load_images
@@ -136,16 +137,16 @@ def _check_limits(st: ServerState, params: SamplingParams, prompts: int, top: in
 
 async def submit(st: ServerState, prompts: list[list[int]], params: SamplingParams, rid: str | None,
                  logprobs: bool = False, top: int = 0, prompt_logprobs: bool = False,
-                 images: Sequence[Sequence[ProcessedImage]] | None = None,
+                 images: Sequence[Sequence[ProcessedImage]] | None = None, bootstrap: Bootstrap | None = None,
                  ) -> tuple[list[RequestHandle], list[RequestTimer]]:
     """The prompts submitted (their grammar checked first), each with its metrics timer; one prompt keeps `rid`.
-    `images`: each prompt's images, whose pad runs its ids hold."""
+    `images`: each prompt's images, whose pad runs its ids hold; `bootstrap`: P/D disaggregation's room."""
     await st.tm.check_grammars([params])  # parsed in a thread: a large grammar never stalls other requests
     rids = [rid] if rid is not None and len(prompts) == 1 else [
         None if rid is None else f"{rid}-p{i}" for i in range(len(prompts))]
     handles = submit_all(st.tm, st.live, prompts, [params] * len(prompts), rids, images=images,
                          return_logprob=logprobs, logprob_start_len=0 if prompt_logprobs else -1,
-                         top_logprobs_num=top)
+                         top_logprobs_num=top, bootstrap=bootstrap)
     return handles, [st.metrics.timer() for _ in handles]
 
 
@@ -198,7 +199,7 @@ async def completions(request: Request) -> Response:
     prompts = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in raw]
     want_lp = req.logprobs is not None
     handles, timers = await submit(st, prompts, params, req.rid, want_lp, req.logprobs or 0,
-                                    prompt_logprobs=want_lp and req.echo)
+                                    prompt_logprobs=want_lp and req.echo, bootstrap=req.bootstrap(len(prompts)))
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     echoes = [_echo_text(st.tokenizer, p) if req.echo else "" for p in raw]
     if req.stream:
@@ -258,7 +259,7 @@ async def chat_completions(request: Request) -> Response:
     st.check_model(req.model)
     plan = await plan_chat(st, req)
     handles, timers = await submit(st, [plan.prompt], plan.params, req.rid, req.logprobs, req.top_logprobs or 0,
-                                   images=[plan.images])
+                                   images=[plan.images], bootstrap=req.bootstrap(1))
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         return sse_response(_chat_stream(st, req, handles, timers, cid, created, plan.chat))

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from runtime.grammar import ANY_JSON
 from runtime.http.api_errors import bad_request
+from runtime.http.pd_fields import BootstrapFields
 from runtime.http.sglang_fields import CHAT_DECLINED, COMPLETION_DECLINED, Declined, DeclinesSGLangFields
 
 
@@ -92,7 +93,7 @@ class _SamplingFields(DeclinesSGLangFields):
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, BootstrapFields):
     declined: ClassVar[Mapping[str, Declined]] = COMPLETION_DECLINED
 
     prompt: NonEmptyStr | TokenIds | Annotated[list[NonEmptyStr], Field(min_length=1)] | Annotated[
@@ -246,7 +247,7 @@ class ResponseFormat(_Strict):
         return {"json_schema": ANY_JSON if schema is None else schema}
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, BootstrapFields):
     declined: ClassVar[Mapping[str, Declined]] = CHAT_DECLINED
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]

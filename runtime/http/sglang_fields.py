@@ -37,8 +37,7 @@ def _declined(default: Any, feature: str, *names: str) -> dict[str, Declined]:
 
 # Fields of SGLang's /generate (GenerateReqInput) and of its OpenAI requests alike.
 _COMMON = (
-    _declined(None, "prefill-decode disaggregation", "bootstrap_host", "bootstrap_port", "bootstrap_room")
-    | _declined(None, "routing to a data-parallel rank", "routed_dp_rank", "data_parallel_rank",
+    _declined(None, "routing to a data-parallel rank", "routed_dp_rank", "data_parallel_rank",
                 "disagg_prefill_dp_rank")
     | _declined(False, "returning hidden states", "return_hidden_states")
     | _declined(False, "returning the routed experts", "return_routed_experts")

@@ -8,9 +8,10 @@ upwards; each side reuses its own holes first. When the sides meet, room is made
      weighs as much as thousands of tokens of KV and evicting one leaves a tombstone whose KV still
      matches; for a KV allocation the next pass compacts the freed slots into room;
   3. then for KV (removing whole leaves), which funds a state allocation through compaction.
-Callers hold virtual ids. A compaction move rewrites one table entry and queues a `CopyCommand` that the
-worker must apply (in order, before the next forward) to the buffer; resolve physical slots only after
-the step's allocations are done.
+A block may be pinned (a P/D transfer writes into it from another machine): compaction never moves it,
+and stops at it. Callers hold virtual ids. A compaction move rewrites one table entry and queues a
+`CopyCommand` that the worker must apply (in order, before the next forward) to the buffer; resolve
+physical slots only after the step's allocations are done.
 """
 
 from __future__ import annotations
@@ -106,12 +107,15 @@ class _Side:
         del self.id_at[rank]
         self._add_hole(rank)
 
-    def move_innermost(self) -> tuple[int, int] | None:
-        """Move the innermost block into the lowest hole; return (src_rank, dst_rank)."""
+    def move_innermost(self, pinned: set[int]) -> tuple[int, int] | None:
+        """Move the innermost block into the lowest hole; return (src_rank, dst_rank). None if there is no hole
+        or the innermost block is pinned (a transfer writes into it)."""
+        src = self.extent - 1
+        if not self.holes or self.id_at.get(src) in pinned:
+            return None
         dst = self.take_hole()
         if dst is None:
             return None
-        src = self.extent - 1
         vid = self.id_at.pop(src)
         self.id_at[dst] = vid
         self.rank_of[vid] = dst
@@ -162,6 +166,7 @@ class UnifiedPool:
         self._page_moves: list[tuple[int, int]] = []  # (src, dst) physical pages moved by compaction
         self._evictor: Evictor | None = None
         self._moves = 0
+        self._pinned: dict[Kind, set[int]] = {Kind.STATE: set(), Kind.KV: set()}
 
     def attach_evictor(self, evictor: Evictor) -> None:
         self._evictor = evictor
@@ -201,6 +206,13 @@ class UnifiedPool:
         for vid in vids:
             self._kv.release(vid)
 
+    def pin(self, kind: Kind, vids: Iterable[int]) -> None:
+        """Compaction must not move these blocks (a transfer into them is in flight) until `unpin`."""
+        self._pinned[kind].update(vids)
+
+    def unpin(self, kind: Kind, vids: Iterable[int]) -> None:
+        self._pinned[kind].difference_update(vids)
+
     def copy_state(self, src: int, dst: int) -> None:
         """Queue a byte copy of state block `src` into state block `dst` (copy on hit, decode checkpoints)."""
         if src == dst:
@@ -212,8 +224,7 @@ class UnifiedPool:
         """Move all of one side's holes to its inner edge; return the number of blocks moved."""
         side = self._st if kind is Kind.STATE else self._kv
         moved = 0
-        while side.holes:
-            self._move(kind)
+        while side.holes and self._move(kind):
             moved += 1
         return moved
 
@@ -288,6 +299,8 @@ class UnifiedPool:
     def check_integrity(self) -> None:
         self._kv.check_integrity("kv side")
         self._st.check_integrity("state side")
+        assert self._pinned[Kind.KV] <= self._kv.rank_of.keys(), "a pinned page is not allocated"
+        assert self._pinned[Kind.STATE] <= self._st.rank_of.keys(), "a pinned state block is not allocated"
         g = self.geometry
         assert self._kv_edge() <= self._state_edge(), (
             f"sides overlap: kv ends at {self._kv_edge()}, states start at {self._state_edge()}")
@@ -326,11 +339,13 @@ class UnifiedPool:
         lowest_slot = max(0, -(-(floor - g.state_base) // g.state_block_bytes))
         return max(0, self._st.capacity - self._st.extent - lowest_slot)
 
-    def _move(self, kind: Kind) -> None:
+    def _move(self, kind: Kind) -> bool:
+        """Move one side's innermost block into its lowest hole; False if it cannot (no hole, or pinned)."""
         g = self.geometry
         side = self._st if kind is Kind.STATE else self._kv
-        moved = side.move_innermost()
-        assert moved is not None
+        moved = side.move_innermost(self._pinned[kind])
+        if moved is None:
+            return False
         src, dst = moved
         if kind is Kind.STATE:
             cap = self._st.capacity
@@ -340,6 +355,7 @@ class UnifiedPool:
             self._page_moves.append((src, dst))
         self._copies.append(cmd)
         self._moves += 1
+        return True
 
     def _make_room(self, kind: Kind, n: int) -> bool:
         """One step towards room for `n` more blocks of `kind`; False when nothing more can be freed."""
@@ -365,7 +381,8 @@ class UnifiedPool:
             if self._kv.used * g.page_bytes > target or self._kv_edge() <= target:
                 return False
             while self._kv_edge() > target:
-                self._move(Kind.KV)
+                if not self._move(Kind.KV):
+                    return False  # a pinned page stops it; the moves made so far stand (their copies are queued)
             return True
         # KV: compact states while it opens at least one page and until it opens `n`.
         packed_edge = g.state_base + (self._st.capacity - self._st.used) * g.state_block_bytes
@@ -373,8 +390,7 @@ class UnifiedPool:
             return False
         want = self._kv_edge() + n * g.page_bytes
         moved = False
-        while self._st.holes and self._state_edge() < want:
-            self._move(Kind.STATE)
+        while self._st.holes and self._state_edge() < want and self._move(Kind.STATE):
             moved = True
         return moved and self._kv_room() > 0
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from runtime.messages import ImageRef
+from runtime.messages import Bootstrap, ImageRef
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.radix_cache import Node
 from runtime.spec.ngram import CorpusDoc, NgramIndex
@@ -120,6 +120,10 @@ class Req:
     ngram: NgramIndex | None = None
     corpus_doc: CorpusDoc | None = None
     state_ahead: bool = False
+    # P/D disaggregation: the room pairing this request's prefill and decode halves, and (prefill side) the
+    # logprob of its first token, sent with it.
+    bootstrap: Bootstrap | None = None
+    first_logprob: float = 0.0
 
     @property
     def all_ids(self) -> list[int]:

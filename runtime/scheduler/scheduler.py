@@ -23,17 +23,21 @@ processed.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.disagg.protocol import RankAgent
 from runtime.errors import InvalidRequest
 from runtime.grammar import GrammarBackend, GrammarKey
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
 from runtime.pool_layout import PoolLayout, pool_budget
+from runtime.sampling_params import SamplingParams
 from runtime.scheduler.admission import NO_DEMAND, Admission, Demand, request_demand
+from runtime.scheduler.disagg import DecodeSide, PrefillSide
 from runtime.scheduler.output_processor import OutputProcessor
 from runtime.scheduler.page_table import PageTables
 from runtime.scheduler.plan_builder import Checkpoint, SeqEntry, StepRecord, build_plan
@@ -88,9 +92,10 @@ MAX_STEP_RETRIES = 2  # failed steps a request may share with others before it f
 class Scheduler:
     def __init__(self, args: ServerArgs, layout: PoolLayout, stop_ids: frozenset[int],
                  detokenize: Callable[[list[int]], str], grammar: GrammarBackend | None = None, *,
-                 pool_bytes: int | None = None) -> None:
+                 pool_bytes: int | None = None, transfer_agents: list[RankAgent] | None = None) -> None:
         """`pool_bytes`: the pool's size, as the worker ranks allocated it (their `WorkerReady.pool_bytes`);
-        None: the `--mem-bytes` budget (`pool_budget`), for a scheduler without workers to ask."""
+        None: the `--mem-bytes` budget (`pool_budget`), for a scheduler without workers to ask.
+        `transfer_agents`: a decode server's ranks' transfer agents, in rank order (P/D disaggregation)."""
         self.args = args
         self.grammar = grammar
         self.grammar_wait: list[tuple[Req, concurrent.futures.Future[Any]]] = []  # compiling, in arrival order
@@ -120,6 +125,13 @@ class Scheduler:
         # are -1 placeholders that the worker's proposer fills.
         self._drafts: dict[int, list[int]] = {}
         self.paused = False  # /pause_generation: no step is planned until /continue_generation
+        # P/D disaggregation: this server's half of it (runtime.scheduler.disagg), if it is a prefill or decode one.
+        self.pd_prefill = PrefillSide(args, layout, args.tp_size) if args.disaggregation_mode == "prefill" else None
+        self.pd_decode = None
+        if args.disaggregation_mode == "decode":
+            if not transfer_agents:
+                raise ValueError("a decode server needs its ranks' transfer agents")
+            self.pd_decode = DecodeSide(args, self.pool, transfer_agents, args.tp_size, self.cache)
 
     # --- requests in -----------------------------------------------------------------------------------
     def add(self, msg: GenerateReq) -> None:
@@ -136,6 +148,8 @@ class Scheduler:
             if params.grammar is not None and self.grammar is None:
                 raise InvalidRequest("structured output is not available in this engine", param=params.grammar[0])
             images = request_images(msg.images, msg.image_patches)
+            if self.args.disaggregation_mode != "null":
+                params = self._disaggregated(msg)
         except Exception as e:  # refused, or something unexpected: this request fails, never the scheduler
             self.outputs.outbox.append(TokenOut(msg.rid, [], finished="error", error=str(e)))
             return
@@ -143,12 +157,31 @@ class Scheduler:
         req = Req(msg.rid, list(msg.input_ids), params, msg.return_logprob, msg.logprob_start_len,
                   msg.top_logprobs_num, arrival=self._arrivals, images=images,
                   prompt_key=radix_key(list(msg.input_ids), images))
-        if params.grammar is not None and self.grammar is not None:
+        req.bootstrap = msg.bootstrap
+        if self.pd_prefill is not None:
+            self.pd_prefill.add(req)
+        elif self.pd_decode is not None:
+            self.pd_decode.add(req)
+        elif params.grammar is not None and self.grammar is not None:
             self.grammar_wait.append((req, self.grammar.submit(GrammarKey(*params.grammar))))
         else:
             self.waiting.append(req)
 
+    def _disaggregated(self, msg: GenerateReq) -> SamplingParams:
+        """A prefill or decode server's request (checked at the door: `runtime.disagg.door`): a prefill server
+        samples the first token only."""
+        params = msg.sampling
+        if msg.bootstrap is None:  # the door lets none through; a scheduler never serves one half-way
+            raise InvalidRequest("a P/D disaggregation server's request needs its bootstrap room")
+        if self.args.disaggregation_mode == "prefill":
+            return dataclasses.replace(params, max_new_tokens=1, min_new_tokens=min(params.min_new_tokens, 1))
+        return params
+
     def abort(self, rid: str) -> None:
+        if self.pd_prefill is not None and (req := self.pd_prefill.abort(rid)) is not None:
+            self.outputs.finish(req, "abort")
+        if self.pd_decode is not None:
+            self.pd_decode.abort(rid)
         for item in list(self.grammar_wait):
             if item[0].rid == rid:
                 self.grammar_wait.remove(item)
@@ -210,7 +243,26 @@ class Scheduler:
     def has_work(self) -> bool:
         if self.paused:  # only what is in flight, to be sent, or to be let go of
             return bool(self._inflight or self.outputs.outbox or any(not r.active for r in self.running))
-        return bool(self.waiting or self.running or self.outputs.outbox or self._inflight or self.grammar_wait)
+        return bool(self.waiting or self.running or self.outputs.outbox or self._inflight or self.grammar_wait
+                    or self._pd_busy)
+
+    @property
+    def _rows_taken(self) -> int:
+        """Page-table rows in use or promised: the running requests', and (P/D decode) the rooms' on arrival."""
+        return len(self.running) + (len(self.pd_decode.rooms) if self.pd_decode is not None else 0)
+
+    @property
+    def _pd_busy(self) -> bool:
+        side = self.pd_prefill or self.pd_decode
+        return side is not None and side.has_work
+
+    @property
+    def waiting_on_peer(self) -> bool:
+        """Nothing to do but wait for the other side of P/D disaggregation (the loop may sleep a little)."""
+        if self.waiting or self.running or self.outputs.outbox or self._inflight or self.grammar_wait:
+            return False
+        side = self.pd_prefill or self.pd_decode
+        return side is not None and side.waiting_on_peer and not side.plan_due
 
     @property
     def grammar_blocked(self) -> bool:
@@ -255,6 +307,7 @@ class Scheduler:
         self._drafts = {}
         if self.grammar_wait:
             self._admit_compiled()
+        self._pd_tick()
         for req in [r for r in self.running if r.in_flight == 0 and not r.active]:
             self._settle(req)
         if self.paused:
@@ -262,6 +315,11 @@ class Scheduler:
         batch, mode, n_prefill = self._compose_step()
         prefill = {id(r) for r, _ in batch[:n_prefill]}
         batch = [(r, n) for r, n in batch if r.row is not None]  # drop requests retracted while planning
+        if not batch and self._pd_plan_due():  # nothing to run, but the workers have transfers to make or poll
+            self._step += 1
+            rec = StepRecord(self._step, "idle", [], [])
+            self._inflight.append(rec)
+            return self._pd_plan(build_plan(rec, self.pool, self.tables, self.outputs))
         if not batch:
             if not self._inflight:  # nothing runs and nothing will free memory: fail one request, never spin
                 if self.running:
@@ -280,7 +338,62 @@ class Scheduler:
         self._inflight.append(rec)
         if decodes:
             self.ratio.on_decode_step()
-        return build_plan(rec, self.pool, self.tables, self.outputs)
+        return self._pd_plan(build_plan(rec, self.pool, self.tables, self.outputs))
+
+    # --- P/D disaggregation ----------------------------------------------------------------------------
+    def _pd_tick(self) -> None:
+        """Prefill: admit the requests whose reservation came. Decode: reserve memory for waiting requests (the
+        plan of this schedule carries the allocation's copies). Both: fail what the other side gave up on."""
+        if self.pd_prefill is not None:
+            ready, failed, abort = self.pd_prefill.tick()
+            self.waiting.extend(ready)
+            for req, error in failed:
+                self.outputs.finish(req, "error", error)
+            for rid in abort:
+                self.abort(rid)
+        if self.pd_decode is not None:
+            self.pd_decode.reserve(len(self.running), self._step + 1)
+            self._pd_take_failed()
+
+    def _pd_take_failed(self) -> None:
+        assert self.pd_decode is not None
+        failed, aborted = self.pd_decode.take_failed()
+        for req, error in failed:
+            self.outputs.finish(req, "error", error)
+        for req in aborted:
+            self.outputs.finish(req, "abort")
+
+    def _pd_plan_due(self) -> bool:
+        side = self.pd_prefill or self.pd_decode
+        return side is not None and side.plan_due
+
+    def _pd_plan(self, plan: StepPlan) -> StepPlan:
+        if self.pd_prefill is not None:
+            return dataclasses.replace(plan, **self.pd_prefill.plan_fields(plan.step))
+        if self.pd_decode is not None:
+            return dataclasses.replace(plan, **self.pd_decode.plan_fields())
+        return plan
+
+    def _pd_step_done(self, result: StepResult, step: int) -> None:
+        """After a step's result: prefill hears which sends failed; decode sends the reservations whose copies
+        ran and starts the rooms that arrived, each with its first token (which may already end it)."""
+        if self.pd_prefill is not None:
+            self.pd_prefill.step_done(step, result.pd_failed)
+        if self.pd_decode is None:
+            return
+        for req, tok, lp in self.pd_decode.step_done(step, result.pd_arrived):
+            req.admitted = req.prefill_done = True
+            req.last_sampled_step = step
+            self.metrics.prompt_tokens += len(req.prompt_ids)
+            self.metrics.cached_tokens += req.cached_tokens
+            reason = self.outputs.on_token(req, tok, lp, [], [])
+            self.tables.assign(req)
+            self.running.append(req)
+            if reason is not None:
+                self.outputs.finish(req, reason)
+            else:
+                self.outputs.emit(req)
+        self._pd_take_failed()
 
     def process(self, result: StepResult) -> list[TokenOut]:
         """Apply the result of the oldest step in flight."""
@@ -331,12 +444,13 @@ class Scheduler:
         for s in rec.seqs:
             if s.req.in_flight == 0 and not s.req.active and s.req.row is not None:
                 self._settle(s.req)
+        self._pd_step_done(result, rec.step)
         self.metrics.steps += 1
         if rec.mode == "decode":
             self.metrics.decode_steps += 1
         elif rec.mode == "verify":
             self.metrics.verify_steps += 1
-        else:
+        elif rec.mode != "idle":
             self.metrics.extend_steps += 1
         self._refresh_metrics()
         return self.take_outputs()
@@ -352,6 +466,8 @@ class Scheduler:
             return
         req.isolate = False  # a step sampling for it succeeded: it is not the culprit
         lp, ids, lps = result.logprobs, result.top_ids, result.top_logprobs
+        if req.bootstrap is not None and not req.output_ids:  # a prefill server sends it with the first token
+            req.first_logprob = lp[first] if lp else 0.0
         reason = None
         for j in range(first, first + n_tok):
             tok = result.tokens[j]
@@ -457,7 +573,7 @@ class Scheduler:
         batch: list[tuple[Req, int]] = []
         budget, chunk = self.args.step_prefill_budget, self.args.chunked_prefill_size
         share = budget
-        if self.waiting and len(self.running) < self.args.max_running_requests:
+        if self.waiting and self._rows_taken < self.args.max_running_requests:
             share = running_prefill_share(budget, self.ps)
         for req in sorted(self.running, key=lambda r: r.arrival):
             if share <= 0:
@@ -493,7 +609,7 @@ class Scheduler:
         sources = [r for r in self.running if r.active and (not r.prefill_done or r.pending_ckpts)]
         reserved = self._running_reserve()
         deferred: list[Req] = []
-        while self.waiting and budget > 0 and len(self.running) < self.args.max_running_requests:
+        while self.waiting and budget > 0 and self._rows_taken < self.args.max_running_requests:
             req = self.waiting.popleft()
             if id(req) in self._retracted_now:
                 deferred.append(req)
@@ -601,6 +717,8 @@ class Scheduler:
         if req.retry and not (req.finished or req.aborted):
             self._requeue(req, failed=True)
         elif req.finished or req.aborted or req.poisoned:
+            if self.pd_prefill is not None and req.bootstrap is not None:
+                self.pd_prefill.on_release(req, self.pool)  # before its memory is let go
             self._release(req, donate=not req.poisoned)
             if not req.finished:
                 self.outputs.finish(req, "abort")
@@ -724,7 +842,7 @@ class Scheduler:
     def flush_cache(self) -> bool:
         """Empty the radix cache (and the compiled grammars) if nothing is running, queued or in flight; return
         whether it was flushed."""
-        if self.waiting or self.running or self._inflight or self.grammar_wait:
+        if self.waiting or self.running or self._inflight or self.grammar_wait or self._pd_busy:
             return False
         if self.cache is not None:
             self.cache.evict(Kind.KV, self.pool.pages_used + 1)
@@ -739,6 +857,10 @@ class Scheduler:
     def _refresh_metrics(self) -> None:
         m = self.metrics
         m.running, m.queued = len(self.running), len(self.waiting) + len(self.grammar_wait)
+        if self.pd_prefill is not None:  # waiting for decode's reservation
+            m.queued += len(self.pd_prefill.waiting)
+        if self.pd_decode is not None:  # waiting for memory, or for prefill's transfer
+            m.queued += len(self.pd_decode.pending) + len(self.pd_decode.rooms)
         u = self.pool.usage()
         m.state_pool_bytes, m.kv_pool_bytes = u.state_bytes, u.kv_bytes
         if self.cache is not None:
@@ -751,12 +873,14 @@ class Scheduler:
         ckpt_blocks = [c.block for rec in self._inflight for c in rec.ckpts]
         live = [r.state for r in self.running if r.state is not None]
         assert len(live) == len(self.running), "a running request has no live state"
+        rooms_states, rooms_pages = self.pd_decode.holds() if self.pd_decode is not None else ([], [])
         if self.cache is not None:
-            held_pages = [p for r in self.running for p in r.pages[r.tree_pages :]]
-            self.cache.check_integrity(held_pages=held_pages, held_states=live + ckpt_blocks)
+            held_pages = [p for r in self.running for p in r.pages[r.tree_pages :]] + rooms_pages
+            self.cache.check_integrity(held_pages=held_pages, held_states=live + ckpt_blocks + rooms_states)
         else:
-            assert set(live) == self.pool.live_states() and not ckpt_blocks, "state blocks leaked"
-            assert {p for r in self.running for p in r.pages} == self.pool.live_pages(), "KV pages leaked"
+            assert set(live + rooms_states) == self.pool.live_states() and not ckpt_blocks, "state blocks leaked"
+            assert {p for r in self.running for p in r.pages} | set(rooms_pages) == self.pool.live_pages(), (
+                "KV pages leaked")
         self.tables.check_integrity(self.running)
         if self.ngram_corpus is not None:
             self.ngram_corpus.check_integrity()

@@ -38,12 +38,14 @@ import zmq.asyncio
 
 from radixk3.config import ConfigError
 from radixk3.vision.image_processor import ProcessedImage
+from runtime.disagg.door import check_disaggregated
 from runtime.dp_router import CacheAwareConfig, DPRouter
 from runtime.engine_processes import EngineProcesses
 from runtime.errors import EngineError, EngineOverloaded, InvalidRequest
 from runtime.grammar import GrammarKey, check_grammar
 from runtime.messages import (
     AbortReq,
+    Bootstrap,
     ContinueReq,
     FlushCacheOut,
     FlushCacheReq,
@@ -454,7 +456,8 @@ class TokenizerManager:
     def prepare(self, prompt: str | list[int], sampling_params: SamplingParams | dict[str, Any] | None = None, *,
                 rid: str | None = None, return_logprob: bool = False, logprob_start_len: int = -1,
                 top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
-                images: Sequence[ProcessedImage] = (), images_param: str = "image_data") -> Submission:
+                images: Sequence[ProcessedImage] = (), images_param: str = "image_data",
+                bootstrap: Bootstrap | None = None) -> Submission:
         """Validate one prompt's request against the model and the limits, and build its messages; nothing is
         registered or sent (`send`). `images` (`image_input.load_images`'s) replace the prompt's
         `<|kimi_image_placeholder|>` ids in order (`images_param` names them in errors). Raises InvalidRequest
@@ -480,11 +483,16 @@ class TokenizerManager:
         elif not isinstance(rid, str) or not rid:
             raise InvalidRequest(f"rid must be a non-empty string, got {rid!r}", param="rid")
         n = params.n
+        check_disaggregated(self.args.disaggregation_mode, bootstrap, params, return_logprob, logprob_start_len,
+                            len(ids))
+        if bootstrap is not None and n != 1:
+            raise InvalidRequest("a bootstrap room pairs one sample: n > 1 in P/D disaggregation is not supported yet",
+                                 param="n")
         rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
         with_images = {} if prompt_images is None else {"images": prompt_images.refs,
                                                          "image_patches": prompt_images.patches}
         msgs = [GenerateReq(r, ids, params.for_sample(i), return_logprob, logprob_start_len, top_logprobs_num,
-                            stream=True, **with_images) for i, r in enumerate(rids)]
+                            stream=True, bootstrap=bootstrap, **with_images) for i, r in enumerate(rids)]
         return Submission(rid, rids, ids, params, msgs, return_logprob, return_text_in_logprobs)
 
     def send(self, subs: Sequence[Submission], *, consumer: asyncio.AbstractEventLoop | None = None,

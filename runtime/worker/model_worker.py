@@ -22,6 +22,7 @@ from radixk3.parallel import is_collective_failure, parallel_state
 from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
 from radixk3.vision.config import has_vision_weights
 from radixk3.vision.encoder import VisionEncoder
+from runtime.disagg.protocol import RankAgent, SendCommand
 from runtime.messages import StepPlan, StepResult
 from runtime.pool_layout import CopyCommand, pool_budget, pool_layout, serving_dtype
 from runtime.server_args import ServerArgs
@@ -31,6 +32,7 @@ from runtime.worker.page_table import WorkerPageTable
 from runtime.worker.pool_buffer import PoolBuffer, torch_dtype
 from runtime.worker.pool_memory import pool_memory_bytes
 from runtime.worker.sampler import WorkerSampler
+from runtime.worker.transfer_agent import TransferAgent, make_agent
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,14 @@ class ModelWorker:
         self.proposer = build_proposer(args, self.model, self.buffer)
         # DP attention with MTP or a draft model: the proposer joins the other groups' calls (LockstepProposer).
         self.lockstep = lockstep_proposer(self.proposer, self.model.dp_attention)
+        # P/D disaggregation: this rank's transfer agent, the rooms it expects (room -> metadata slot) and the rooms
+        # whose notification came before the plan that expects them.
+        self.transfer: TransferAgent | None = None
+        if args.disaggregation_mode != "null":
+            self.transfer = make_agent(args.disaggregation_transfer_backend, self.buffer.data,
+                                       max(args.max_running_requests, 1))
+        self._expect: dict[int, int] = {}
+        self._notified: set[int] = set()
         self.graphs: DecodeGraphs | None = None
         if compiled:  # paid here, at startup, once per batch-size bucket
             scratch = Scratch(self.buffer.scratch_state_slot, self.buffer.scratch_kv_row)  # type: ignore[arg-type]
@@ -186,12 +196,57 @@ class ModelWorker:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. An exception becomes a failed StepResult (the scheduler then confines it to the
         request that caused it), never a dead worker; only a broken TP group (a failed collective) escapes."""
+        failed = self._pd_send(plan) if self.transfer is not None else []
         try:
-            return self._execute(plan)
+            res = self._execute(plan)
         except Exception as e:
             if is_collective_failure(e):  # the TP group is broken: not this step's fault, fatal for the rank
                 raise
-            return StepResult(plan.step, [], [], [], [], [], error=traceback.format_exc(limit=8))
+            res = StepResult(plan.step, [], [], [], [], [], error=traceback.format_exc(limit=8))
+        if self.transfer is not None:
+            res.pd_failed = failed
+            res.pd_arrived = self._pd_arrivals() if plan.pd_poll else []
+        return res
+
+    def _pd_send(self, plan: StepPlan) -> list[tuple[int, str]]:
+        """Before the plan's byte copies (which may move the pages being sent): the peers to add, the rooms to
+        write (each finished before the next; a failed one is reported, never the step's failure), the rooms
+        to expect (a slot of -1: forget the room). Returns (room, error) of the failed sends."""
+        assert self.transfer is not None
+        rank = parallel_state().tp_rank
+        for peer in plan.pd_peers:
+            self.transfer.add_peer(peer["decode_id"], RankAgent(**peer["ranks"][rank]))
+        failed: list[tuple[int, str]] = []
+        for c in plan.pd_sends:
+            cmd = SendCommand(**c)
+            try:
+                self.transfer.send(cmd)
+            except Exception as e:
+                failed.append((cmd.room, f"{type(e).__name__}: {e}"))
+        for room, slot in plan.pd_expect:
+            if slot < 0:
+                self._expect.pop(room, None)
+                self._notified.discard(room)
+            else:
+                self._expect[room] = slot
+        return failed
+
+    def _pd_arrivals(self) -> list[tuple[int, int, float]]:
+        """The expected rooms whose transfer completed on every rank of the group: (room, first token, logprob)."""
+        assert self.transfer is not None
+        self._notified.update(self.transfer.poll())
+        done = self._notified & self._expect.keys()
+        state = parallel_state()
+        if state.tp_size > 1:  # each rank's bytes come from its own peer rank: a room is there once on all
+            every: list[set[int]] = [set() for _ in range(state.tp_size)]
+            torch.distributed.all_gather_object(every, done, group=state.group)
+            done = set.intersection(*every)
+        out = []
+        for room in sorted(done):
+            tok, lp = self.transfer.meta[self._expect.pop(room)].tolist()
+            self._notified.discard(room)
+            out.append((room, int(tok), lp))
+        return out
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> StepResult:

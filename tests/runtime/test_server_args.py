@@ -96,3 +96,21 @@ def test_prefill_flags() -> None:
     assert not args.enable_mixed_chunk and args.max_prefill_tokens == args.step_prefill_budget == 2048
     with pytest.raises(ValueError, match="max-prefill-tokens"):
         ServerArgs(page_size=16, max_prefill_tokens=8)
+
+
+def test_disaggregation_flags() -> None:
+    """SGLang's spellings parse; what P/D does not serve yet is refused by name."""
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    args = ServerArgs.from_cli_args(p.parse_args(
+        ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "fake",
+         "--disaggregation-bootstrap-port", "9001"]))
+    assert (args.disaggregation_mode, args.disaggregation_transfer_backend) == ("prefill", "fake")
+    assert args.disaggregation_bootstrap_port == 9001
+    for bad, says in [(dict(disaggregation_mode="both"), "--disaggregation-mode"),
+                      (dict(disaggregation_transfer_backend="mooncake"), "--disaggregation-transfer-backend"),
+                      (dict(disaggregation_mode="decode", speculative_algorithm="ngram"), "speculative decoding"),
+                      (dict(disaggregation_mode="prefill", dp_size=2), "--dp > 1"),
+                      (dict(disaggregation_timeout=0.0), "--disaggregation-timeout")]:
+        with pytest.raises(ValueError, match=says):
+            ServerArgs(**bad)

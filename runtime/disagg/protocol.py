@@ -1,0 +1,153 @@
+"""What a decode server and a prefill server say to each other (P/D disaggregation, SGLang's shape), and the
+transfer commands a scheduler puts in its workers' plans. Imports no torch: the schedulers speak it.
+
+Per peer, once: decode sends `PeerHello`: each of its ranks' transfer agent (NIXL metadata, or the fake
+backend's name) with the addresses of its registered pool and metadata buffer, and its layout fingerprint.
+Per request: decode reserves pages, a state block and a metadata slot, pins them, and sends `RoomReserve` with
+their byte offsets (each side's pool has its own size, so offsets, not ids, cross) and its prefix length; prefill
+admits the request only then. When prefill has computed the prompt, its workers write the MLA pages from the
+prefix on, the KDA state block and the first token into those offsets, and notify the room.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import orjson
+
+from runtime.pool_layout import PoolGeometry, PoolLayout
+
+META_SLOT_BYTES = 16  # one metadata slot: the first token id and its logprob, two float64
+
+
+@dataclass
+class RankAgent:
+    """One worker rank's transfer agent as its peers address it."""
+
+    agent: str  # base64 of the NIXL agent metadata, or the fake backend's agent name
+    pool_addr: int  # address of the registered pool buffer
+    meta_addr: int  # address of the registered metadata slots (META_SLOT_BYTES each)
+    device: int = 0  # the GPU both live on (CPU: 0)
+
+
+@dataclass
+class PeerHello:
+    decode_id: str
+    ranks: list[RankAgent]
+    tp_size: int
+    page_size: int
+    fingerprint: str
+    address: str  # decode's control socket: where prefill says that a room failed
+
+    def __post_init__(self) -> None:
+        self.ranks = [r if isinstance(r, RankAgent) else RankAgent(**r) for r in self.ranks]
+
+
+@dataclass
+class RoomReserve:
+    """Decode's memory for one room: byte offsets (in its pool) of the pages for prompt positions
+    [prefix_len, ...), of the state block, and the metadata slot's index."""
+
+    decode_id: str
+    room: int
+    page_offsets: list[int]
+    state_offset: int
+    meta_slot: int
+    prefix_len: int = 0
+
+
+@dataclass
+class RoomFailed:
+    """Either side gave up on a room (its request failed or was aborted): the other frees what it holds."""
+
+    sender: str
+    room: int
+    error: str
+
+
+CONTROL: dict[str, type] = {c.__name__: c for c in (PeerHello, RoomReserve, RoomFailed)}
+
+
+def encode_control(msg: PeerHello | RoomReserve | RoomFailed) -> bytes:
+    return orjson.dumps({"_type": type(msg).__name__, **asdict(msg)})
+
+
+def decode_control(raw: bytes) -> PeerHello | RoomReserve | RoomFailed:
+    body = orjson.loads(raw)
+    return CONTROL[body.pop("_type")](**body)
+
+
+def layout_fingerprint(layout: PoolLayout, tp_size: int) -> str:
+    """Names the byte layout of a state block and a page on one rank: both sides must agree on it."""
+    return hashlib.sha256(repr((layout, tp_size)).encode()).hexdigest()[:16]
+
+
+def check_peer(local_tp: int, local_page: int, local_fp: str, tp: int, page: int, fp: str, other: str) -> str | None:
+    """Why the two sides cannot pair (None: they can)."""
+    if tp != local_tp:
+        return (f"the {other} server runs --tp {tp} and this one --tp {local_tp}: P/D disaggregation needs the same "
+                "TP size on both sides (different TP sizes are not supported yet)")
+    if page != local_page:
+        return (f"the {other} server runs --page-size {page} and this one --page-size {local_page}: P/D "
+                "disaggregation needs the same page size on both sides")
+    if fp != local_fp:
+        return (f"the {other} server's pool layout differs from this one's (another model, dtype or speculative "
+                "draft): its state blocks and pages cannot be copied here")
+    return None
+
+
+@dataclass
+class SendCommand:
+    """A prefill rank's writes for one room, in a plan's `pd_sends`: its own byte offsets and the peer's."""
+
+    peer: str  # decode_id
+    room: int
+    src_pages: list[int]
+    dst_pages: list[int]
+    page_bytes: int
+    src_state: int
+    dst_state: int
+    state_bytes: int
+    dst_meta_slot: int
+    token: int
+    logprob: float
+
+    def to_plan(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def send_command(reserve: RoomReserve, geometry: PoolGeometry, pages: list[int], state_slot: int, token: int,
+                 logprob: float) -> SendCommand:
+    """The writes of one room from this (prefill) pool's physical `pages` (those past decode's prefix) and state
+    slot into the offsets decode reserved."""
+    if len(pages) != len(reserve.page_offsets):
+        raise ValueError(f"room {reserve.room}: {len(pages)} pages to send, {len(reserve.page_offsets)} reserved")
+    return SendCommand(reserve.decode_id, reserve.room, [geometry.page_offset(p) for p in pages],
+                       list(reserve.page_offsets), geometry.page_bytes, geometry.state_offset(state_slot),
+                       reserve.state_offset, geometry.state_block_bytes, reserve.meta_slot, token, logprob)
+
+
+@dataclass
+class BootstrapEntry:
+    """What a prefill server's bootstrap server tells a decode server (GET /route)."""
+
+    rank_ip: str
+    rank_port: int
+    tp_size: int
+    page_size: int
+    fingerprint: str
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.rank_ip}:{self.rank_port}"
+
+
+def agent_text(metadata: bytes) -> str:
+    return base64.b64encode(metadata).decode()
+
+
+def agent_bytes(text: str) -> bytes:
+    return base64.b64decode(text)

@@ -1,0 +1,475 @@
+"""P/D disaggregation, the scheduler's half (runtime.disagg.protocol says what the two sides say): the scheduler
+owns the pool metadata, the reservations and the request lifetimes; its workers move the bytes (plan commands).
+
+Decode (`DecodeSide`): a request waits for memory; then its pages (for the whole prompt: no decode-side prefix
+yet) and a state block are allocated and pinned (compaction must not move them while prefill writes into them),
+and a metadata slot is taken. Its `RoomReserve` goes to prefill only once the worker has run the plan carrying
+that allocation's compaction copies (a copy run after prefill's write would clobber it). Each plan then polls the
+workers; a room that arrived joins the running batch with its first token, its state and its KV in place.
+
+Prefill (`PrefillSide`): runs the bootstrap server and a control socket; a request waits until its room's
+reservation has come, then runs as usual with max_new_tokens = 1. When it is released (in no step in flight),
+its pages past decode's prefix, its state block and its first token go, as a send command, at the head of the
+next plan: the worker writes them before that plan's copies can move them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+import zmq
+
+from runtime.disagg.bootstrap import BootstrapServer, lookup
+from runtime.disagg.protocol import (
+    BootstrapEntry,
+    PeerHello,
+    RankAgent,
+    RoomFailed,
+    RoomReserve,
+    check_peer,
+    decode_control,
+    encode_control,
+    layout_fingerprint,
+    send_command,
+)
+from runtime.pool_layout import PoolLayout
+from runtime.scheduler.pool import Kind, PoolExhausted, UnifiedPool
+from runtime.scheduler.radix_cache import HybridRadixCache, MatchResult
+from runtime.scheduler.request import Req
+from runtime.server_args import ServerArgs
+
+POLL_INTERVAL_S = 0.001  # how often an otherwise idle decode scheduler asks its workers which rooms arrived
+
+
+def advertised_host(host: str) -> str:
+    """The address peers reach this machine at, for a server bound to `host`."""
+    if host in ("", "0.0.0.0", "::"):
+        return socket.gethostbyname(socket.gethostname())
+    return host
+
+
+class _Control:
+    """One server's control socket (PULL, bound on a free port) and its PUSH sockets to peers."""
+
+    def __init__(self, host: str) -> None:
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.host = advertised_host(host)
+        self.port = self.inbox.bind_to_random_port(f"tcp://{self.host}")
+        self.address = f"tcp://{self.host}:{self.port}"
+
+    def connect(self, address: str) -> zmq.Socket:
+        s = self.ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 1000)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.connect(address)
+        return s
+
+    def drain(self) -> list[PeerHello | RoomReserve | RoomFailed]:
+        out = []
+        while self.inbox.poll(0):
+            out.append(decode_control(self.inbox.recv()))
+        return out
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+@dataclass
+class _DecodePeer:
+    socket: zmq.Socket | None
+    error: str | None
+
+
+@dataclass
+class _Room:
+    req: Req
+    slot: int
+    deadline: float
+    step: int  # the plan that carries the allocation's compaction copies: the reservation goes once it ran
+    peer: _DecodePeer
+    sent: bool = False
+
+
+class DecodeSide:
+    def __init__(self, args: ServerArgs, pool: UnifiedPool, agents: list[RankAgent], tp_size: int,
+                 cache: HybridRadixCache | None) -> None:
+        """`cache`: the radix cache whose prefix hits skip pages (--disaggregation-decode-enable-radix-cache)."""
+        self.args, self.pool = args, pool
+        self.cache = cache if args.disaggregation_decode_enable_radix_cache else None
+        self.ps = pool.geometry.page_size
+        self.id = uuid.uuid4().hex
+        self.control = _Control(args.host)
+        self.fingerprint = layout_fingerprint(pool.layout, tp_size)
+        self.tp_size = tp_size
+        self.hello = PeerHello(self.id, agents, tp_size, self.ps, self.fingerprint, self.control.address)
+        self.peers: dict[tuple[str, int], _DecodePeer] = {}
+        self.pending: deque[tuple[Req, float]] = deque()  # waiting for memory, with their deadline
+        self.rooms: dict[int, _Room] = {}
+        self._expect: list[tuple[int, int]] = []
+        self._free_slots = list(range(max(args.max_running_requests, 1)))[::-1]
+        self._failed: list[tuple[Req, str]] = []
+        self._aborted: list[Req] = []
+        self._last_poll = 0.0
+
+    # --- requests ------------------------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        assert req.bootstrap is not None
+        if req.bootstrap.room in self.rooms or any(r.bootstrap.room == req.bootstrap.room  # type: ignore[union-attr]
+                                                   for r, _ in self.pending):
+            self._failed.append((req, f"bootstrap room {req.bootstrap.room} is already in use on this server"))
+            return
+        self.pending.append((req, time.monotonic() + self.args.disaggregation_timeout))
+
+    def abort(self, rid: str) -> None:
+        for item in list(self.pending):
+            if item[0].rid == rid:
+                self.pending.remove(item)
+                self._aborted.append(item[0])
+                boot = item[0].bootstrap
+                assert boot is not None
+                peer = self.peers.get((boot.host, boot.port))
+                if peer is not None and peer.socket is not None:  # prefill may hold the request already
+                    self._tell(peer, RoomFailed(self.id, boot.room, "aborted by the client"))
+        for room, r in self.rooms.items():
+            if r.req.rid == rid and not r.req.aborted:
+                r.req.aborted = True  # its memory waits for the transfer (or prefill's word that none comes)
+                self._tell(r.peer, RoomFailed(self.id, room, "aborted by the client"))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.pending or self.rooms or self._failed or self._aborted)
+
+    @property
+    def waiting_on_peer(self) -> bool:
+        return bool(self.rooms)
+
+    def holds(self) -> tuple[list[int], list[int]]:
+        """The state blocks and the pages (past their tree pages) held by rooms not yet arrived."""
+        return ([r.req.state for r in self.rooms.values()],  # type: ignore[misc]
+                [p for r in self.rooms.values() for p in r.req.pages[r.req.tree_pages :]])
+
+    # --- each schedule -------------------------------------------------------------------------------
+    def reserve(self, running: int, step: int) -> None:
+        """Reserve memory for waiting requests while rows and the pool allow (FIFO); `step`: the plan this
+        schedule sends."""
+        now = time.monotonic()
+        self._read_control(now)
+        for room, r in list(self.rooms.items()):
+            if now > r.deadline:
+                self._drop(room, f"bootstrap room {room}: no transfer from the prefill server within "
+                                 f"{self.args.disaggregation_timeout:g} s (--disaggregation-timeout)")
+        while self.pending and running + len(self.rooms) < self.args.max_running_requests:
+            req, deadline = self.pending[0]
+            boot = req.bootstrap
+            assert boot is not None
+            if now > deadline:
+                self.pending.popleft()
+                self._failed.append((req, "no memory for the request within --disaggregation-timeout"))
+                continue
+            peer = self._peer(boot.host, boot.port)
+            if peer.error is not None:
+                self.pending.popleft()
+                self._failed.append((req, peer.error))
+                continue
+            if not self._alloc(req):
+                break
+            self.pending.popleft()
+            slot = self._free_slots.pop()
+            self.rooms[boot.room] = _Room(req, slot, now + self.args.disaggregation_timeout, step, peer)
+            self._expect.append((boot.room, slot))
+
+    def _alloc(self, req: Req) -> bool:
+        """A state block and the prompt's pages; with the decode-side radix cache, the tree's pages of a cached
+        prefix (its node locked) and new pages past it. The blocks a transfer writes are pinned."""
+        n_pages = -(-len(req.prompt_ids) // self.ps)
+        match = self.cache.match_prefix(req.all_key_ids) if self.cache is not None else None
+        if match is not None:
+            self.cache.lock(match.node)  # type: ignore[union-attr]
+        cached = list(match.pages) if match is not None else []
+        try:
+            state = self.pool.alloc_state()  # never the checkpoint's copy: prefill sends the whole state
+        except PoolExhausted:
+            self._unlock(match)
+            return False
+        try:
+            pages = self.pool.alloc_pages(n_pages - len(cached))
+        except PoolExhausted:
+            self.pool.free_state(state)
+            self._unlock(match)
+            return False
+        self.pool.pin(Kind.STATE, [state])
+        self.pool.pin(Kind.KV, pages)
+        req.state, req.pages, req.num_computed = state, cached + pages, len(req.prompt_ids)
+        req.node, req.tree_pages = (match.node, len(cached)) if match is not None else (None, 0)
+        req.cached_tokens = len(cached) * self.ps  # reported by decode alone (prefill's response is not returned)
+        return True
+
+    def _unlock(self, match: MatchResult | None) -> None:
+        if match is not None:
+            self.cache.unlock(match.node)  # type: ignore[union-attr]
+
+    def plan_fields(self) -> dict[str, object]:
+        expect, self._expect = self._expect, []
+        if self.rooms:
+            self._last_poll = time.monotonic()
+        return {"pd_expect": expect, "pd_poll": bool(self.rooms)}
+
+    @property
+    def plan_due(self) -> bool:
+        """Whether the next plan has something for the workers even with no sequence to run: rooms to expect,
+        or rooms to poll for (at most every POLL_INTERVAL_S)."""
+        return bool(self._expect) or bool(self.rooms) and time.monotonic() - self._last_poll >= POLL_INTERVAL_S
+
+    def step_done(self, step: int, arrived: list[tuple[int, int, float]]) -> list[tuple[Req, int, float]]:
+        """After step `step`'s result: send the reservations whose copies have run; take the rooms that arrived
+        (request, first token, its logprob); aborted ones are let go here."""
+        g = self.pool.geometry
+        for room, r in self.rooms.items():
+            if not r.sent and r.step <= step and not r.req.aborted:
+                req = r.req
+                offsets = [g.page_offset(self.pool.page_index(p)) for p in req.pages[req.tree_pages :]]
+                state = g.state_offset(self.pool.state_slot(req.state))  # type: ignore[arg-type]
+                self._tell(r.peer, RoomReserve(self.id, room, offsets, state, r.slot, req.tree_pages * self.ps))
+                r.sent = True
+        out = []
+        for room, tok, lp in arrived:
+            r = self.rooms.pop(room, None)
+            if r is None:
+                continue
+            self._unpin(r.req)
+            self._free_slots.append(r.slot)
+            if r.req.aborted:
+                self._let_go(r.req)
+                self._aborted.append(r.req)
+            else:
+                out.append((r.req, tok, lp))
+        return out
+
+    def take_failed(self) -> tuple[list[tuple[Req, str]], list[Req]]:
+        """Requests that failed (with why) and that were aborted, their memory freed."""
+        failed, self._failed = self._failed, []
+        aborted, self._aborted = self._aborted, []
+        return failed, aborted
+
+    # --- internals -----------------------------------------------------------------------------------
+    def _peer(self, host: str, port: int) -> _DecodePeer:
+        key = (host, port)
+        if key not in self.peers:
+            try:
+                entry = lookup(host, port)
+            except Exception as e:  # not registered yet, or unreachable: retried by the next request
+                return _DecodePeer(None, f"the prefill server's bootstrap server at {host}:{port} did not answer: "
+                                         f"{type(e).__name__}: {e}")
+            why = check_peer(self.tp_size, self.ps, self.fingerprint, entry.tp_size, entry.page_size,
+                             entry.fingerprint, "prefill")
+            peer = _DecodePeer(None, why)
+            if why is None:
+                peer.socket = self.control.connect(entry.address)
+                peer.socket.send(encode_control(self.hello))
+            self.peers[key] = peer
+        return self.peers[key]
+
+    def _tell(self, peer: _DecodePeer, msg: RoomReserve | RoomFailed) -> None:
+        assert peer.socket is not None
+        peer.socket.send(encode_control(msg))
+
+    def _read_control(self, now: float) -> None:
+        for msg in self.control.drain():
+            if isinstance(msg, RoomFailed) and msg.room in self.rooms:
+                self._drop(msg.room, f"the prefill server failed bootstrap room {msg.room}: {msg.error}")
+
+    def _drop(self, room: int, error: str) -> None:
+        """Give up on a room: its memory is freed and its request fails (or ends aborted)."""
+        r = self.rooms.pop(room)
+        self._unpin(r.req)
+        self._let_go(r.req)
+        self._free_slots.append(r.slot)
+        self._expect.append((room, -1))
+        if r.req.aborted:
+            self._aborted.append(r.req)
+        else:
+            self._failed.append((r.req, error))
+            if r.sent:
+                self._tell(r.peer, RoomFailed(self.id, room, error))
+
+    def _unpin(self, req: Req) -> None:
+        self.pool.unpin(Kind.STATE, [req.state])  # type: ignore[list-item]
+        self.pool.unpin(Kind.KV, req.pages[req.tree_pages :])
+
+    def _let_go(self, req: Req) -> None:
+        self.pool.free_state(req.state)  # type: ignore[arg-type]
+        self.pool.free_pages(req.pages[req.tree_pages :])
+        if req.node is not None:
+            self.cache.unlock(req.node)  # type: ignore[union-attr]
+        req.state, req.pages, req.num_computed, req.node, req.tree_pages = None, [], 0, None, 0
+
+    def close(self) -> None:
+        self.control.close()
+
+
+class PrefillSide:
+    def __init__(self, args: ServerArgs, layout: PoolLayout, tp_size: int) -> None:
+        self.args = args
+        self.control = _Control(args.host)
+        self.fingerprint = layout_fingerprint(layout, tp_size)
+        self.tp_size, self.ps = tp_size, layout.page_size
+        self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
+        self.bootstrap.register(BootstrapEntry(self.control.host, self.control.port, tp_size, layout.page_size,
+                                               self.fingerprint))
+        self.peers: dict[str, zmq.Socket] = {}
+        self._new_peers: list[dict[str, object]] = []
+        self.reserves: dict[int, tuple[RoomReserve, float]] = {}  # came before their request
+        self.waiting: dict[int, tuple[Req, float]] = {}  # requests waiting for their reservation
+        self.admitted: dict[int, RoomReserve] = {}  # running requests' reservations
+        self._rids: dict[int, str] = {}  # their request ids
+        self._cancelled: dict[int, float] = {}  # rooms decode gave up on before their request came here
+        self._sends: list[dict[str, object]] = []
+        self._sending: dict[int, list[tuple[int, str]]] = {}  # step -> (room, decode_id) its plan sends
+        self._ready: list[Req] = []
+        self._failed: list[tuple[Req, str]] = []
+        self._abort: list[str] = []  # admitted requests whose decode side gave up: abort them
+
+    def add(self, req: Req) -> None:
+        room = req.bootstrap.room  # type: ignore[union-attr]
+        if room in self.waiting or room in self.admitted:
+            self._failed.append((req, f"bootstrap room {room} is already in use on this server"))
+        elif self._cancelled.pop(room, None) is not None:
+            self._failed.append((req, f"the decode server gave up on bootstrap room {room}"))
+        elif room in self.reserves:
+            self.admitted[room] = self.reserves.pop(room)[0]
+            self._rids[room] = req.rid
+            self._ready.append(req)
+        else:
+            self.waiting[room] = (req, time.monotonic() + self.args.disaggregation_timeout)
+
+    def abort(self, rid: str) -> Req | None:
+        for room, (req, _) in list(self.waiting.items()):
+            if req.rid == rid:
+                del self.waiting[room]
+                return req
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self._sends or self._new_peers or self._ready or self._failed or self._abort)
+
+    @property
+    def waiting_on_peer(self) -> bool:
+        return bool(self.waiting)
+
+    @property
+    def plan_due(self) -> bool:
+        return bool(self._sends or self._new_peers)
+
+    def tick(self) -> tuple[list[Req], list[tuple[Req, str]], list[str]]:
+        """Read decode's messages: requests whose reservation came (to admit), requests that failed, and the ids
+        of admitted requests whose decode side gave up (to abort)."""
+        now = time.monotonic()
+        for msg in self.control.drain():
+            if isinstance(msg, PeerHello):
+                self._hello(msg)
+            elif isinstance(msg, RoomReserve):
+                if msg.decode_id not in self.peers:
+                    continue  # a peer refused at its hello: it was told why
+                if msg.room in self.waiting:
+                    req, _ = self.waiting.pop(msg.room)
+                    self.admitted[msg.room] = msg
+                    self._rids[msg.room] = req.rid
+                    self._ready.append(req)
+                else:
+                    self.reserves[msg.room] = (msg, now + self.args.disaggregation_timeout)
+            elif isinstance(msg, RoomFailed):
+                self._decode_gave_up(msg, now)
+        for room, (req, deadline) in list(self.waiting.items()):
+            if now > deadline:
+                del self.waiting[room]
+                self._failed.append((req, f"bootstrap room {room}: no decode server reserved memory within "
+                                          f"{self.args.disaggregation_timeout:g} s (--disaggregation-timeout)"))
+        for room, (_, deadline) in list(self.reserves.items()):
+            if now > deadline:
+                del self.reserves[room]
+        self._cancelled = {r: d for r, d in self._cancelled.items() if d > now}
+        ready, self._ready = self._ready, []
+        failed, self._failed = self._failed, []
+        abort, self._abort = self._abort, []
+        return ready, failed, abort
+
+    def _hello(self, msg: PeerHello) -> None:
+        sock = self.control.connect(msg.address)
+        why = check_peer(self.tp_size, self.ps, self.fingerprint, msg.tp_size, msg.page_size, msg.fingerprint,
+                         "decode")
+        if why is not None:
+            sock.send(encode_control(RoomFailed("prefill", -1, why)))
+            return
+        self.peers[msg.decode_id] = sock
+        self._new_peers.append({"decode_id": msg.decode_id, "ranks": [dataclasses.asdict(r) for r in msg.ranks]})
+
+    def _decode_gave_up(self, msg: RoomFailed, now: float) -> None:
+        """Decode aborted or failed a room. If a reservation of it is held here (its memory waits on decode), the
+        room is dropped and decode is told it may free that memory: nothing will be sent. A send already
+        queued still goes (decode frees the memory when it arrives)."""
+        room = msg.room
+        if room in self.waiting:  # decode gave up before reserving: it holds nothing
+            req, _ = self.waiting.pop(room)
+            self._failed.append((req, f"the decode server gave up on bootstrap room {room}: {msg.error}"))
+            return
+        held = room in self.admitted or room in self.reserves
+        if room in self.admitted:
+            del self.admitted[room]
+            self._abort.append(self._rids.pop(room))
+        elif room in self.reserves:
+            del self.reserves[room]
+            self._cancelled[room] = now + self.args.disaggregation_timeout  # its request may still come
+        else:
+            self._cancelled[room] = now + self.args.disaggregation_timeout
+        if held:
+            self.tell_failed(msg.sender, room, "the prefill server dropped the room")
+
+    def plan_fields(self, step: int) -> dict[str, object]:
+        peers, self._new_peers = self._new_peers, []
+        sends, self._sends = self._sends, []
+        if sends:
+            self._sending[step] = [(int(c["room"]), str(c["peer"])) for c in sends]  # type: ignore[call-overload]
+        return {"pd_peers": peers, "pd_sends": sends}
+
+    def step_done(self, step: int, failed: list[tuple[int, str]]) -> None:
+        """After step `step`'s result: decode hears of the sends that failed."""
+        peer_of = dict(self._sending.pop(step, []))
+        for room, error in failed:
+            if room in peer_of:
+                self.tell_failed(peer_of[room], room, f"the transfer failed: {error}")
+
+    def on_release(self, req: Req, pool: UnifiedPool) -> None:
+        """`req` lets go of its memory: if it computed its prompt and sampled its first token, its memory goes
+        to decode at the head of the next plan (before anything can move or overwrite it); else decode is told
+        that nothing will come."""
+        room = req.bootstrap.room  # type: ignore[union-attr]
+        reserve = self.admitted.pop(room, None)
+        self._rids.pop(room, None)
+        if reserve is None or not reserve.decode_id:
+            return
+        ok = req.output_ids and not req.poisoned and not req.aborted and req.finished in ("stop", "length")
+        if not ok:
+            self.tell_failed(reserve.decode_id, room, "the prefill of the request failed or was aborted")
+            return
+        first = reserve.prefix_len // self.ps
+        pages = [pool.page_index(p) for p in req.pages[first : -(-len(req.prompt_ids) // self.ps)]]
+        cmd = send_command(reserve, pool.geometry, pages, pool.state_slot(req.state),  # type: ignore[arg-type]
+                           req.output_ids[0], req.first_logprob)
+        self._sends.append(cmd.to_plan())
+
+    def tell_failed(self, decode_id: str, room: int, error: str) -> None:
+        sock = self.peers.get(decode_id)
+        if sock is not None:
+            sock.send(encode_control(RoomFailed("prefill", room, error)))
+
+    def close(self) -> None:
+        self.bootstrap.close()
+        self.control.close()

@@ -1,0 +1,124 @@
+"""P/D disaggregation behind the real sglang-router (`--pd-disaggregation`): one prefill and one decode radixk3 server
+over NIXL (UCX over TCP on loopback), for the Kimi-Linear-format built-in model and a native K3 checkpoint. Greedy
+outputs through the router equal the aggregated engine's token for token, on /generate and the OpenAI routes, and
+both servers' pools are back to empty after (once their caches are flushed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+
+import httpx
+import pytest
+
+from radixk3.checkpoint import write_random_checkpoint
+from radixk3.config import preset
+from runtime.local_engine import LocalEngine
+from runtime.model_files import tokenizer_for
+from runtime.server_args import ServerArgs
+from tests.runtime.http_server_proc import Server, free_port, start_server
+
+pytest.importorskip("nixl")
+pytest.importorskip("sglang_router")
+
+MAX_NEW = 6
+GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+PROMPTS = [[5, 6, 7], list(range(300, 340)), [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12]]
+TEXT = "The router sends each request to both servers"
+ROUTER_STARTUP_S = 120.0
+
+
+def _start_router(prefill: Server, bootstrap_port: int, decode: Server) -> tuple[str, subprocess.Popen[bytes]]:
+    port = free_port()
+    argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url,
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn",
+            "--worker-startup-check-interval", "1"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ROUTER_STARTUP_S
+    while True:  # ready once a request goes through both servers
+        assert proc.poll() is None, f"sglang-router exited with code {proc.returncode}"
+        try:
+            r = httpx.post(f"{url}/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 1}},
+                           timeout=30)
+            if r.status_code == 200:
+                return url, proc
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "sglang-router did not route a request in time"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module", params=["kimi-linear", "k3-native"])
+def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    """(router url, [prefill, decode] servers, the aggregated engine's greedy outputs over PROMPTS and over TEXT)."""
+    model_flags: list[str] = []
+    if request.param == "k3-native":
+        path = write_random_checkpoint(preset("k3-tiny-native"), tmp_path_factory.mktemp("k3_native"), seed=3)
+        model_flags = ["--model", str(path)]
+    os.environ.setdefault("UCX_TLS", "tcp")  # the servers inherit it
+    boot = free_port()
+    flags = [["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot)],
+             ["--disaggregation-mode", "decode"]]
+    with ExitStack() as stack, ThreadPoolExecutor(2) as pool:
+        servers = list(pool.map(lambda f: start_server(*model_flags, *f), flags))
+        for s in servers:
+            stack.callback(s.stop)
+        args = ServerArgs(model=model_flags[1] if model_flags else None)
+        tok = tokenizer_for(args)
+        want = LocalEngine(args).generate([*PROMPTS, tok.encode(TEXT, add_bos=True)], GREEDY)
+        text_out = tok.decode(want.pop())
+        url, router = _start_router(servers[0], boot, servers[1])
+        stack.callback(router.wait, 30)
+        stack.callback(router.kill)  # the router is stateless here: no graceful drain to wait for
+        yield url, servers, want, text_out
+
+
+def _pool_empty(server: Server) -> None:
+    server.wait_idle()
+    with server.client() as c:
+        assert c.post("/flush_cache").status_code == 200
+    m = server.metrics()
+    assert m["radixk3_state_pool_used_bytes"] == 0 and m["radixk3_kv_pool_used_bytes"] == 0, m
+
+
+def test_generate_through_router_equals_aggregated(pd) -> None:  # noqa: ANN001
+    url, servers, want, _ = pd
+    with httpx.Client(base_url=url, timeout=60) as c, ThreadPoolExecutor(len(PROMPTS)) as ex:
+        got = list(ex.map(lambda p: c.post("/generate", json={"input_ids": p, "sampling_params": GREEDY}), PROMPTS))
+    assert [r.status_code for r in got] == [200] * len(PROMPTS), [r.text for r in got]
+    assert [r.json()["output_ids"] for r in got] == want
+    for s in servers:
+        _pool_empty(s)
+
+
+def test_openai_routes_through_router(pd) -> None:  # noqa: ANN001
+    url, servers, _, text_out = pd
+    with servers[1].client() as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": TEXT, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == text_out
+        r = c.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                                  "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+    for s in servers:
+        _pool_empty(s)
+
+
+def test_direct_request_without_bootstrap_is_refused(pd) -> None:  # noqa: ANN001
+    servers = pd[1]
+    for s in servers:
+        with s.client() as c:
+            r = c.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 400 and "bootstrap" in r.text, r.text
+
