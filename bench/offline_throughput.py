@@ -1,5 +1,6 @@
 """Offline throughput: radixk3's `Engine` against transformers' `KimiLinearForCausalLM.generate` on the same
-random k3-small checkpoint (written by radixk3 into a temp dir), same token-id prompts, greedy, EOS ignored.
+random k3-small checkpoint (written by radixk3 into a temp dir; k3-tiny with --quick), same token-id prompts,
+greedy, EOS ignored.
 
 Workloads (token ids; every batch has prompts of one length, so transformers never pads):
   gsm8k      a burst of 32 requests submitted at once: the 5-shot prefix of SGLang's gsm8k harness (5
