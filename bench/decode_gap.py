@@ -13,7 +13,8 @@ With `--grammar-properties P` the disturbance is a slow grammar instead of a lon
 `json_schema` has P optional integer properties (5,000 compiled for over a minute in the scheduler before
 grammars were compiled in worker processes; 4,000 is about the most under the default --max-grammar-bytes),
 under `--grammar-compile-timeout`; its "first token" is then its outcome, a token or a refusal (`grammar_refused`:
-past the compile budget, or over the size limit).
+past the compile budget, or over the size limit). The warm-up sends a one-property schema first, so that the
+compile workers (started at a server's first grammar, importing torch) are up before the window opens.
 
     python bench/decode_gap.py [--model builtin|k3-small] [--long-tokens N] [--shorts K] [--json]
         [--chunked-prefill-size C] [--max-prefill-tokens B] [--disable-mixed-chunk]
@@ -97,6 +98,8 @@ async def run(engine: Engine, a: argparse.Namespace, vocab: int) -> dict[str, An
         return [g.randrange(FIRST_ID, vocab) for _ in range(n)]
 
     await engine.async_generate(prompt(32), greedy(4))  # first-call costs out of the way
+    if a.grammar_properties:  # and the compile workers' start (at the first grammar): the window holds the compile
+        await engine.async_generate(prompt(8), greedy(1) | {"json_schema": optional_properties_schema(1)})
     arrivals: list[float] = []  # the stream's chunks holding tokens: arrival time, tokens
     long_sent = asyncio.Event()
     long_done = asyncio.Event()

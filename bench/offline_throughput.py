@@ -1,5 +1,6 @@
 """Offline throughput: radixk3's `Engine` against transformers' `KimiLinearForCausalLM.generate` on the same
-random k3-small checkpoint (written by radixk3 into a temp dir), same token-id prompts, greedy, EOS ignored.
+random k3-small checkpoint (written by radixk3 into a temp dir; k3-tiny with --quick), same token-id prompts,
+greedy, EOS ignored.
 
 Workloads (token ids; every batch has prompts of one length, so transformers never pads):
   gsm8k      a burst of 32 requests submitted at once: the 5-shot prefix of SGLang's gsm8k harness (5
@@ -458,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=("radixk3", "transformers", "both"), default="both")
     ap.add_argument("--dtypes", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)}")
-    ap.add_argument("--quick", action="store_true", help="tiny workloads, for a smoke test")
+    ap.add_argument("--quick", action="store_true", help="tiny workloads on a random k3-tiny, for a smoke test")
     ap.add_argument("--json", action="store_true", help="end with one JSON object of the figures")
     ap.add_argument("--checkpoint", type=Path, default=None, help="use this checkpoint instead of a random k3-small")
     ap.add_argument("--mem-mib", type=int, default=512, help="engine pool per rank, MiB")
@@ -497,8 +498,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="radixk3-bench-") as tmp:
         ckpt = a.checkpoint
         if ckpt is None:
-            ckpt = write_random_checkpoint(preset("k3-small"), Path(tmp) / "k3-small", seed=0)
-            print("checkpoint: random k3-small (seed 0) written by radixk3 into a temp dir")
+            name = "k3-tiny" if a.quick else "k3-small"  # a smoke test runs the same code on less compute
+            ckpt = write_random_checkpoint(preset(name), Path(tmp) / name, seed=0)
+            print(f"checkpoint: random {name} (seed 0) written by radixk3 into a temp dir")
         tok = checkpoint_tokenizer(ckpt)
         vocab = json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"]
         if a.quick:
