@@ -10,6 +10,7 @@ import traceback
 import numpy as np
 import torch
 
+from kernels import kda_decode_cpu as fused_kda
 from kernels.sampling import LogitBias, TokenMask
 from kernels.sampling_tensors import SamplingTensors
 from kernels.spec_layout import pad, window_layout
@@ -90,6 +91,8 @@ class ModelWorker:
             conv=[self.buffer.conv_state(i) for i in range(cfg.num_kda_layers)],
             latent=[self.buffer.kv(i) for i in range(cfg.num_mla_layers)],
         )
+        if self.model.device.type == "cpu" and cfg.num_kda_layers:
+            fused_kda.available()  # build (or find built) the fused KDA decode now, not in the first step
         self.tables = WorkerPageTable(self.model.device, rows=max(args.max_running_requests, 1))
         self.sampler = WorkerSampler()
         self.window: SpecWindow | None = None
