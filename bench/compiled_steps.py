@@ -6,7 +6,8 @@ compiled step, the compile seconds per graph, and a profile of the compiled step
 Sequences are prefilled eagerly on the worker's real pool buffer (with its scratch slot and row), then steps
 alternate between the variants over the same sequences; each figure is the best of the runs.
 
-    python bench/compiled_steps.py [--model k3-small] [--batches 1 32] [--drafts 3] [--repeats 20] [--json]
+    python bench/compiled_steps.py [--model k3-small] [--batches 1 32] [--drafts 3] [--repeats 20] [--threads N]
+        [--json]
 """
 
 from __future__ import annotations
@@ -66,8 +67,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--drafts", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (1 gives steadier ratios on a loaded machine: no OpenMP barrier waits)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
     model = build_model(preset(a.model), seed=0)
     cfg = model.config
@@ -89,7 +94,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     verify.capture()
     print(f"compile: decode {graphs.report.seconds}, verify (k={a.drafts}) {verify.report.seconds} "
           f"({time.perf_counter() - t0:.0f} s in all)")
-    out: dict[str, object] = {"model": a.model, "compile_seconds_decode": graphs.report.seconds,
+    out: dict[str, object] = {"model": a.model, "threads": torch.get_num_threads(),
+                              "compile_seconds_decode": graphs.report.seconds,
                               "compile_seconds_verify": verify.report.seconds}
     gen = torch.Generator().manual_seed(0)
     table = torch.arange(n_max * pages).view(n_max, pages)

@@ -105,3 +105,31 @@ extern "C" void radixk3_kda_decode(float* pool, int64_t slot_stride, const int64
     }
   }
 }
+
+// A verify window (kda_pool.kda_verify_padded): each sequence's W tokens run from a copy of its state, which is
+// not written back; the state after position t also goes to snap (when given) at row snap_rows[n], position t.
+// decay, k, beta_k, q_scaled: [N, W, H, K]; v and out: [N, W, H, V]; snap: rows snap_row_stride floats apart,
+// positions snap_pos_stride apart, each [H, K, V] contiguous.
+extern "C" void radixk3_kda_verify(const float* pool, int64_t slot_stride, const int64_t* slots, int64_t N, int64_t W,
+                                   int64_t H, int64_t K, int64_t V, const float* decay, const float* k,
+                                   const float* beta_k, const float* v, const float* q_scaled, float* out,
+                                   float* snap, int64_t snap_row_stride, int64_t snap_pos_stride,
+                                   const int64_t* snap_rows, int64_t lanes) {
+#pragma omp parallel
+  {
+    std::vector<float> prod(K * V), sums(V), s(K * V);
+#pragma omp for schedule(static)
+    for (int64_t nh = 0; nh < N * H; ++nh) {
+      const int64_t n = nh / H, h = nh % H;
+      const float* live = pool + slots[n] * slot_stride + h * K * V;
+      std::copy(live, live + K * V, s.data());
+      for (int64_t t = 0; t < W; ++t) {
+        const int64_t row = (n * W + t) * H + h;
+        step(s.data(), K, V, decay + row * K, k + row * K, beta_k + row * K, v + row * V, q_scaled + row * K,
+             out + row * V, lanes, prod.data(), sums.data());
+        if (snap != nullptr)
+          std::copy(s.begin(), s.end(), snap + snap_rows[n] * snap_row_stride + t * snap_pos_stride + h * K * V);
+      }
+    }
+  }
+}

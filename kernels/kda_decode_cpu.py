@@ -58,10 +58,11 @@ def _library() -> ctypes.CDLL | None:
         log.warning("fused KDA decode unavailable, decode keeps the torch path: %s", exc)
         return None
     lib = ctypes.CDLL(str(path))
-    fn = lib.radixk3_kda_decode
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 4,
-                   *[ctypes.c_void_p] * 6, ctypes.c_int64]
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.radixk3_kda_decode.restype = None
+    lib.radixk3_kda_decode.argtypes = [ptr, i64, ptr, *[i64] * 4, *[ptr] * 6, i64]
+    lib.radixk3_kda_verify.restype = None
+    lib.radixk3_kda_verify.argtypes = [ptr, i64, ptr, *[i64] * 5, *[ptr] * 7, i64, i64, ptr, i64]
     return lib
 
 
@@ -77,6 +78,19 @@ def fusable(pool: Tensor, slots: Tensor) -> bool:
             and pool.stride(3) == 1 and pool.stride(2) == vdim and pool.stride(1) == kdim * vdim)
 
 
+def _slots_contiguous(t: Tensor) -> bool:
+    """Each [H, K, V] state of t (its last three dims) contiguous, fp32 on CPU."""
+    h, kdim, vdim = t.shape[-3:]
+    return (t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 and t.stride(-2) == vdim
+            and t.stride(-3) == kdim * vdim)
+
+
+def _factors(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float) -> list[Tensor]:
+    """The torch step's own per-token factors, contiguous fp32: exp(g), k, beta k, v, q scale."""
+    kf = k.float()
+    return [x.contiguous() for x in (g.float().exp(), kf, beta.float()[..., None] * kf, v.float(), q.float() * scale)]
+
+
 def kda_decode_cpu(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, slots: Tensor,
                    scale: float) -> Tensor:
     """The torch decode step (q, k, g [N, H, K] prepared, v [N, H, V], beta [N, H]) on `pool` [slots, H, K, V]
@@ -86,11 +100,36 @@ def kda_decode_cpu(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, poo
     assert lib is not None and fusable(pool, slots), "call available() and fusable() first"
     n, h, kdim = k.shape
     vdim = pool.shape[-1]
-    kf = k.float()
-    inputs = [x.contiguous() for x in (g.float().exp(), kf, beta.float()[..., None] * kf, v.float(),
-                                       q.float() * scale)]
     slots = slots.to(torch.int64).contiguous()
     out = torch.empty(n, h, vdim, dtype=torch.float32)
+    factors = _factors(q, k, v, g, beta, scale)  # held until the call returns: the op reads their memory
     lib.radixk3_kda_decode(pool.data_ptr(), pool.stride(0), slots.data_ptr(), n, h, kdim, vdim,
-                           *(x.data_ptr() for x in inputs), out.data_ptr(), _SUM_LANES)
+                           *(x.data_ptr() for x in factors), out.data_ptr(), _SUM_LANES)
+    return out
+
+
+def verify_fusable(pool: Tensor, slots: Tensor, snapshots: Tensor | None) -> bool:
+    """A verify window the op takes: `fusable` pool and snapshots [R, W, H, K, V] with contiguous states."""
+    return fusable(pool, slots) and (snapshots is None or _slots_contiguous(snapshots))
+
+
+def kda_verify_cpu(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, slots: Tensor,
+                   scale: float, snapshots: Tensor | None, snapshot_rows: Tensor | None) -> Tensor:
+    """`kda_pool.kda_verify_padded`'s torch loop (q, k, g [N, W, H, K], v [N, W, H, V], beta [N, W, H]) from each
+    slot's state, not written back; the state after position t to snapshots[snapshot_rows[i], t] when given.
+    -> o [N, W, H, V] fp32, bit for bit the torch loop's."""
+    lib = _library()
+    assert lib is not None and verify_fusable(pool, slots, snapshots), "call available() and verify_fusable()"
+    n, w, h, kdim = k.shape
+    vdim = pool.shape[-1]
+    slots = slots.to(torch.int64).contiguous()
+    out = torch.empty(n, w, h, vdim, dtype=torch.float32)
+    snap, snap_strides, rows = None, (0, 0), None
+    if snapshots is not None and snapshot_rows is not None:
+        snap, snap_strides = snapshots.data_ptr(), (snapshots.stride(0), snapshots.stride(1))
+        rows = snapshot_rows.to(torch.int64).contiguous()
+    factors = _factors(q, k, v, g, beta, scale)
+    lib.radixk3_kda_verify(pool.data_ptr(), pool.stride(0), slots.data_ptr(), n, w, h, kdim, vdim,
+                           *(x.data_ptr() for x in factors), out.data_ptr(), snap,
+                           *snap_strides, None if rows is None else rows.data_ptr(), _SUM_LANES)
     return out

@@ -225,6 +225,10 @@ def kda_verify_padded(
     not depend on its batch-mates); a padded position (zero k, v, beta and log decay) leaves the state as it
     was, and its output is dropped by the caller."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if fused_kda.available() and fused_kda.verify_fusable(state_pool, state_slots, snapshots):
+        # the same bits, each state read once and the window run in cache
+        o = fused_kda.kda_verify_cpu(q, k, v, g, beta, state_pool, state_slots, scale, snapshots, snapshot_rows)
+        return o.to(v.dtype)
     s = gather_slots(state_pool, state_slots).float()
     o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for t in range(q.shape[1]):

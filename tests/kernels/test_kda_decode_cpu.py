@@ -14,7 +14,7 @@ from torch import Tensor
 
 from kernels import kda_decode_cpu as fused
 from kernels.kda import KDAGate, l2norm
-from kernels.kda_pool import kda_decode
+from kernels.kda_pool import kda_decode, kda_verify_padded
 
 SLOTS = 40
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -90,3 +90,27 @@ def test_rows_sharing_a_scratch_slot(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(fused.ENV_VAR, "0")
     o_first = kda_decode(*(t[:4] for t in x), before, slots[:4])  # the real rows and the first padding row
     assert torch.equal(o[3], o_first[3]) and torch.equal(got[scratch], before[scratch])
+
+
+@pytest.mark.parametrize(("h", "kdim", "vdim"), [(8, 64, 64), (2, 48, 40)])
+def test_fused_verify_is_the_torch_loop(monkeypatch: pytest.MonkeyPatch, h: int, kdim: int, vdim: int) -> None:
+    """A verify window (3 sequences of 4 positions, one padded after 2 with the zero inputs the backend pads
+    with): the same outputs and snapshots, bit for bit, and the live states untouched."""
+    gen = torch.Generator().manual_seed(kdim)
+    n, w = 3, 4
+    pool = _pool(h, kdim, vdim, gen)
+    slots = torch.tensor([7, 0, 21])
+    x = [t.view(n, w, *t.shape[1:]) for t in _inputs(n * w, h, kdim, vdim, gen, raw=False)]
+    for t in x:
+        t[1, 2:] = 0
+    rows = torch.tensor([2, 0, 3])
+    got, want = (torch.full((5, w, h, kdim, vdim), float("nan")) for _ in range(2))
+    before = pool.clone()
+    monkeypatch.setenv(fused.ENV_VAR, "0")
+    o_ref = kda_verify_padded(*x, pool, slots, snapshots=want, snapshot_rows=rows)
+    monkeypatch.setenv(fused.ENV_VAR, "1")
+    assert fused.verify_fusable(pool, slots, got)
+    o = kda_verify_padded(*x, pool, slots, snapshots=got, snapshot_rows=rows)
+    assert torch.equal(o, o_ref) and torch.equal(got[rows], want[rows]) and bool(got[1].isnan().all())
+    assert torch.equal(pool, before)
+    assert torch.equal(kda_verify_padded(*x, pool, slots), o_ref)  # without snapshots
