@@ -1,15 +1,16 @@
 """The KDA decode step fused in place on CPU: a C++/OpenMP op (`kda_decode_cpu.cpp`, built by torch's extension
 loader) that reads each sequence's pool-resident state once, decays and updates it in cache, writes it back once
 and reads the output from it, where the torch path gathers the states, makes five passes over copies of them and
-scatters them back.
+scatters them back. A verify window runs the same step over its positions from an in-cache copy of each state.
 
-It computes exactly what `kda_pool.kda_decode`'s torch path computes, bit for bit (the same fp32 roundings in
-the same order: see the C++ file), so decode stays bit-identical to replay and verify (torch) and the torch path
-stays its oracle (`tests/kernels/test_kda_decode_cpu.py`). torch's sum order depends on its float vector width,
-known here for x86 only: elsewhere, or without a compiler, `available()` is False and decode keeps the torch path.
+Both compute exactly what the torch paths of `kda_pool.kda_decode` and `kda_verify_padded` compute, bit for bit
+(the same fp32 roundings in the same order: see the C++ file), so decode stays bit-identical to replay (torch) and
+the torch paths stay the oracle (`tests/kernels/test_kda_decode_cpu.py`). torch's sum order depends on its float
+vector width, known here for x86 only: elsewhere, or without a compiler, `available()` is False and the torch
+paths run.
 
-Built once per machine on first use (about a second; torch caches the library under its extensions directory and
-rebuilds when the source changes). `RADIXK3_FUSED_KDA=0` keeps the torch path.
+Built once per machine on first use (about two seconds; torch caches the library under its extensions directory
+and rebuilds when the source changes). `RADIXK3_FUSED_KDA=0` keeps the torch paths.
 """
 
 from __future__ import annotations
