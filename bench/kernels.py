@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels import kda_decode_cpu as fused_kda  # noqa: E402
 from kernels.backend import ENV_VAR  # noqa: E402
 from kernels.conv1d_pool import conv1d_decode, conv1d_prefill  # noqa: E402
 from kernels.kda import kda_chunked, kda_gate, kda_recurrent, l2norm  # noqa: E402
@@ -120,10 +121,13 @@ def cpu_prefill(lengths: list[int], repeats: int) -> dict[str, float]:
 
 
 def decode_steps(batches: list[int], device: torch.device, repeats: int) -> dict[str, float]:
+    """The KDA decode step at each batch size; on CPU the fused in-place op against the torch path it replaces
+    (`RADIXK3_FUSED_KDA=0`), best of interleaved runs."""
     out: dict[str, float] = {}
     sync = device.type == "cuda"
-    print(f"KDA decode step ({'Triton' if sync else 'torch'}, pool-resident states), time vs batch size")
-    print(f"{'batch':>6} {'step us':>9} {'us/seq':>8}")
+    fused = not sync and fused_kda.available()
+    print(f"KDA decode step ({'Triton' if sync else 'CPU'}, pool-resident states), time vs batch size")
+    print(f"{'batch':>6} {'step us':>9} {'us/seq':>8}" + (f" {'torch us':>9} {'torch/fused':>11}" if fused else ""))
     for n in batches:
         gen = torch.Generator().manual_seed(n)
         q, k = (l2norm(torch.randn(n, H, D, generator=gen)).to(device) for _ in range(2))
@@ -132,12 +136,27 @@ def decode_steps(batches: list[int], device: torch.device, repeats: int) -> dict
         beta = torch.rand(n, H, generator=gen).to(device)
         pool = torch.zeros(2 * n, H, D, D, device=device)
         slots = torch.arange(0, 2 * n, 2, device=device)
-        step = partial(kda_decode, q, k, v, g, beta, pool, slots)
+        step = partial(kda_decode, q, k, v, g, beta, pool, slots, **_skip_checks())
         step()
-        dt = median_time(step, repeats, sync)
-        print(f"{n:>6} {dt * 1e6:>9.0f} {dt * 1e6 / n:>8.1f}")
+        if not fused:
+            dt = median_time(step, repeats, sync)
+            print(f"{n:>6} {dt * 1e6:>9.0f} {dt * 1e6 / n:>8.1f}")
+            out[f"kda_decode_step_us_batch{n}"] = round(dt * 1e6, 1)
+            continue
+        (dt, _), (dt_torch, _) = interleaved({"fused": step, "torch": partial(_torch_kda, step)}, repeats).values()
+        print(f"{n:>6} {dt * 1e6:>9.0f} {dt * 1e6 / n:>8.1f} {dt_torch * 1e6:>9.0f} {dt_torch / dt:>10.2f}x")
         out[f"kda_decode_step_us_batch{n}"] = round(dt * 1e6, 1)
+        out[f"kda_decode_torch_step_us_batch{n}"] = round(dt_torch * 1e6, 1)
     return out
+
+
+def _torch_kda(fn: Callable[[], object]) -> None:
+    """fn with the KDA decode on its torch path (the fused op's oracle)."""
+    os.environ[fused_kda.ENV_VAR] = "0"
+    try:
+        fn()
+    finally:
+        os.environ.pop(fused_kda.ENV_VAR)
 
 
 def _skip_checks() -> dict[str, bool]:

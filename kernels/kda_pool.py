@@ -4,7 +4,8 @@ State pool per KDA layer: [num_slots, H, K, V] fp32; a sequence names its slot. 
 (`backend.kernel_backend`) to its torch reference here or to the Triton kernel in `kda_triton`.
 
 Replay (ReplaySSM): advance a slot's state over saved per-token inputs, the first n of them; it runs the
-same per-token code as decode, so on one backend replay and decode agree bit for bit.
+same per-token code as decode, so on one backend replay and decode agree bit for bit. On CPU decode runs the
+fused in-place op of `kda_decode_cpu` where it builds: the torch step's bits, each state read and written once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from kernels import kda_decode_cpu as fused_kda
 from kernels.backend import kernel_backend
 from kernels.kda import KDAGate, kda_gate, kda_read, kda_step, kda_step_, l2norm, seq_bounds
 from kernels.kda_chunk import chunk_scan, plan_chunks
@@ -127,6 +129,10 @@ def kda_decode(
         )  # fmt: skip
         return o[:, 0].to(v.dtype)
     step = preprocess_step(k, v, g, beta, gate, beta_logits, qk_l2norm)
+    if fused_kda.available() and fused_kda.fusable(state_pool, state_slots):
+        # the same bits, each state read and written once
+        o = fused_kda.kda_decode_cpu(l2norm(q) if qk_l2norm else q, *step, state_pool, state_slots, scale)
+        return o.to(v.dtype)
     s = kda_step_(gather_slots(state_pool, state_slots).float(), *step)  # the gathered copy is ours to update
     scatter_slots(state_pool, state_slots, s)
     return kda_read(s, l2norm(q) if qk_l2norm else q, scale).to(v.dtype)
@@ -219,6 +225,10 @@ def kda_verify_padded(
     not depend on its batch-mates); a padded position (zero k, v, beta and log decay) leaves the state as it
     was, and its output is dropped by the caller."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if fused_kda.available() and fused_kda.verify_fusable(state_pool, state_slots, snapshots):
+        # the same bits, each state read once and the window run in cache
+        o = fused_kda.kda_verify_cpu(q, k, v, g, beta, state_pool, state_slots, scale, snapshots, snapshot_rows)
+        return o.to(v.dtype)
     s = gather_slots(state_pool, state_slots).float()
     o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for t in range(q.shape[1]):

@@ -152,6 +152,8 @@ class CaptureReport:
 class DecodeGraphs:
     """The compiled decode step of one model over one cache, per batch-size bucket."""
 
+    kind = "decode"
+
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, scratch: Scratch, buckets: Sequence[int]) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"batch-size buckets must be >= 1, got {list(buckets)}")
@@ -166,6 +168,7 @@ class DecodeGraphs:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets))
         self._fn = torch.compile(self._forward, mode=self.mode, fullgraph=True)
         self.report = CaptureReport(self.mode, {})
+        self.replays = 0  # steps served (tests check that a path ran through the graphs)
 
     def _forward(self, step: PaddedDecode) -> Tensor:
         return padded_decode_logits(self.model, self.key, step)
@@ -177,7 +180,7 @@ class DecodeGraphs:
             for _ in range(2):  # compile, then replay once (on CUDA the first replays record the graph)
                 self._call(self._scratch_step(b, 2))
             self.report.seconds[b] = time.perf_counter() - start
-            log.info("decode graph: batch %d compiled in %.1f s (%s)", b, self.report.seconds[b], self.mode)
+            log.info("%s graph: batch %d compiled in %.1f s (%s)", self.kind, b, self.report.seconds[b], self.mode)
         return self.report
 
     def _scratch_step(self, b: int, kv_len: int) -> PaddedDecode:
@@ -218,6 +221,7 @@ class DecodeGraphs:
         b = self.bucket(n)
         assert b is not None, "a step the decode graphs do not cover (the caller checks `supports` first)"
         self._validate(batch)
+        self.replays += 1
         logits = self._call(self._padded(batch, b))[:n]
         return logits if batch.logits_index is None else logits[batch.logits_index]
 

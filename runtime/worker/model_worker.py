@@ -10,6 +10,7 @@ import traceback
 import numpy as np
 import torch
 
+from kernels import kda_decode_cpu as fused_kda
 from kernels.sampling import LogitBias, TokenMask
 from kernels.sampling_tensors import SamplingTensors
 from kernels.spec_layout import pad, window_layout
@@ -20,6 +21,7 @@ from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM, build_model
 from radixk3.parallel import is_collective_failure, parallel_state
 from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
+from radixk3.verify_graph import VerifyGraphs
 from radixk3.vision.config import has_vision_weights
 from radixk3.vision.encoder import VisionEncoder
 from runtime.disagg.protocol import RankAgent, SendCommand
@@ -35,6 +37,9 @@ from runtime.worker.sampler import WorkerSampler
 from runtime.worker.transfer_agent import TransferAgent, make_agent
 
 log = logging.getLogger(__name__)
+
+# The speculative algorithms whose steps the compiled graphs cover: their proposers read no target hiddens.
+COMPILED_SPECULATION = (None, "ngram")
 
 
 def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
@@ -92,12 +97,16 @@ class ModelWorker:
             conv=[self.buffer.conv_state(i) for i in range(cfg.num_kda_layers)],
             latent=[self.buffer.kv(i) for i in range(cfg.num_mla_layers)],
         )
+        if self.model.device.type == "cpu" and cfg.num_kda_layers:
+            fused_kda.available()  # build (or find built) the fused KDA decode now, not in the first step
         self.tables = WorkerPageTable(self.model.device, rows=max(args.max_running_requests, 1))
         self.sampler = WorkerSampler()
         self.window: SpecWindow | None = None
         if args.speculative_algorithm is not None:
+            # compiled: one more row, the verify graphs' padding rows' (`window_scratch_row`)
             self.window = SpecWindow.allocate(
-                cfg, args.spec_state, max(args.max_running_requests, 1), args.speculative_num_draft_tokens + 1,
+                cfg, args.spec_state, max(args.max_running_requests, 1) + compiled,
+                args.speculative_num_draft_tokens + 1,
                 torch_dtype(self.layout.kv_dtype), self.model.device, record_inputs=args.debug_spec_state)
         # A model proposer (draft model) fills the verify windows' drafts; its cache lives in the same pool.
         self.proposer = build_proposer(args, self.model, self.buffer)
@@ -112,24 +121,36 @@ class ModelWorker:
         self._expect: dict[int, int] = {}
         self._notified: set[int] = set()
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
         if compiled:  # paid here, at startup, once per batch-size bucket
             scratch = Scratch(self.buffer.scratch_state_slot, self.buffer.scratch_kv_row)  # type: ignore[arg-type]
             graphs = DecodeGraphs(self.model, self.cache, scratch, args.compile_buckets)
             try:
                 graphs.capture()
                 self.graphs = graphs
+                if self.window is not None:
+                    verify = VerifyGraphs(self.model, self.cache, scratch, args.compile_buckets, self.window,
+                                          self.window_scratch_row)
+                    verify.capture()
+                    self.verify_graphs = verify
             except Exception:  # a model part the compiler cannot capture: serve, eagerly, and say why
                 log.warning("the compiled decode step failed to build; decode runs eagerly", exc_info=True)
 
     def _compiles(self, args: ServerArgs) -> bool:
         """The compiled decode step covers one rank's plain decode: not a TP group or DP attention (collectives),
-        not speculative decoding (its proposers read the target's hiddens, its steps are verify windows), not
+        not speculative decoding with a proposer that reads the target's hiddens (MTP, DSpark: their steps run
+        eagerly; n-gram's decode and verify steps are compiled, `verify_graph.py`), not
         packed routed experts (a step dequantises the experts it routes to: shapes that depend on the routes), not
         `--quantization` (its experts read their routes on the host: a capture would fail after its compile time)."""
         state = parallel_state()
         return (args.compile_decode and state.tp_size == 1 and not state.dp_attention
-                and args.speculative_algorithm is None and self.model.config.expert_quant is None
+                and args.speculative_algorithm in COMPILED_SPECULATION and self.model.config.expert_quant is None
                 and args.quantization is None)
+
+    @property
+    def window_scratch_row(self) -> int:
+        """The draft window's row past the scheduler's rows, which the verify graphs' padding rows write."""
+        return max(self.args.max_running_requests, 1)
 
     @property
     def compile_seconds(self) -> dict[int, float]:
@@ -308,6 +329,8 @@ class ModelWorker:
         if prenorm is None:
             if self.graphs is not None and self.graphs.supports(batch):
                 return self.graphs.run(batch)
+            if self.verify_graphs is not None and self.verify_graphs.supports(batch):
+                return self.verify_graphs.run(batch)
             return self.model.forward_batch(batch, self.cache).float()
         ids = self.proposer.aux_layer_ids if self.proposer is not None else ()
         if ids:

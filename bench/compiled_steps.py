@@ -1,0 +1,158 @@
+"""The worker's step alone, compiled against eager, from one process (ratios only: on a shared machine only
+timings taken side by side mean anything): decode at batch 1 and 32, the verify of k drafts at batch 1 against
+a decode step (issue 24's target: within 1.1x compiled), the fused KDA decode against its torch path inside the
+compiled step, the compile seconds per graph, and a profile of the compiled steps (the biggest remaining costs).
+
+Sequences are prefilled eagerly on the worker's real pool buffer (with its scratch slot and row), then steps
+alternate between the variants over the same sequences; each figure is the best of the runs.
+
+    python bench/compiled_steps.py [--model k3-small] [--batches 1 32] [--drafts 3] [--repeats 20] [--threads N]
+        [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import kda_decode_cpu as fused_kda  # noqa: E402
+from radixk3.config import preset  # noqa: E402
+from radixk3.decode_graph import DecodeGraphs, Scratch  # noqa: E402
+from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache  # noqa: E402
+from radixk3.model import build_model  # noqa: E402
+from radixk3.spec_window import SpecWindow, WindowRows  # noqa: E402
+from radixk3.verify_graph import VerifyGraphs  # noqa: E402
+from runtime.pool_layout import pool_layout  # noqa: E402
+from runtime.server_args import ServerArgs  # noqa: E402
+from runtime.worker.pool_buffer import PoolBuffer  # noqa: E402
+
+PROMPT = 16
+PAGE = 16
+
+
+def best(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Best-of-N seconds of each function, run in turns (a shared machine only ever slows a run down)."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: min(v) for k, v in times.items()}
+
+
+def torch_kda(fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        os.environ[fused_kda.ENV_VAR] = "0"
+        try:
+            return fn()
+        finally:
+            os.environ.pop(fused_kda.ENV_VAR)
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="k3-small")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--drafts", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (1 gives steadier ratios on a loaded machine: no OpenMP barrier waits)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+    torch.set_grad_enabled(False)
+    model = build_model(preset(a.model), seed=0)
+    cfg = model.config
+    n_max, width = max(a.batches), a.drafts + 1
+    pages = -(-(PROMPT + 4 * a.repeats * width + 64) // PAGE)
+    layout = pool_layout(cfg, ServerArgs(page_size=PAGE))
+    buf = PoolBuffer(layout, (n_max + 2) * (layout.state_block_bytes + pages * PAGE * layout.kv_token_bytes),
+                     scratch=True)
+    cache = HybridCache(recurrent=[buf.recurrent_state(i) for i in range(cfg.num_kda_layers)],
+                        conv=[buf.conv_state(i) for i in range(cfg.num_kda_layers)],
+                        latent=[buf.kv(i) for i in range(cfg.num_mla_layers)])
+    scratch = Scratch(buf.scratch_state_slot, buf.scratch_kv_row)  # type: ignore[arg-type]
+    window = SpecWindow.allocate(cfg, "replay", n_max + 1, width, torch.float32)
+    fused_kda.available()
+    t0 = time.perf_counter()
+    graphs = DecodeGraphs(model, cache, scratch, a.batches)
+    graphs.capture()
+    verify = VerifyGraphs(model, cache, scratch, [1], window, n_max)
+    verify.capture()
+    print(f"compile: decode {graphs.report.seconds}, verify (k={a.drafts}) {verify.report.seconds} "
+          f"({time.perf_counter() - t0:.0f} s in all)")
+    out: dict[str, object] = {"model": a.model, "threads": torch.get_num_threads(),
+                              "compile_seconds_decode": graphs.report.seconds,
+                              "compile_seconds_verify": verify.report.seconds}
+    gen = torch.Generator().manual_seed(0)
+    table = torch.arange(n_max * pages).view(n_max, pages)
+    slots = torch.arange(n_max)
+    prompts = torch.randint(16, cfg.vocab_size, (n_max, PROMPT), generator=gen)
+    cu = torch.arange(0, n_max * PROMPT + 1, PROMPT)
+    model.forward_batch(ForwardBatch.from_table(ForwardMode.EXTEND, prompts.reshape(-1), cu,
+                                                torch.zeros(n_max, dtype=torch.int64), slots, table, PAGE), cache)
+    length = torch.full((n_max,), PROMPT)
+
+    def decode(n: int, compiled: bool) -> Callable[[], object]:
+        def step() -> object:
+            ids = torch.randint(16, cfg.vocab_size, (n,), generator=gen)
+            batch = ForwardBatch.from_table(ForwardMode.DECODE, ids, torch.arange(n + 1), length[:n].clone(),
+                                            slots[:n], table[:n], PAGE)
+            logits = graphs.run(batch) if compiled else model.forward_batch(batch, cache).float()
+            length[:n] += 1
+            return logits
+
+        return step
+
+    def verify_step(compiled: bool) -> Callable[[], object]:
+        def step() -> object:
+            ids = torch.randint(16, cfg.vocab_size, (width,), generator=gen)
+            batch = ForwardBatch.from_table(ForwardMode.VERIFY, ids, torch.tensor([0, width]), length[:1].clone(),
+                                            slots[:1], table[:1], PAGE, logits_index=torch.arange(width))
+            batch.spec = WindowRows(window, torch.zeros(1, dtype=torch.int64))
+            return verify.run(batch) if compiled else model.forward_batch(batch, cache).float()
+
+        return step
+
+    for n in a.batches:
+        t = best({"eager": decode(n, False), "compiled": decode(n, True),
+                  "compiled_torch_kda": torch_kda(decode(n, True))}, a.repeats)
+        print(f"decode batch {n}: eager {t['eager'] * 1e3:.2f} ms, compiled {t['compiled'] * 1e3:.2f} ms "
+              f"({t['compiled'] / t['eager']:.2f}x eager), compiled with the torch KDA step "
+              f"{t['compiled_torch_kda'] * 1e3:.2f} ms")
+        out[f"decode_b{n}_ms"] = {k: round(v * 1e3, 3) for k, v in t.items()}
+    t = best({"decode_eager": decode(1, False), "decode_compiled": decode(1, True),
+              "verify_eager": verify_step(False), "verify_compiled": verify_step(True)}, a.repeats)
+    ratio = t["verify_compiled"] / t["decode_compiled"]
+    print(f"verify of {a.drafts} drafts at batch 1: compiled {t['verify_compiled'] * 1e3:.2f} ms = {ratio:.2f}x a "
+          f"compiled decode step ({t['decode_compiled'] * 1e3:.2f} ms); eager {t['verify_eager'] * 1e3:.2f} ms = "
+          f"{t['verify_eager'] / t['decode_eager']:.2f}x an eager one")
+    out["verify_b1_ms"] = {k: round(v * 1e3, 3) for k, v in t.items()}
+    out["verify_over_decode_compiled_b1"] = round(ratio, 3)
+    for name, fn in (("decode_b1", decode(1, True)), (f"decode_b{n_max}", decode(n_max, True)),
+                     ("verify_b1", verify_step(True))):
+        with torch.profiler.profile() as prof:
+            for _ in range(5):
+                fn()
+        print(f"profile, compiled {name} (5 steps), top self CPU time:")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+    if a.json:
+        print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The KDA decode step fused in place on CPU: a C++/OpenMP op (`kda_decode_cpu.cpp`, built by torch's extension
+loader) that reads each sequence's pool-resident state once, decays and updates it in cache, writes it back once
+and reads the output from it, where the torch path gathers the states, makes five passes over copies of them and
+scatters them back. A verify window runs the same step over its positions from an in-cache copy of each state.
+
+Both compute exactly what the torch paths of `kda_pool.kda_decode` and `kda_verify_padded` compute, bit for bit
+(the same fp32 roundings in the same order: see the C++ file), so decode stays bit-identical to replay (torch) and
+the torch paths stay the oracle (`tests/kernels/test_kda_decode_cpu.py`). torch's sum order depends on its float
+vector width, known here for x86 only: elsewhere, or without a compiler, `available()` is False and the torch
+paths run.
+
+Built once per machine on first use (about two seconds; torch caches the library under its extensions directory
+and rebuilds when the source changes). `RADIXK3_FUSED_KDA=0` keeps the torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "RADIXK3_FUSED_KDA"
+_SOURCE = Path(__file__).with_name("kda_decode_cpu.cpp")
+# The floats per vector of torch's CPU sum kernel on x86, whatever the capability: it is dispatched to its AVX2
+# build on AVX512 machines too (checked bit for bit by the tests).
+_SUM_LANES = 8
+
+
+def _ensure_ninja() -> None:
+    """torch's loader runs `ninja` from PATH: the `ninja` package's binary serves when the system has none."""
+    if shutil.which("ninja") is None:
+        import ninja  # type: ignore[import-untyped]
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """Build (or find cached) and load the op once per process; None where it cannot run here."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        _ensure_ninja()
+        path = load(name="radixk3_kda_decode_cpu", sources=[str(_SOURCE)], is_python_module=False,
+                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"])
+    except Exception as exc:  # no compiler or no ninja: the torch path still serves
+        log.warning("fused KDA decode unavailable, decode keeps the torch path: %s", exc)
+        return None
+    lib = ctypes.CDLL(str(path))
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.radixk3_kda_decode.restype = None
+    lib.radixk3_kda_decode.argtypes = [ptr, i64, ptr, *[i64] * 4, *[ptr] * 6, i64]
+    lib.radixk3_kda_verify.restype = None
+    lib.radixk3_kda_verify.argtypes = [ptr, i64, ptr, *[i64] * 5, *[ptr] * 7, i64, i64, ptr, i64]
+    return lib
+
+
+def available() -> bool:
+    """Whether `kda_decode_cpu` runs here (built on the first call; `RADIXK3_FUSED_KDA=0` turns it off)."""
+    return os.environ.get(ENV_VAR, "1").strip() != "0" and _library() is not None
+
+
+def fusable(pool: Tensor, slots: Tensor) -> bool:
+    """A pool the op takes: fp32 on CPU, each slot's [H, K, V] contiguous (the slot stride is free)."""
+    _, _, kdim, vdim = pool.shape
+    return (pool.device.type == "cpu" and slots.device.type == "cpu" and pool.dtype == torch.float32
+            and pool.stride(3) == 1 and pool.stride(2) == vdim and pool.stride(1) == kdim * vdim)
+
+
+def _slots_contiguous(t: Tensor) -> bool:
+    """Each [H, K, V] state of t (its last three dims) contiguous, fp32 on CPU."""
+    h, kdim, vdim = t.shape[-3:]
+    return (t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 and t.stride(-2) == vdim
+            and t.stride(-3) == kdim * vdim)
+
+
+def _factors(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float) -> list[Tensor]:
+    """The torch step's own per-token factors, contiguous fp32: exp(g), k, beta k, v, q scale."""
+    kf = k.float()
+    return [x.contiguous() for x in (g.float().exp(), kf, beta.float()[..., None] * kf, v.float(), q.float() * scale)]
+
+
+def kda_decode_cpu(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, slots: Tensor,
+                   scale: float) -> Tensor:
+    """The torch decode step (q, k, g [N, H, K] prepared, v [N, H, V], beta [N, H]) on `pool` [slots, H, K, V]
+    in place (slots distinct, checked by the caller) -> o [N, H, V] fp32. The small per-token factors are the
+    torch path's own expressions; the op does the state work."""
+    lib = _library()
+    assert lib is not None and fusable(pool, slots), "call available() and fusable() first"
+    n, h, kdim = k.shape
+    vdim = pool.shape[-1]
+    slots = slots.to(torch.int64).contiguous()
+    out = torch.empty(n, h, vdim, dtype=torch.float32)
+    factors = _factors(q, k, v, g, beta, scale)  # held until the call returns: the op reads their memory
+    lib.radixk3_kda_decode(pool.data_ptr(), pool.stride(0), slots.data_ptr(), n, h, kdim, vdim,
+                           *(x.data_ptr() for x in factors), out.data_ptr(), _SUM_LANES)
+    return out
+
+
+def verify_fusable(pool: Tensor, slots: Tensor, snapshots: Tensor | None) -> bool:
+    """A verify window the op takes: `fusable` pool and snapshots [R, W, H, K, V] with contiguous states."""
+    return fusable(pool, slots) and (snapshots is None or _slots_contiguous(snapshots))
+
+
+def kda_verify_cpu(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, slots: Tensor,
+                   scale: float, snapshots: Tensor | None, snapshot_rows: Tensor | None) -> Tensor:
+    """`kda_pool.kda_verify_padded`'s torch loop (q, k, g [N, W, H, K], v [N, W, H, V], beta [N, W, H]) from each
+    slot's state, not written back; the state after position t to snapshots[snapshot_rows[i], t] when given.
+    -> o [N, W, H, V] fp32, bit for bit the torch loop's."""
+    lib = _library()
+    assert lib is not None and verify_fusable(pool, slots, snapshots), "call available() and verify_fusable()"
+    n, w, h, kdim = k.shape
+    vdim = pool.shape[-1]
+    slots = slots.to(torch.int64).contiguous()
+    out = torch.empty(n, w, h, vdim, dtype=torch.float32)
+    snap, snap_strides, rows = None, (0, 0), None
+    if snapshots is not None and snapshot_rows is not None:
+        snap, snap_strides = snapshots.data_ptr(), (snapshots.stride(0), snapshots.stride(1))
+        rows = snapshot_rows.to(torch.int64).contiguous()
+    factors = _factors(q, k, v, g, beta, scale)
+    lib.radixk3_kda_verify(pool.data_ptr(), pool.stride(0), slots.data_ptr(), n, w, h, kdim, vdim,
+                           *(x.data_ptr() for x in factors), out.data_ptr(), snap,
+                           *snap_strides, None if rows is None else rows.data_ptr(), _SUM_LANES)
+    return out
