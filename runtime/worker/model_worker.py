@@ -128,7 +128,7 @@ class ModelWorker:
             try:
                 graphs.capture()
                 self.graphs = graphs
-                if self.window is not None:
+                if self.window is not None and args.enable_compiled_verify:
                     verify = VerifyGraphs(self.model, self.cache, scratch, args.compile_buckets, self.window,
                                           self.window_scratch_row)
                     verify.capture()

@@ -23,7 +23,8 @@ def test_compiled_speculation_equals_eager(monkeypatch: pytest.MonkeyPatch) -> N
     for compiled in ("0", "1"):
         monkeypatch.setenv(COMPILE_ENV, compiled)
         eng = LocalEngine(ServerArgs(speculative_algorithm="ngram", speculative_num_draft_tokens=3,
-                                     max_running_requests=1, compile_max_bs=1, debug_spec_state=True), model,
+                                     max_running_requests=1, compile_max_bs=1, debug_spec_state=True,
+                                     enable_compiled_verify=True), model,
                           check=True)
         assert (eng.worker.verify_graphs is not None) == (compiled == "1")
         outs[compiled] = eng.generate(prompts, GREEDY)
