@@ -1,6 +1,5 @@
 # Two commands on a fresh machine: `make run` (set up, generate with the built-in tiny model) and
-# `make test` (set up with the test extras, lint, run the suite on two pytest-xdist workers, each test module
-# in one worker so that its module-scoped servers start once). CI runs `make test` via .ci/run.
+# `make test` (set up with the test extras, lint, run the suite). CI runs `make test` via .ci/run.
 PYTHON ?= python3
 VENV ?= .venv
 PROMPT ?= Natalia sold clips to 48 of her friends in April,
@@ -23,4 +22,4 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/python -m pytest -n 2 --dist loadfile
+	$(VENV)/bin/python -m pytest
