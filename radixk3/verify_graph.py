@@ -25,7 +25,7 @@ from torch import Tensor
 
 from kernels.conv1d_pool import conv1d_verify_padded
 from kernels.kda_pool import kda_verify_padded
-from radixk3.decode_graph import _CACHES, DecodeGraphs, Scratch, pool_mla_decode
+from radixk3.decode_graph import _CACHES, DecodeGraphs, PaddedDecodeBackend, Scratch
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
 from radixk3.spec_window import SpecWindow
@@ -77,15 +77,15 @@ def _(cache_key: int, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     return torch.empty_like(v)
 
 
-class PaddedVerifyBackend:
-    """The attention backend of a captured verify step: fixed [B, W] windows, no host reads."""
+class PaddedVerifyBackend(PaddedDecodeBackend):
+    """The attention backend of a captured verify step: fixed [B, W] windows, no host reads; its attention is the
+    decode step's, each window token one query."""
 
     decode = False
     verify = True
 
     def __init__(self, cache_key: int, step: PaddedVerify) -> None:
-        self.key = cache_key
-        self.step = step
+        super().__init__(cache_key, step)  # its kv_slots, kv_rows, kv_lens: one per window token
         self.b = step.state_slots.shape[0]
 
     def _windows(self, x: Tensor) -> Tensor:
@@ -100,12 +100,6 @@ class PaddedVerifyBackend:
         w = self._windows
         return pool_kda_verify(self.key, layer, w(q), w(k), w(v), w(g), w(beta), s.state_slots,
                                s.window_rows).flatten(0, 1)
-
-    def mla(self, layer: int, q_nope: Tensor, q_pe: Tensor, latent: Tensor, kv_b_weight: Tensor,
-            scale: float) -> Tensor:
-        s = self.step
-        return pool_mla_decode(self.key, layer, q_nope, q_pe, latent, kv_b_weight, s.kv_slots, s.kv_rows,
-                               s.kv_lens, scale)
 
 
 def padded_verify_logits(model: KimiForCausalLM, cache_key: int, step: PaddedVerify) -> Tensor:

@@ -21,8 +21,21 @@ from kernels.sampling_columns import SamplingColumns
 from runtime.sampling_params import SamplingParams
 
 
+class PatchGrid:
+    """An image's (t, h, w) patch grid, for the messages that carry one: `num_patches` = t * h * w."""
+
+    grid: tuple[int, int, int]
+
+    def __post_init__(self) -> None:
+        self.grid = tuple(self.grid)  # a list after the JSON round trip
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+
 @dataclass
-class ImageRef:
+class ImageRef(PatchGrid):
     """An image of a request's prompt: its `num_tokens` `<|media_pad|>` ids are prompt positions
     [offset, offset + num_tokens); its patches (`num_patches` = t * h * w of `grid`) travel in the message's
     `image_patches`, image after image. `content_hash` names its pixels (the radix key of its pads, the worker's
@@ -32,13 +45,6 @@ class ImageRef:
     grid: tuple[int, int, int]
     offset: int
     num_tokens: int
-
-    def __post_init__(self) -> None:
-        self.grid = tuple(self.grid)  # a list after the JSON round trip
-
-    @property
-    def num_patches(self) -> int:
-        return self.grid[0] * self.grid[1] * self.grid[2]
 
 
 @dataclass
@@ -74,7 +80,7 @@ class GenerateReq:
 
 
 @dataclass
-class PlanImage:
+class PlanImage(PatchGrid):
     """An image whose pad run meets a step's new tokens: rows [lo, hi) of its encoder output replace the
     embeddings of packed tokens [dst, dst + hi - lo) of sequence `seq`. Its patches (t * h * w of `grid`) are in
     the plan's `image_patches`, image after image."""
@@ -86,13 +92,6 @@ class PlanImage:
     dst: int
     lo: int
     hi: int
-
-    def __post_init__(self) -> None:
-        self.grid = tuple(self.grid)  # a list after the JSON round trip
-
-    @property
-    def num_patches(self) -> int:
-        return self.grid[0] * self.grid[1] * self.grid[2]
 
 
 @dataclass
