@@ -89,11 +89,12 @@ def _one_token_experts(x: Tensor, route: MoERoute, inter: int, gate_up: ExpertGe
 
 
 def captured_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU = SILU) -> Tensor:
-    """`moe_experts` with shapes that do not depend on the routes (a compiled or graph-captured step).
+    """`moe_experts` for a compiled or graph-captured step: nothing the compiler traces reads the routes on the host.
 
-    Few pairs (T*k < E, batch-1 decode): each token's k chosen experts only. Otherwise every expert runs on
-    every token (each expert's weights read once, as the grouped GEMMs do) and a dense [T, E] weight matrix,
-    zero for unchosen experts, combines them. Accumulation in fp32, the result in x's dtype."""
+    Few pairs (T*k < E, batch-1 decode): each token's k chosen experts only, in products and sums. Otherwise the
+    grouped path itself, as one opaque op (`radixk3::routed_experts`): it reads the per-expert counts inside, where
+    the compiler does not look, so each chosen (token, expert) pair runs once and each expert's weights are read
+    once, with the eager step's bits."""
     t, k = route.experts.shape
     num_experts, inter = w13.shape[0], w2.shape[-1]
     if t * k < num_experts:
@@ -103,8 +104,17 @@ def captured_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: G
         h = act(gu[..., :inter], gu[..., inter:])
         y = (w2[route.experts] * h[:, :, None, :]).sum(-1)  # [T, k, D]
         return (y.float() * route.weights[..., None].float()).sum(1).to(x.dtype)
-    gu = torch.einsum("td,eid->eti", x, w13)
-    y = torch.einsum("eti,edi->etd", act(gu[..., :inter], gu[..., inter:]), w2)
-    dense = torch.zeros(t, num_experts, dtype=torch.float32, device=x.device)
-    dense = dense.scatter_add(1, route.experts, route.weights.float())
-    return torch.einsum("etd,te->td", y.float(), dense).to(x.dtype)
+    return routed_experts(x, route.weights, route.experts, w13, w2, act.kind, act.beta, act.linear_beta)
+
+
+@torch.library.custom_op("radixk3::routed_experts", mutates_args=())
+def routed_experts(x: Tensor, weights: Tensor, experts: Tensor, w13: Tensor, w2: Tensor, act_kind: str,
+                   beta: float | None, linear_beta: float | None) -> Tensor:
+    """The grouped path (`_grouped_experts`) behind an op boundary, for captured steps."""
+    return _grouped_experts(x, MoERoute(weights, experts), w13, w2, GLU(act_kind, beta, linear_beta))
+
+
+@routed_experts.register_fake
+def _(x: Tensor, weights: Tensor, experts: Tensor, w13: Tensor, w2: Tensor, act_kind: str, beta: float | None,
+      linear_beta: float | None) -> Tensor:
+    return torch.empty_like(x)
