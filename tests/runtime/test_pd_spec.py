@@ -1,6 +1,7 @@
 """Speculative decoding on the decode side of P/D disaggregation (in one process, the fake backend): n-gram, MTP,
 a draft model and DSpark on decode give the aggregated engine's greedy outputs token for token, with verify windows
-really run on decode and never on prefill; a draft model equal to the target accepts nearly every draft (so its
+really run on decode and never on prefill; the draft model's state and the MTP latents on decode are prefill's
+byte for byte; a draft model equal to the target accepts nearly every draft (so its
 state over the prompt came with the state block: a draft state left unmoved would reject them); a prefill server
 without decode's pool-held proposer is refused by name; top logprobs are refused at the door."""
 
@@ -20,7 +21,7 @@ from runtime.local_engine import LocalEngine
 from runtime.messages import Bootstrap
 from runtime.server_args import ServerArgs
 from tests.runtime.http_server_proc import free_port
-from tests.runtime.test_pd_local import _baseline, _close, _finish, _run_both
+from tests.runtime.test_pd_local import _baseline, _close, _finish, _run_both, _state_digest
 
 MAX_NEW = 8
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
@@ -92,6 +93,23 @@ def test_speculation_on_decode_equals_aggregated(model, prompts, want, spec_flag
             assert m.accepted_tokens >= 0.5 * m.draft_tokens, (m.accepted_tokens, m.draft_tokens)
         for e in (pre, dec):
             _baseline(e)
+    finally:
+        _close(pre, dec)
+
+
+@pytest.mark.parametrize("alg", ["mtp", "draft"])
+def test_proposer_state_bytes_equal_after_transfer(model, spec_flags, alg: str) -> None:  # noqa: ANN001
+    """One token on decode (it ends on the first token): the state block decode's tree keeps, the draft model's KDA
+    state included, and the pages, the MTP layer's latents included, are prefill's byte for byte."""
+    pre, dec, port = _pair(model, spec_flags[alg], spec_flags[alg])
+    try:
+        one = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+        p = list(range(40, 80))  # page-aligned: both sides donate the state after the whole prompt
+        boot = Bootstrap("127.0.0.1", port, 9)
+        pre.submit(p, one, bootstrap=boot)
+        dec.submit(p, one, bootstrap=boot)
+        _run_both(pre, dec)
+        assert _state_digest(dec, p) == _state_digest(pre, p)
     finally:
         _close(pre, dec)
 
