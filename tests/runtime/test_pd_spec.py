@@ -39,8 +39,9 @@ def model():  # noqa: ANN201
 def prompts(model) -> list[list[int]]:  # noqa: ANN001
     g = random.Random(5)
     v = model.config.vocab_size
-    shared = [g.randrange(v) for _ in range(13)]
-    return [[g.randrange(v) for _ in range(n)] for n in (3, 22)] + [shared + [g.randrange(v)]]
+    shared = [g.randrange(v) for _ in range(12)]
+    # 21 and 13 tokens: with MAX_NEW - 1 outputs computed, a turn ends page-aligned, where decode's tree keeps a state
+    return [[g.randrange(v) for _ in range(n)] for n in (3, 21)] + [shared + [g.randrange(v)]]
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,17 @@ def want(model, prompts) -> list[list[int]]:  # noqa: ANN001
     """The aggregated engine's greedy outputs (no speculation)."""
     return LocalEngine(dataclasses.replace(BASE, disaggregation_transfer_backend="nixl"), model).generate(
         prompts, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def turn2(prompts, want) -> list[list[int]]:  # noqa: ANN001
+    """Each conversation's second turn: its prompt, its answer and three more tokens."""
+    return [p + w + [7, 8, 9] for p, w in zip(prompts, want, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def want2(model, turn2) -> list[list[int]]:  # noqa: ANN001
+    return LocalEngine(BASE, model).generate(turn2, GREEDY)
 
 
 @pytest.fixture(scope="module")
@@ -71,21 +83,30 @@ def _pair(model, pre_kw: dict, dec_kw: dict) -> tuple[LocalEngine, LocalEngine, 
 
 
 @pytest.mark.parametrize("alg", ["ngram", "mtp", "draft", "dspark"])
-def test_speculation_on_decode_equals_aggregated(model, prompts, want, spec_flags, alg: str) -> None:  # noqa: ANN001
-    """n-gram needs nothing on prefill (decode's lookup reads the request's tokens, which it has); the pool-held
-    proposers run on prefill too, which computes their state over the prompt and never speculates."""
+def test_speculation_on_decode_equals_aggregated(model, prompts, want, turn2, want2, spec_flags,  # noqa: ANN001
+                                                 alg: str) -> None:
+    """n-gram needs nothing on prefill (decode's lookup reads the request's tokens, which it has): the second wave
+    asks the first again, its drafts from decode's corpus. The pool-held proposers run on prefill too, which
+    computes their state over the prompt and never speculates; with the decode-side radix cache, the second wave
+    is each conversation's next turn, decode's proposer state over the hit from its own tree."""
     flags = spec_flags[alg]
-    pre, dec, port = _pair(model, {} if alg == "ngram" else flags, flags)
+    if alg == "ngram":
+        pre, dec, port = _pair(model, {}, flags)
+        waves = [(prompts, want), (prompts, want)]
+    else:
+        pre, dec, port = _pair(model, flags, dict(flags, disaggregation_decode_enable_radix_cache=True))
+        waves = [(prompts, want), (turn2, want2)]
     try:
-        for wave in range(2 if alg == "ngram" else 1):  # wave 2's n-gram drafts: wave 1's outputs, decode's corpus
+        for n, (wave, expected) in enumerate(waves):
             rids = []
-            for i, p in enumerate(prompts):
-                boot = Bootstrap("127.0.0.1", port, 100 * wave + i)
+            for i, p in enumerate(wave):
+                boot = Bootstrap("127.0.0.1", port, 100 * n + i)
                 pre.submit(p, GREEDY, bootstrap=boot)
                 rids.append(dec.submit(p, GREEDY, bootstrap=boot))
             outs = _run_both(pre, dec)
-            assert [outs[r] for r in rids] == want, f"wave {wave}"
+            assert [outs[r] for r in rids] == expected, f"wave {n}"
         m = dec.scheduler.metrics_now()
+        assert (m.cached_tokens > 0) == (alg != "ngram"), m.cached_tokens
         assert m.verify_steps > 0 and m.draft_tokens > 0, f"decode never speculated: {m}"
         assert pre.scheduler.metrics_now().verify_steps == 0, "prefill speculated"
         if alg in ("ngram", "draft"):  # repeated outputs / the target as its own draft: drafts are right (the
