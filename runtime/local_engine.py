@@ -62,7 +62,7 @@ class LocalEngine:
                           **options)
         check_output_options(req.return_logprob, req.logprob_start_len, req.top_logprobs_num, self.vocab_size)
         check_disaggregated(self.args.disaggregation_mode, req.bootstrap, params, req.return_logprob,
-                            req.logprob_start_len, len(input_ids))
+                            req.logprob_start_len, len(input_ids), req.top_logprobs_num)
         self._n += 1
         self.scheduler.add(req)
         return req.rid

@@ -159,7 +159,9 @@ class ServerArgs:
     # sends each request to both with a bootstrap room.
     disaggregation_mode: str = field(default="null", metadata={"help": (
         "null: serve whole requests; prefill: compute prompts and send their KV pages and KDA state to the decode "
-        "server that a request's bootstrap fields name; decode: receive them and decode")})
+        "server that a request's bootstrap fields name; decode: receive them and decode. With "
+        "--speculative-algorithm the decode server speculates; a prefill server samples one token, never "
+        "speculates, but runs the same mtp / draft / dspark proposer, whose state over the prompt moves too")})
     disaggregation_transfer_backend: str = field(default="nixl", metadata={"help": (
         "nixl: NIXL (UCX) writes into the decode pool's registered memory; fake: in-process copies (tests)")})
     disaggregation_bootstrap_port: int = field(default=8998, metadata={"help": (
@@ -295,8 +297,7 @@ class ServerArgs:
         if mode == "null":
             return
         unsupported = [(self.dp_size > 1, "--dp > 1"), (self.enable_dp_attention, "--enable-dp-attention"),
-                       (self.nnodes > 1, "--nnodes > 1"),
-                       (self.speculative_algorithm is not None, "speculative decoding")]
+                       (self.nnodes > 1, "--nnodes > 1")]
         for on, what in unsupported:
             if on:
                 raise ValueError(f"--disaggregation-mode {mode} with {what} is not supported yet")

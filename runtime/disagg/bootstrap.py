@@ -67,7 +67,7 @@ class BootstrapServer:
     def register(self, entry: BootstrapEntry) -> None:
         body = {"role": "Prefill", "engine_rank": 0, "dp_size": 1, "rank_ip": entry.rank_ip,
                 "rank_port": entry.rank_port, "tp_size": entry.tp_size, "page_size": entry.page_size,
-                "fingerprint": entry.fingerprint}
+                "fingerprint": entry.fingerprint, "proposer": entry.proposer}
         httpx.put(f"http://{self.host}:{self.port}/route", json=body, timeout=LOOKUP_TIMEOUT_S).raise_for_status()
 
     def close(self) -> None:
@@ -81,4 +81,4 @@ def lookup(host: str, port: int) -> BootstrapEntry:
     r.raise_for_status()
     b = r.json()
     return BootstrapEntry(b["rank_ip"], int(b["rank_port"]), int(b["tp_size"]), int(b["page_size"]),
-                          b["fingerprint"])
+                          b["fingerprint"], b.get("proposer", "none"))

@@ -9,7 +9,7 @@ from runtime.sampling_params import SamplingParams
 
 
 def check_disaggregated(mode: str, bootstrap: Bootstrap | None, params: SamplingParams, return_logprob: bool,
-                        logprob_start_len: int, prompt_len: int) -> None:
+                        logprob_start_len: int, prompt_len: int, top_logprobs_num: int = 0) -> None:
     """Raises InvalidRequest for a request this server (in --disaggregation-mode `mode`) cannot serve."""
     if mode == "null":
         if bootstrap is not None:
@@ -24,5 +24,8 @@ def check_disaggregated(mode: str, bootstrap: Bootstrap | None, params: Sampling
         raise InvalidRequest("structured output with P/D disaggregation is not supported yet", param=params.grammar[0])
     if return_logprob and 0 <= logprob_start_len < prompt_len:
         raise InvalidRequest("input logprobs with P/D disaggregation are not supported yet", param="logprob_start_len")
+    if return_logprob and top_logprobs_num > 0:  # only the first token and its logprob move from prefill
+        raise InvalidRequest("top logprobs with P/D disaggregation are not supported yet (the first token's stay on "
+                             "the prefill server)", param="top_logprobs_num")
     if params.max_new_tokens < 1:
         raise InvalidRequest("P/D disaggregation needs max_new_tokens >= 1", param="max_new_tokens")

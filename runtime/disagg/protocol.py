@@ -41,6 +41,7 @@ class PeerHello:
     page_size: int
     fingerprint: str
     address: str  # decode's control socket: where prefill says that a room failed
+    proposer: str = "none"  # its speculative proposer with a part in the pool (`pool_proposer`)
 
     def __post_init__(self) -> None:
         self.ranks = [r if isinstance(r, RankAgent) else RankAgent(**r) for r in self.ranks]
@@ -85,7 +86,15 @@ def layout_fingerprint(layout: PoolLayout, tp_size: int) -> str:
     return hashlib.sha256(repr((layout, tp_size)).encode()).hexdigest()[:16]
 
 
-def check_peer(local_tp: int, local_page: int, local_fp: str, tp: int, page: int, fp: str, other: str) -> str | None:
+def pool_proposer(speculative_algorithm: str | None) -> str:
+    """The speculative proposer whose state lives in the pool (`PoolLayout.draft`) and moves with a request: the
+    prefill server computes it over the prompt, so both sides must run the same one. n-gram keeps nothing there
+    (decode looks its drafts up in the request's tokens and its own corpus): "none", as with no speculation."""
+    return speculative_algorithm if speculative_algorithm in ("mtp", "draft", "dspark") else "none"
+
+
+def check_peer(local_tp: int, local_page: int, local_fp: str, tp: int, page: int, fp: str, other: str,
+               local_proposer: str = "none", proposer: str = "none") -> str | None:
     """Why the two sides cannot pair (None: they can)."""
     if tp != local_tp:
         return (f"the {other} server runs --tp {tp} and this one --tp {local_tp}: P/D disaggregation needs the same "
@@ -93,6 +102,11 @@ def check_peer(local_tp: int, local_page: int, local_fp: str, tp: int, page: int
     if page != local_page:
         return (f"the {other} server runs --page-size {page} and this one --page-size {local_page}: P/D "
                 "disaggregation needs the same page size on both sides")
+    if proposer != local_proposer:
+        return (f"the {other} server's speculative proposer with state in the pool is {proposer} and this one's "
+                f"{local_proposer}: with P/D disaggregation the prefill server computes the decode server's MTP, "
+                "draft model or DSpark state over the prompt, so both run the same --speculative-algorithm (and "
+                "draft model); n-gram needs nothing on the prefill server")
     if fp != local_fp:
         return (f"the {other} server's pool layout differs from this one's (another model, dtype or speculative "
                 "draft): its state blocks and pages cannot be copied here")
@@ -139,6 +153,7 @@ class BootstrapEntry:
     tp_size: int
     page_size: int
     fingerprint: str
+    proposer: str = "none"
 
     @property
     def address(self) -> str:

@@ -35,6 +35,7 @@ from runtime.disagg.protocol import (
     decode_control,
     encode_control,
     layout_fingerprint,
+    pool_proposer,
     send_command,
 )
 from runtime.pool_layout import PoolLayout
@@ -108,7 +109,9 @@ class DecodeSide:
         self.control = _Control(args.host)
         self.fingerprint = layout_fingerprint(pool.layout, tp_size)
         self.tp_size = tp_size
-        self.hello = PeerHello(self.id, agents, tp_size, self.ps, self.fingerprint, self.control.address)
+        self.proposer = pool_proposer(args.speculative_algorithm)
+        self.hello = PeerHello(self.id, agents, tp_size, self.ps, self.fingerprint, self.control.address,
+                               self.proposer)
         self.peers: dict[tuple[str, int], _DecodePeer] = {}
         self.pending: deque[tuple[Req, float]] = deque()  # waiting for memory, with their deadline
         self.rooms: dict[int, _Room] = {}
@@ -211,6 +214,14 @@ class DecodeSide:
         req.cached_tokens = len(cached) * self.ps  # reported by decode alone (prefill's response is not returned)
         return True
 
+    def can_draft(self, req: Req) -> bool:
+        """Whether the worker's proposer can draft `req`'s next verify window. The MTP proposer keeps per
+        page-table row each MTP layer's output at the last committed position, computed from the target's hidden
+        there, which stays on the prefill server: decode's first step after the transfer runs without drafts and
+        computes it (the MTP latents of the prompt came with its pages). The draft model's state and DSpark's
+        context latents are in the state block and the pages: they came whole."""
+        return not (self.args.speculative_algorithm == "mtp" and req.seq_len == len(req.prompt_ids) + 1)
+
     def _unlock(self, match: MatchResult | None) -> None:
         if match is not None:
             self.cache.unlock(match.node)  # type: ignore[union-attr]
@@ -268,7 +279,7 @@ class DecodeSide:
                 return _DecodePeer(None, f"the prefill server's bootstrap server at {host}:{port} did not answer: "
                                          f"{type(e).__name__}: {e}")
             why = check_peer(self.tp_size, self.ps, self.fingerprint, entry.tp_size, entry.page_size,
-                             entry.fingerprint, "prefill")
+                             entry.fingerprint, "prefill", self.proposer, entry.proposer)
             peer = _DecodePeer(None, why)
             if why is None:
                 peer.socket = self.control.connect(entry.address)
@@ -320,9 +331,10 @@ class PrefillSide:
         self.control = _Control(args.host)
         self.fingerprint = layout_fingerprint(layout, tp_size)
         self.tp_size, self.ps = tp_size, layout.page_size
+        self.proposer = pool_proposer(args.speculative_algorithm)
         self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
         self.bootstrap.register(BootstrapEntry(self.control.host, self.control.port, tp_size, layout.page_size,
-                                               self.fingerprint))
+                                               self.fingerprint, self.proposer))
         self.peers: dict[str, zmq.Socket] = {}
         self._new_peers: list[dict[str, object]] = []
         self.reserves: dict[int, tuple[RoomReserve, float]] = {}  # came before their request
@@ -404,7 +416,7 @@ class PrefillSide:
     def _hello(self, msg: PeerHello) -> None:
         sock = self.control.connect(msg.address)
         why = check_peer(self.tp_size, self.ps, self.fingerprint, msg.tp_size, msg.page_size, msg.fingerprint,
-                         "decode")
+                         "decode", self.proposer, msg.proposer)
         if why is not None:
             sock.send(encode_control(RoomFailed("prefill", -1, why)))
             return

@@ -676,6 +676,8 @@ class Scheduler:
         k = min(self.args.speculative_num_draft_tokens, req.params.max_new_tokens - len(req.output_ids) - 1)
         if k <= 0:
             return []
+        if self.pd_decode is not None and not self.pd_decode.can_draft(req):
+            return []
         if self.spec != "ngram":
             return [-1] * k
         if req.ngram is None:

@@ -484,7 +484,7 @@ class TokenizerManager:
             raise InvalidRequest(f"rid must be a non-empty string, got {rid!r}", param="rid")
         n = params.n
         check_disaggregated(self.args.disaggregation_mode, bootstrap, params, return_logprob, logprob_start_len,
-                            len(ids))
+                            len(ids), top_logprobs_num)
         if bootstrap is not None and n != 1:
             raise InvalidRequest("a bootstrap room pairs one sample: n > 1 in P/D disaggregation is not supported yet",
                                  param="n")

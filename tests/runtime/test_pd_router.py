@@ -1,7 +1,12 @@
 """P/D disaggregation behind the real sglang-router (`--pd-disaggregation`): one prefill and one decode radixk3 server
-over NIXL (UCX over TCP on loopback), for the Kimi-Linear-format built-in model and a native K3 checkpoint. Greedy
-outputs through the router equal the aggregated engine's token for token, on /generate and the OpenAI routes, and
-both servers' pools are back to empty after (once their caches are flushed)."""
+over NIXL (UCX over TCP on loopback), for the Kimi-Linear-format built-in model and a native K3 checkpoint, each with
+speculation on the decode side: the built-in model with n-gram and the decode-side radix cache, K3 with its MTP
+layer (on both servers: prefill computes the MTP latents of the prompt) and no decode cache. Two pairs cover the
+four features at the cost of two: the cache and the proposer act on separate state (pages skipped vs. drafts), and
+each proposer alone is checked with and without a decode cache hit in one process (tests/runtime/test_pd_spec.py,
+test_pd_local.py). Greedy outputs through the router equal the aggregated engine's token for token, on /generate
+and the OpenAI routes; a second turn's decode-side hit is the cached-token count the client sees (decode's alone,
+never prefill's added); both servers' pools are back to empty after (once their caches are flushed)."""
 
 from __future__ import annotations
 
@@ -30,6 +35,12 @@ MAX_NEW = 6
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
 PROMPTS = [[5, 6, 7], list(range(300, 340)), [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12]]
 TEXT = "The router sends each request to both servers"
+TURN2_TAIL = [7, 8, 9]  # a second turn of PROMPTS[1]'s conversation: its prompt, its output, this
+# Per model: (prefill server flags, decode server flags).
+CONFIGS = {
+    "kimi-linear": ([], ["--disaggregation-decode-enable-radix-cache", "--speculative-algorithm", "ngram"]),
+    "k3-native": (["--speculative-algorithm", "mtp"], ["--speculative-algorithm", "mtp"]),
+}
 ROUTER_STARTUP_S = 120.0
 
 
@@ -57,27 +68,32 @@ def _start_router(prefill: Server, bootstrap_port: int, decode: Server) -> tuple
 
 @pytest.fixture(scope="module", params=["kimi-linear", "k3-native"])
 def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    """(router url, [prefill, decode] servers, the aggregated engine's greedy outputs over PROMPTS and over TEXT)."""
+    """(router url, [prefill, decode] servers, the aggregated engine's greedy outputs over PROMPTS and over TEXT,
+    the decode-side radix cache on, the second turn and its greedy output)."""
     model_flags: list[str] = []
     if request.param == "k3-native":
         path = write_random_checkpoint(preset("k3-tiny-native"), tmp_path_factory.mktemp("k3_native"), seed=3)
         model_flags = ["--model", str(path)]
     os.environ.setdefault("UCX_TLS", "tcp")  # the servers inherit it
     boot = free_port()
-    flags = [["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot)],
-             ["--disaggregation-mode", "decode"]]
+    pre_flags, dec_flags = CONFIGS[request.param]
+    flags = [["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot), *pre_flags],
+             ["--disaggregation-mode", "decode", *dec_flags]]
     with ExitStack() as stack, ThreadPoolExecutor(2) as pool:
         servers = list(pool.map(lambda f: start_server(*model_flags, *f), flags))
         for s in servers:
             stack.callback(s.stop)
         args = ServerArgs(model=model_flags[1] if model_flags else None)
         tok = tokenizer_for(args)
-        want = LocalEngine(args).generate([*PROMPTS, tok.encode(TEXT, add_bos=True)], GREEDY)
+        engine = LocalEngine(args)
+        want = engine.generate([*PROMPTS, tok.encode(TEXT, add_bos=True)], GREEDY)
         text_out = tok.decode(want.pop())
+        turn2 = PROMPTS[1] + want[1] + TURN2_TAIL
+        want2 = engine.generate([turn2], GREEDY)[0]
         url, router = _start_router(servers[0], boot, servers[1])
         stack.callback(router.wait, 30)
         stack.callback(router.kill)  # the router is stateless here: no graceful drain to wait for
-        yield url, servers, want, text_out
+        yield url, servers, want, text_out, "--disaggregation-decode-enable-radix-cache" in dec_flags, turn2, want2
 
 
 def _pool_empty(server: Server) -> None:
@@ -89,7 +105,7 @@ def _pool_empty(server: Server) -> None:
 
 
 def test_generate_through_router_equals_aggregated(pd) -> None:  # noqa: ANN001
-    url, servers, want, _ = pd
+    url, servers, want, *_ = pd
     with httpx.Client(base_url=url, timeout=60) as c, ThreadPoolExecutor(len(PROMPTS)) as ex:
         got = list(ex.map(lambda p: c.post("/generate", json={"input_ids": p, "sampling_params": GREEDY}), PROMPTS))
     assert [r.status_code for r in got] == [200] * len(PROMPTS), [r.text for r in got]
@@ -99,7 +115,7 @@ def test_generate_through_router_equals_aggregated(pd) -> None:  # noqa: ANN001
 
 
 def test_openai_routes_through_router(pd) -> None:  # noqa: ANN001
-    url, servers, _, text_out = pd
+    url, servers, _, text_out, *_ = pd
     with servers[1].client() as c:
         model = c.get("/v1/models").json()["data"][0]["id"]
     body = {"model": model, "prompt": TEXT, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
@@ -122,3 +138,26 @@ def test_direct_request_without_bootstrap_is_refused(pd) -> None:  # noqa: ANN00
             r = c.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
         assert r.status_code == 400 and "bootstrap" in r.text, r.text
 
+
+
+def test_second_turn_through_router(pd) -> None:  # noqa: ANN001
+    """With the decode-side radix cache, a conversation's second turn hits what decode kept of the first (every
+    token it computed: the prompt and the outputs but the last); the response reports that hit, decode's alone
+    (the prefill server's own hit, the first prompt, is not added); without it, none. Decode speculated: the
+    first turn asked again drafts (n-gram: from decode's corpus, which holds the first answer)."""
+    url, servers, want, _, decode_cache, turn2, want2 = pd
+    decode = servers[1]
+    before = decode.metrics()
+    with httpx.Client(base_url=url, timeout=60) as c:
+        first = c.post("/generate", json={"input_ids": PROMPTS[1], "sampling_params": GREEDY})
+        second = c.post("/generate", json={"input_ids": turn2, "sampling_params": GREEDY})
+        again = c.post("/generate", json={"input_ids": PROMPTS[1], "sampling_params": GREEDY})
+    assert [r.status_code for r in (first, second, again)] == [200] * 3, (first.text, second.text, again.text)
+    assert [r.json()["output_ids"] for r in (first, second, again)] == [want[1], want2, want[1]]
+    hit = len(PROMPTS[1]) + MAX_NEW - 1 if decode_cache else 0
+    assert second.json()["meta_info"]["cached_tokens"] == hit, second.json()["meta_info"]
+    after = decode.wait_idle()
+    steps = "radixk3_spec_verify_steps_total"
+    assert after[steps] > before[steps], "decode did not speculate"
+    for s in servers:
+        _pool_empty(s)

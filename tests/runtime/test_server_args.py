@@ -109,8 +109,10 @@ def test_disaggregation_flags() -> None:
     assert args.disaggregation_bootstrap_port == 9001
     for bad, says in [(dict(disaggregation_mode="both"), "--disaggregation-mode"),
                       (dict(disaggregation_transfer_backend="mooncake"), "--disaggregation-transfer-backend"),
-                      (dict(disaggregation_mode="decode", speculative_algorithm="ngram"), "speculative decoding"),
                       (dict(disaggregation_mode="prefill", dp_size=2), "--dp > 1"),
                       (dict(disaggregation_timeout=0.0), "--disaggregation-timeout")]:
         with pytest.raises(ValueError, match=says):
             ServerArgs(**bad)
+    for mode in ("prefill", "decode"):  # decode speculates; prefill runs the proposer over the prompt only
+        for alg in ("ngram", "mtp"):
+            assert ServerArgs(disaggregation_mode=mode, speculative_algorithm=alg).speculative_algorithm == alg
