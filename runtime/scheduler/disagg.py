@@ -167,6 +167,7 @@ class DecodeSide:
             if now > r.deadline:
                 self._drop(room, f"bootstrap room {room}: no transfer from the prefill server within "
                                  f"{self.args.disaggregation_timeout:g} s (--disaggregation-timeout)")
+        looking_up: list[tuple[Req, float]] = []  # their prefill server is being looked up: the next ones go first
         while self.pending and running + len(self.rooms) < self.args.max_running_requests:
             req, deadline = self.pending[0]
             boot = req.bootstrap
@@ -177,7 +178,8 @@ class DecodeSide:
                 continue
             peer = self._peer(boot.host, boot.port)
             if peer is None:
-                break  # its prefill server is being looked up (FIFO: the requests behind it wait too)
+                looking_up.append(self.pending.popleft())
+                continue
             if peer.error is not None:
                 self.pending.popleft()
                 self._failed.append((req, peer.error))
@@ -188,6 +190,7 @@ class DecodeSide:
             slot = self._free_slots.pop()
             self.rooms[boot.room] = _Room(req, slot, now + self.args.disaggregation_timeout, step, peer)
             self._expect.append((boot.room, slot))
+        self.pending.extendleft(reversed(looking_up))
 
     def _alloc(self, req: Req) -> bool:
         """A state block and the prompt's pages; with the decode-side radix cache, the tree's pages of a cached

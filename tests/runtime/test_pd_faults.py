@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -186,3 +187,42 @@ def test_decode_killed_fails_the_prefill_room(servers, want) -> None:  # noqa: A
         _close(pre)
         if fresh is not None:
             _close(fresh)
+
+
+def test_silent_bootstrap_server_does_not_hold_up_the_others(want) -> None:  # noqa: ANN001
+    """A request whose prefill host does not answer its bootstrap lookup (a listening socket that never accepts)
+    waits for it in a thread: the decode engine serves a request for a live prefill server meanwhile, and the
+    silent one's request fails by name once its lookup does."""
+    port = free_port()
+    fake = dataclasses.replace(ARGS, disaggregation_transfer_backend="fake")
+    pre = LocalEngine(dataclasses.replace(fake, disaggregation_mode="prefill", disaggregation_bootstrap_port=port))
+    dec = LocalEngine(dataclasses.replace(fake, disaggregation_mode="decode"))
+    silent = socket.socket()
+    try:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        stuck = dec.submit(PROMPT, GREEDY, bootstrap=Bootstrap("127.0.0.1", silent.getsockname()[1], 5))
+        boot = Bootstrap("127.0.0.1", port, 6)
+        pre.submit(PROMPT, GREEDY, bootstrap=boot)
+        live = dec.submit(PROMPT, GREEDY, bootstrap=boot)
+        outs: dict[str, list] = {}
+
+        def step_both() -> None:
+            for engine in (pre, dec):
+                for o in engine.loop.step() if engine.loop.busy else []:
+                    if engine is dec:  # (each engine numbers its own request ids)
+                        outs.setdefault(o.rid, []).append(o)
+
+        _until("the live prefill's request was served", lambda: live in outs and outs[live][-1].finished, step_both)
+        assert [t for o in outs[live] for t in o.token_ids] == want and outs[live][-1].error is None
+        assert stuck not in outs, "the request for the silent prefill host ended before the other was served"
+        silent.close()  # its lookup fails now (connection reset), not at the lookup's timeout
+        _until("the silent host's request failed", lambda: not dec.loop.busy, step_both)
+        last = outs[stuck][-1]
+        assert last.finished == "error" and "did not answer" in last.error, last.error
+        _engine_empty(pre)
+        _engine_empty(dec)
+    finally:
+        silent.close()
+        _close(pre)
+        _close(dec)
