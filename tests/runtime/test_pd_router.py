@@ -122,3 +122,27 @@ def test_direct_request_without_bootstrap_is_refused(pd) -> None:  # noqa: ANN00
             r = c.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
         assert r.status_code == 400 and "bootstrap" in r.text, r.text
 
+
+
+def test_client_disconnect_through_router_frees_both_sides(pd, request: pytest.FixtureRequest) -> None:  # noqa: ANN001
+    """A client that leaves a streamed generation through sglang-router mid-way: the router drops its stream from
+    the decode server, which aborts the request (counted as aborted), and neither pool keeps anything (prefill's
+    half ended with its first token)."""
+    if request.node.callspec.params["pd"] != "kimi-linear":
+        pytest.skip("the router's disconnect handling does not depend on the model: one model is enough")
+    url, servers, _, _ = pd
+    aborted = 'radixk3_requests_total{finish_reason="abort"}'
+    before = servers[1].metrics().get(aborted, 0.0)
+    body = {"input_ids": PROMPTS[1], "stream": True,
+            "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}}
+    with httpx.Client(base_url=url, timeout=60) as c, c.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        while not next(lines).startswith("data:"):  # decode is generating
+            pass
+    deadline = time.monotonic() + 30  # far less than 4000 tokens take
+    while servers[1].metrics().get(aborted, 0.0) == before:
+        assert time.monotonic() < deadline, "the decode server did not abort the request its client left"
+        time.sleep(0.1)
+    for s in servers:
+        _pool_empty(s)
