@@ -226,3 +226,35 @@ def test_silent_bootstrap_server_does_not_hold_up_the_others(want) -> None:  # n
         silent.close()
         _close(pre)
         _close(dec)
+
+
+def test_abort_on_prefill_reaches_decode() -> None:
+    """The prefill half of a request aborted while it runs there (its client left): decode, which holds the room's
+    memory, hears that nothing will come, fails its request by name and frees the room; both pools are back to
+    baseline. (A failed transfer takes the same way to decode: `PrefillSide.step_done` -> `tell_failed`.)"""
+    port = free_port()
+    fake = dataclasses.replace(ARGS, disaggregation_transfer_backend="fake", chunked_prefill_size=8)
+    pre = LocalEngine(dataclasses.replace(fake, disaggregation_mode="prefill", disaggregation_bootstrap_port=port))
+    dec = LocalEngine(dataclasses.replace(fake, disaggregation_mode="decode"))
+    try:
+        boot = Bootstrap("127.0.0.1", port, 7)
+        pre_rid = pre.submit(PROMPT, GREEDY, bootstrap=boot)
+        dec_rid = dec.submit(PROMPT, GREEDY, bootstrap=boot)
+        outs: dict[tuple[int, str], list] = {}
+
+        def step_both() -> None:
+            for i, engine in enumerate((pre, dec)):
+                for o in engine.loop.step() if engine.loop.busy else []:
+                    outs.setdefault((i, o.rid), []).append(o)
+
+        _until("prefill started the prompt", lambda: any(r.num_computed for r in pre.scheduler.running), step_both)
+        pre.scheduler.abort(pre_rid)  # a chunk of the 21-token prompt is computed, not all of it
+        _until("both engines are idle", lambda: not (pre.loop.busy or dec.loop.busy), step_both)
+        assert outs[(0, pre_rid)][-1].finished == "abort"
+        last = outs[(1, dec_rid)][-1]
+        assert last.finished == "error" and "prefill" in last.error and "aborted" in last.error, last.error
+        _engine_empty(pre)
+        _engine_empty(dec)
+    finally:
+        _close(pre)
+        _close(dec)
