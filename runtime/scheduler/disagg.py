@@ -356,6 +356,7 @@ class PrefillSide:
                                                self.fingerprint))
         self.peers: dict[str, PeerLink] = {}
         self._new_peers: list[dict[str, object]] = []
+        self._gone_peers: list[str] = []  # dead decode servers whose agents the workers are to forget
         self.reserves: dict[int, tuple[RoomReserve, float]] = {}  # came before their request
         self.waiting: dict[int, tuple[Req, float]] = {}  # requests waiting for their reservation
         self.admitted: dict[int, RoomReserve] = {}  # running requests' reservations
@@ -389,7 +390,8 @@ class PrefillSide:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self._sends or self._new_peers or self._ready or self._failed or self._abort)
+        return bool(self.waiting or self._sends or self._new_peers or self._ready or self._failed or self._abort
+                    or self._gone_peers)
 
     @property
     def waiting_on_peer(self) -> bool:
@@ -397,7 +399,7 @@ class PrefillSide:
 
     @property
     def plan_due(self) -> bool:
-        return bool(self._sends or self._new_peers)
+        return bool(self._sends or self._new_peers or self._gone_peers)
 
     def tick(self) -> tuple[list[Req], list[tuple[Req, str]], list[str]]:
         """Read decode's messages: requests whose reservation came (to admit), requests that failed, and the ids
@@ -451,6 +453,7 @@ class PrefillSide:
                 continue
             del self.peers[decode_id]
             link.close()
+            self._gone_peers.append(decode_id)
             for room, reserve in list(self.admitted.items()):
                 if reserve.decode_id == decode_id:
                     del self.admitted[room]
@@ -486,7 +489,8 @@ class PrefillSide:
         sends, self._sends = self._sends, []
         if sends:
             self._sending[step] = [(int(c["room"]), str(c["peer"])) for c in sends]  # type: ignore[call-overload]
-        return {"pd_peers": peers, "pd_sends": sends}
+        forget, self._gone_peers = self._gone_peers, []
+        return {"pd_peers": peers, "pd_sends": sends, "pd_forget": forget}
 
     def step_done(self, step: int, failed: list[tuple[int, str]]) -> None:
         """After step `step`'s result: decode hears of the sends that failed."""

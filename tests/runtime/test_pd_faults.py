@@ -143,7 +143,7 @@ def test_prefill_killed_fails_the_decode_room(servers, want) -> None:  # noqa: A
 def test_decode_killed_fails_the_prefill_room(servers, want) -> None:  # noqa: ANN001
     """A decode server dies after reserving a room, while the prefill engine computes its prompt: the prefill
     engine lets the room go (no write left hanging), its memory is freed, a NIXL write to the dead agent fails
-    at once, and a decode engine that registers afterwards is served."""
+    at once, its workers forget that agent, and a decode engine that registers afterwards is served."""
     dec = servers[1]
     port = free_port()
     pre = LocalEngine(dataclasses.replace(ARGS, disaggregation_mode="prefill", disaggregation_bootstrap_port=port))
@@ -160,12 +160,15 @@ def test_decode_killed_fails_the_prefill_room(servers, want) -> None:  # noqa: A
         _until("prefill sampled the first token",
                lambda: any(o.rid == rid and o.finished for o in first), lambda: first.extend(pre.loop.step()))
         _kill(dec)
-        with pytest.raises(httpx.TransportError):
-            reply.result(NOTICE_S)
-        _until("the prefill engine let the room go", lambda: not pre.loop.busy, pre.loop.step)
-        _engine_empty(pre)
         write = SendCommand(dead_peer, 99, [], [], 0, 0, 0, 64, 0, 1, 0.0)
         with pytest.raises(Exception, match="DISCONNECT"):  # NIXL_ERR_REMOTE_DISCONNECT, never a hang
+            pre.worker.transfer.send(write)
+        with pytest.raises(httpx.TransportError):
+            reply.result(NOTICE_S)
+        _until("the prefill engine let the room go and forgot the dead decode server",
+               lambda: not pre.loop.busy and dead_peer not in side.peers, pre.loop.step)
+        _engine_empty(pre)
+        with pytest.raises(KeyError, match="forgotten"):  # its workers dropped the dead agent
             pre.worker.transfer.send(write)
         fresh = LocalEngine(dataclasses.replace(ARGS, disaggregation_mode="decode"))
         boot = Bootstrap("127.0.0.1", port, 4)
