@@ -11,6 +11,10 @@ Prefill (`PrefillSide`): runs the bootstrap server and a control socket; a reque
 reservation has come, then runs as usual with max_new_tokens = 1. When it is released (in no step in flight),
 its pages past decode's prefix, its state block and its first token go, as a send command, at the head of the
 next plan: the worker writes them before that plan's copies can move them.
+
+Faults: each side's link to a peer (`runtime.disagg.link.PeerLink`) reports the peer's death; the rooms between
+them end then (decode frees their memory, prefill aborts their work and its workers forget the peer's agent),
+not at --disaggregation-timeout.
 """
 
 from __future__ import annotations
