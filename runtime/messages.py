@@ -186,10 +186,11 @@ class StepPlan:
     images: list[PlanImage] = field(default_factory=list)
     image_patches: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
     # P/D disaggregation (runtime.disagg.protocol's dicts), applied before the byte copies: a prefill rank
-    # adds the decode peers (`pd_peers`) and writes the finished prefills' memory into them (`pd_sends`); a
-    # decode rank learns which rooms to expect (`pd_expect`: room -> metadata slot) and, with `pd_poll`, reports
-    # the rooms that arrived.
+    # adds the decode peers (`pd_peers`), forgets the dead ones (`pd_forget`: their decode ids) and writes the
+    # finished prefills' memory into them (`pd_sends`); a decode rank learns which rooms to expect (`pd_expect`:
+    # room -> metadata slot) and, with `pd_poll`, reports the rooms that arrived.
     pd_peers: list[dict[str, Any]] = field(default_factory=list)
+    pd_forget: list[str] = field(default_factory=list)
     pd_sends: list[dict[str, Any]] = field(default_factory=list)
     pd_expect: list[tuple[int, int]] = field(default_factory=list)
     pd_poll: bool = False

@@ -11,6 +11,10 @@ Prefill (`PrefillSide`): runs the bootstrap server and a control socket; a reque
 reservation has come, then runs as usual with max_new_tokens = 1. When it is released (in no step in flight),
 its pages past decode's prefix, its state block and its first token go, as a send command, at the head of the
 next plan: the worker writes them before that plan's copies can move them.
+
+Faults: each side's link to a peer (`runtime.disagg.link.PeerLink`) reports the peer's death; the rooms between
+them end then (decode frees their memory, prefill aborts their work and its workers forget the peer's agent),
+not at --disaggregation-timeout.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ import socket
 import time
 import uuid
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import zmq
 
 from runtime.disagg.bootstrap import BootstrapServer, lookup
+from runtime.disagg.link import PeerLink
 from runtime.disagg.protocol import (
     BootstrapEntry,
     PeerHello,
@@ -65,12 +71,8 @@ class _Control:
         self.port = self.inbox.bind_to_random_port(f"tcp://{self.host}")
         self.address = f"tcp://{self.host}:{self.port}"
 
-    def connect(self, address: str) -> zmq.Socket:
-        s = self.ctx.socket(zmq.PUSH)
-        s.setsockopt(zmq.LINGER, 1000)
-        s.setsockopt(zmq.SNDHWM, 0)
-        s.connect(address)
-        return s
+    def connect(self, address: str) -> PeerLink:
+        return PeerLink(self.ctx, address)
 
     def drain(self) -> list[PeerHello | RoomReserve | RoomFailed]:
         out = []
@@ -84,7 +86,7 @@ class _Control:
 
 @dataclass
 class _DecodePeer:
-    socket: zmq.Socket | None
+    socket: PeerLink | None
     error: str | None
 
 
@@ -120,6 +122,9 @@ class DecodeSide:
         self._failed: list[tuple[Req, str]] = []
         self._aborted: list[Req] = []
         self._last_poll = 0.0
+        # Bootstrap lookups run in a thread: a dead prefill host must not stall the loop for the lookup's timeout.
+        self._lookups: dict[tuple[str, int], Future[BootstrapEntry]] = {}
+        self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="pd-lookup")
 
     # --- requests ------------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -151,7 +156,7 @@ class DecodeSide:
 
     @property
     def waiting_on_peer(self) -> bool:
-        return bool(self.rooms)
+        return bool(self.rooms or self._lookups)
 
     def holds(self) -> tuple[list[int], list[int]]:
         """The state blocks and the pages (past their tree pages) held by rooms not yet arrived."""
@@ -164,10 +169,12 @@ class DecodeSide:
         schedule sends."""
         now = time.monotonic()
         self._read_control(now)
+        self._forget_lost_peers()
         for room, r in list(self.rooms.items()):
             if now > r.deadline:
                 self._drop(room, f"bootstrap room {room}: no transfer from the prefill server within "
                                  f"{self.args.disaggregation_timeout:g} s (--disaggregation-timeout)")
+        looking_up: list[tuple[Req, float]] = []  # their prefill server is being looked up: the next ones go first
         while self.pending and running + len(self.rooms) < self.args.max_running_requests:
             req, deadline = self.pending[0]
             boot = req.bootstrap
@@ -177,6 +184,9 @@ class DecodeSide:
                 self._failed.append((req, "no memory for the request within --disaggregation-timeout"))
                 continue
             peer = self._peer(boot.host, boot.port)
+            if peer is None:
+                looking_up.append(self.pending.popleft())
+                continue
             if peer.error is not None:
                 self.pending.popleft()
                 self._failed.append((req, peer.error))
@@ -187,6 +197,7 @@ class DecodeSide:
             slot = self._free_slots.pop()
             self.rooms[boot.room] = _Room(req, slot, now + self.args.disaggregation_timeout, step, peer)
             self._expect.append((boot.room, slot))
+        self.pending.extendleft(reversed(looking_up))
 
     def _alloc(self, req: Req) -> bool:
         """A state block and the prompt's pages; with the decode-side radix cache, the tree's pages of a cached
@@ -270,11 +281,19 @@ class DecodeSide:
         return failed, aborted
 
     # --- internals -----------------------------------------------------------------------------------
-    def _peer(self, host: str, port: int) -> _DecodePeer:
+    def _peer(self, host: str, port: int) -> _DecodePeer | None:
+        """The prefill server whose bootstrap server is at host:port; None while it is being looked up."""
         key = (host, port)
         if key not in self.peers:
+            future = self._lookups.get(key)
+            if future is None:
+                self._lookups[key] = self._lookup_pool.submit(lookup, host, port)
+                return None
+            if not future.done():
+                return None
+            del self._lookups[key]
             try:
-                entry = lookup(host, port)
+                entry = future.result()
             except Exception as e:  # not registered yet, or unreachable: retried by the next request
                 return _DecodePeer(None, f"the prefill server's bootstrap server at {host}:{port} did not answer: "
                                          f"{type(e).__name__}: {e}")
@@ -295,6 +314,21 @@ class DecodeSide:
         for msg in self.control.drain():
             if isinstance(msg, RoomFailed) and msg.room in self.rooms:
                 self._drop(msg.room, f"the prefill server failed bootstrap room {msg.room}: {msg.error}")
+
+    def _forget_lost_peers(self) -> None:
+        """A prefill server whose control connection closed is gone: its rooms fail now (their memory is freed),
+        and the next request for its bootstrap address looks it up again (a server restarted there has another
+        control address and agent)."""
+        for (host, port), peer in list(self.peers.items()):
+            if peer.socket is None or not peer.socket.lost:
+                continue
+            del self.peers[(host, port)]
+            for room, r in list(self.rooms.items()):
+                if r.peer is peer:
+                    r.sent = False  # nobody to tell
+                    self._drop(room, f"bootstrap room {room}: the prefill server at {host}:{port} went away (its "
+                                     "control connection closed)")
+            peer.socket.close()
 
     def _drop(self, room: int, error: str) -> None:
         """Give up on a room: its memory is freed and its request fails (or ends aborted)."""
@@ -322,6 +356,7 @@ class DecodeSide:
         req.state, req.pages, req.num_computed, req.node, req.tree_pages = None, [], 0, None, 0
 
     def close(self) -> None:
+        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         self.control.close()
 
 
@@ -335,8 +370,9 @@ class PrefillSide:
         self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
         self.bootstrap.register(BootstrapEntry(self.control.host, self.control.port, tp_size, layout.page_size,
                                                self.fingerprint, self.proposer))
-        self.peers: dict[str, zmq.Socket] = {}
+        self.peers: dict[str, PeerLink] = {}
         self._new_peers: list[dict[str, object]] = []
+        self._gone_peers: list[str] = []  # dead decode servers whose agents the workers are to forget
         self.reserves: dict[int, tuple[RoomReserve, float]] = {}  # came before their request
         self.waiting: dict[int, tuple[Req, float]] = {}  # requests waiting for their reservation
         self.admitted: dict[int, RoomReserve] = {}  # running requests' reservations
@@ -370,7 +406,8 @@ class PrefillSide:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self._sends or self._new_peers or self._ready or self._failed or self._abort)
+        return bool(self.waiting or self._sends or self._new_peers or self._ready or self._failed or self._abort
+                    or self._gone_peers)
 
     @property
     def waiting_on_peer(self) -> bool:
@@ -378,7 +415,7 @@ class PrefillSide:
 
     @property
     def plan_due(self) -> bool:
-        return bool(self._sends or self._new_peers)
+        return bool(self._sends or self._new_peers or self._gone_peers)
 
     def tick(self) -> tuple[list[Req], list[tuple[Req, str]], list[str]]:
         """Read decode's messages: requests whose reservation came (to admit), requests that failed, and the ids
@@ -399,6 +436,7 @@ class PrefillSide:
                     self.reserves[msg.room] = (msg, now + self.args.disaggregation_timeout)
             elif isinstance(msg, RoomFailed):
                 self._decode_gave_up(msg, now)
+        self._forget_lost_peers(now)
         for room, (req, deadline) in list(self.waiting.items()):
             if now > deadline:
                 del self.waiting[room]
@@ -422,6 +460,24 @@ class PrefillSide:
             return
         self.peers[msg.decode_id] = sock
         self._new_peers.append({"decode_id": msg.decode_id, "ranks": [dataclasses.asdict(r) for r in msg.ranks]})
+
+    def _forget_lost_peers(self, now: float) -> None:
+        """A decode server whose control connection closed is gone: the requests admitted for it are aborted
+        (nothing would take their memory), its reservations dropped (a request for one fails when it comes)."""
+        for decode_id, link in list(self.peers.items()):
+            if not link.lost:
+                continue
+            del self.peers[decode_id]
+            link.close()
+            self._gone_peers.append(decode_id)
+            for room, reserve in list(self.admitted.items()):
+                if reserve.decode_id == decode_id:
+                    del self.admitted[room]
+                    self._abort.append(self._rids.pop(room))
+            for room, (reserve, _) in list(self.reserves.items()):
+                if reserve.decode_id == decode_id:
+                    del self.reserves[room]
+                    self._cancelled[room] = now + self.args.disaggregation_timeout
 
     def _decode_gave_up(self, msg: RoomFailed, now: float) -> None:
         """Decode aborted or failed a room. If a reservation of it is held here (its memory waits on decode), the
@@ -449,7 +505,8 @@ class PrefillSide:
         sends, self._sends = self._sends, []
         if sends:
             self._sending[step] = [(int(c["room"]), str(c["peer"])) for c in sends]  # type: ignore[call-overload]
-        return {"pd_peers": peers, "pd_sends": sends}
+        forget, self._gone_peers = self._gone_peers, []
+        return {"pd_peers": peers, "pd_sends": sends, "pd_forget": forget}
 
     def step_done(self, step: int, failed: list[tuple[int, str]]) -> None:
         """After step `step`'s result: decode hears of the sends that failed."""

@@ -244,6 +244,8 @@ class ModelWorker:
                 self.transfer.send(cmd)
             except Exception as e:
                 failed.append((cmd.room, f"{type(e).__name__}: {e}"))
+        for gone in plan.pd_forget:  # after the sends: a write queued for a dead peer fails by name
+            self.transfer.remove_peer(gone)
         for room, slot in plan.pd_expect:
             if slot < 0:
                 self._expect.pop(room, None)

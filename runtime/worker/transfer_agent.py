@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -20,6 +20,7 @@ from runtime.disagg.protocol import META_SLOT_BYTES, RankAgent, SendCommand, age
 
 SEND_TIMEOUT_S = 30.0
 _META_COLS = META_SLOT_BYTES // 8  # float64: the token id (exact below 2**53) and its logprob
+T = TypeVar("T")
 
 
 class TransferAgent(Protocol):
@@ -27,6 +28,7 @@ class TransferAgent(Protocol):
 
     def describe(self) -> RankAgent: ...
     def add_peer(self, peer: str, agent: RankAgent) -> None: ...
+    def remove_peer(self, peer: str) -> None: ...
     def send(self, cmd: SendCommand) -> None: ...
     def poll(self) -> list[int]: ...
 
@@ -40,6 +42,12 @@ def _runs(src: list[int], dst: list[int], size: int) -> list[tuple[int, int, int
         else:
             out.append((s, d, size))
     return out
+
+
+def _known(peers: dict[str, T], peer: str) -> T:
+    if peer not in peers:
+        raise KeyError(f"no transfer peer {peer}: it never said hello, or it died and was forgotten")
+    return peers[peer]
 
 
 def command_runs(cmd: SendCommand) -> list[tuple[int, int, int]]:
@@ -70,8 +78,13 @@ class NixlAgent:
         if peer not in self._peers:
             self._peers[peer] = (self.agent.add_remote_agent(agent_bytes(agent.agent)), agent)
 
+    def remove_peer(self, peer: str) -> None:
+        """A dead peer: its agent's metadata (and UCX endpoints) go."""
+        if (known := self._peers.pop(peer, None)) is not None:
+            self.agent.remove_remote_agent(known[0])
+
     def send(self, cmd: SendCommand) -> None:
-        name, peer = self._peers[cmd.peer]
+        name, peer = _known(self._peers, cmd.peer)
         self._staging[0, 0], self._staging[0, 1] = float(cmd.token), cmd.logprob
         base = self.pool.data_ptr()
         runs = command_runs(cmd)
@@ -119,8 +132,11 @@ class FakeAgent:
     def add_peer(self, peer: str, agent: RankAgent) -> None:
         self._peers[peer] = self._AGENTS[agent.agent]
 
+    def remove_peer(self, peer: str) -> None:
+        self._peers.pop(peer, None)
+
     def send(self, cmd: SendCommand) -> None:
-        peer = self._peers[cmd.peer]
+        peer = _known(self._peers, cmd.peer)
         for s, d, n in command_runs(cmd):
             peer.pool[d : d + n].copy_(self.pool[s : s + n])
         peer.meta[cmd.dst_meta_slot, 0], peer.meta[cmd.dst_meta_slot, 1] = float(cmd.token), cmd.logprob

@@ -10,6 +10,8 @@ never prefill's added); both servers' pools are back to empty after (once their 
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import subprocess
 import sys
@@ -161,3 +163,41 @@ def test_second_turn_through_router(pd) -> None:  # noqa: ANN001
     assert after[steps] > before[steps], "decode did not speculate"
     for s in servers:
         _pool_empty(s)
+
+
+def test_client_disconnect_through_router_frees_both_sides(pd, request: pytest.FixtureRequest) -> None:  # noqa: ANN001
+    """A client that leaves a generation through sglang-router mid-way (streamed, or waiting for the whole
+    response): the router drops its request to the decode server, which aborts it (counted as aborted), and neither
+    pool keeps anything (prefill's half ended with its first token)."""
+    if request.node.callspec.params["pd"] != "kimi-linear":
+        pytest.skip("the router's disconnect handling does not depend on the model: one model is enough")
+    url, servers, *_ = pd
+    aborted = 'radixk3_requests_total{finish_reason="abort"}'
+    before = servers[1].metrics().get(aborted, 0.0)
+    body = {"input_ids": PROMPTS[1], "stream": True,
+            "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}}
+    with httpx.Client(base_url=url, timeout=60) as c, c.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        while not next(lines).startswith("data:"):  # decode is generating
+            pass
+    _until_aborted(servers[1], aborted, before + 1)
+    # Unstreamed: the client gives up waiting for the whole response once decode generates.
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/generate", json.dumps({**body, "stream": False}), {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 30
+    while servers[1].metrics()["radixk3_num_running_reqs"] == 0:
+        assert time.monotonic() < deadline, "decode did not start the request"
+        time.sleep(0.05)
+    conn.close()  # before any response byte
+    _until_aborted(servers[1], aborted, before + 2)
+    for s in servers:
+        _pool_empty(s)
+
+
+def _until_aborted(server: Server, metric: str, count: float) -> None:
+    deadline = time.monotonic() + 30  # far less than 4000 tokens take
+    while server.metrics().get(metric, 0.0) < count:
+        assert time.monotonic() < deadline, "the decode server did not abort the request its client left"
+        time.sleep(0.1)
