@@ -3,8 +3,10 @@ once) and a few metadata slots, and moves a room's bytes straight from this pool
 
 `nixl`: NIXL over UCX (TCP on loopback or across machines here; RDMA / NVLink on GPUs). `fake`: the same
 interface in one process (two LocalEngines in a unit test): byte copies between the registered buffers.
-A prefill rank writes a room's pages, its state block and its metadata slot in one transfer that carries the
-room as its notification; the decode rank polls its notifications.
+A prefill rank writes the pages each prompt chunk completed as it completes them (`post`: one transfer started
+after the step's copies and waited for after its forward), then the rest of the pages, the state block and the
+metadata slot in the room's last transfer (`send`: waited for before the step goes on). Each transfer notifies
+the room; the decode rank polls its notifications and counts them against the last one's total.
 """
 
 from __future__ import annotations
@@ -16,7 +18,16 @@ from typing import Protocol
 
 import torch
 
-from runtime.disagg.protocol import META_SLOT_BYTES, RankAgent, SendCommand, agent_bytes, agent_text
+from runtime.disagg.protocol import (
+    META_SLOT_BYTES,
+    ChunkSend,
+    RankAgent,
+    SendCommand,
+    agent_bytes,
+    agent_text,
+    parse_notif,
+    room_notif,
+)
 
 SEND_TIMEOUT_S = 30.0
 _META_COLS = META_SLOT_BYTES // 8  # float64: the token id (exact below 2**53) and its logprob
@@ -28,7 +39,9 @@ class TransferAgent(Protocol):
     def describe(self) -> RankAgent: ...
     def add_peer(self, peer: str, agent: RankAgent) -> None: ...
     def send(self, cmd: SendCommand) -> None: ...
-    def poll(self) -> list[int]: ...
+    def post(self, chunk: ChunkSend) -> object: ...
+    def wait(self, handle: object) -> None: ...
+    def poll(self) -> list[tuple[int, int | None]]: ...
 
 
 def _runs(src: list[int], dst: list[int], size: int) -> list[tuple[int, int, int]]:
@@ -43,8 +56,12 @@ def _runs(src: list[int], dst: list[int], size: int) -> list[tuple[int, int, int
 
 
 def command_runs(cmd: SendCommand) -> list[tuple[int, int, int]]:
-    """A room's writes as (source pool offset, destination pool offset, bytes): its pages, then its state."""
+    """A room's last writes as (source pool offset, destination pool offset, bytes): its pages, then its state."""
     return [*_runs(cmd.src_pages, cmd.dst_pages, cmd.page_bytes), (cmd.src_state, cmd.dst_state, cmd.state_bytes)]
+
+
+def chunk_runs(chunk: ChunkSend) -> list[tuple[int, int, int]]:
+    return _runs(chunk.src_pages, chunk.dst_pages, chunk.page_bytes)
 
 
 class NixlAgent:
@@ -71,7 +88,7 @@ class NixlAgent:
             self._peers[peer] = (self.agent.add_remote_agent(agent_bytes(agent.agent)), agent)
 
     def send(self, cmd: SendCommand) -> None:
-        name, peer = self._peers[cmd.peer]
+        _, peer = self._peers[cmd.peer]
         self._staging[0, 0], self._staging[0, 1] = float(cmd.token), cmd.logprob
         base = self.pool.data_ptr()
         runs = command_runs(cmd)
@@ -79,24 +96,42 @@ class NixlAgent:
                                                                     self._dev)]
         remote = [(peer.pool_addr + d, n, peer.device) for _, d, n in runs] + [
             (peer.meta_addr + cmd.dst_meta_slot * META_SLOT_BYTES, META_SLOT_BYTES, peer.device)]
-        handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self._mem),
-                                            self.agent.get_xfer_descs(remote, self._mem), name,
-                                            str(cmd.room).encode())
-        try:
-            state = self.agent.transfer(handle)
-            deadline = time.monotonic() + SEND_TIMEOUT_S
-            while state not in ("DONE", "ERR"):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"room {cmd.room}: the transfer did not finish within {SEND_TIMEOUT_S:g} s")
-                time.sleep(0.0005)
-                state = self.agent.check_xfer_state(handle)
-            if state == "ERR":
-                raise RuntimeError(f"room {cmd.room}: the NIXL transfer failed")
-        finally:
-            self.agent.release_xfer_handle(handle)
+        self.wait(self._start(cmd.peer, cmd.room, local, remote, room_notif(cmd.room, cmd.transfers)))
 
-    def poll(self) -> list[int]:
-        return [int(n) for msgs in self.agent.get_new_notifs().values() for n in msgs]
+    def post(self, chunk: ChunkSend) -> object:
+        _, peer = self._peers[chunk.peer]
+        runs = chunk_runs(chunk)
+        base = self.pool.data_ptr()
+        return self._start(chunk.peer, chunk.room, [(base + s, n, self._dev) for s, _, n in runs],
+                           [(peer.pool_addr + d, n, peer.device) for _, d, n in runs], room_notif(chunk.room, None))
+
+    def _start(self, peer: str, room: int, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]],
+               notif: bytes) -> tuple[object, int]:
+        handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self._mem),
+                                            self.agent.get_xfer_descs(remote, self._mem), self._peers[peer][0], notif)
+        try:
+            if self.agent.transfer(handle) == "ERR":
+                raise RuntimeError(f"room {room}: the NIXL transfer failed to start")
+        except Exception:
+            self.agent.release_xfer_handle(handle)
+            raise
+        return handle, room
+
+    def wait(self, handle: object) -> None:
+        xfer, room = handle  # type: ignore[misc]
+        try:
+            deadline = time.monotonic() + SEND_TIMEOUT_S
+            while (state := self.agent.check_xfer_state(xfer)) not in ("DONE", "ERR"):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"room {room}: the transfer did not finish within {SEND_TIMEOUT_S:g} s")
+                time.sleep(0.0005)
+            if state == "ERR":
+                raise RuntimeError(f"room {room}: the NIXL transfer failed")
+        finally:
+            self.agent.release_xfer_handle(xfer)
+
+    def poll(self) -> list[tuple[int, int | None]]:
+        return [parse_notif(n) for msgs in self.agent.get_new_notifs().values() for n in msgs]
 
 
 class FakeAgent:
@@ -111,7 +146,7 @@ class FakeAgent:
         self.name = f"fake-{next(self._ids)}"
         self._AGENTS[self.name] = self
         self._peers: dict[str, FakeAgent] = {}
-        self._inbox: list[int] = []
+        self._inbox: list[tuple[int, int | None]] = []
 
     def describe(self) -> RankAgent:
         return RankAgent(self.name, self.pool.data_ptr(), self.meta.data_ptr())
@@ -121,12 +156,24 @@ class FakeAgent:
 
     def send(self, cmd: SendCommand) -> None:
         peer = self._peers[cmd.peer]
-        for s, d, n in command_runs(cmd):
-            peer.pool[d : d + n].copy_(self.pool[s : s + n])
+        self._copy(peer, command_runs(cmd))
         peer.meta[cmd.dst_meta_slot, 0], peer.meta[cmd.dst_meta_slot, 1] = float(cmd.token), cmd.logprob
-        peer._inbox.append(cmd.room)
+        peer._inbox.append((cmd.room, cmd.transfers))
 
-    def poll(self) -> list[int]:
+    def post(self, chunk: ChunkSend) -> object:
+        peer = self._peers[chunk.peer]
+        self._copy(peer, chunk_runs(chunk))
+        peer._inbox.append((chunk.room, None))
+        return None
+
+    def wait(self, handle: object) -> None:
+        pass  # posted is landed: the copy is made when posted
+
+    def _copy(self, peer: FakeAgent, runs: list[tuple[int, int, int]]) -> None:
+        for s, d, n in runs:
+            peer.pool[d : d + n].copy_(self.pool[s : s + n])
+
+    def poll(self) -> list[tuple[int, int | None]]:
         out, self._inbox = self._inbox, []
         return out
 
