@@ -12,6 +12,7 @@ the room; the decode rank polls its notifications and counts them against the la
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import uuid
 from typing import Protocol
@@ -30,6 +31,7 @@ from runtime.disagg.protocol import (
 )
 
 SEND_TIMEOUT_S = 30.0
+PROGRESS_INTERVAL_S = 0.0005  # a decode rank's NIXL progress: well under a step, and no core spent spinning
 _META_COLS = META_SLOT_BYTES // 8  # float64: the token id (exact below 2**53) and its logprob
 
 
@@ -72,16 +74,22 @@ class NixlAgent:
         self.meta = torch.zeros(meta_slots, _META_COLS, dtype=torch.float64, device=pool.device)
         self._staging = torch.zeros(1, _META_COLS, dtype=torch.float64, device=pool.device)
         self.name = f"radixk3-{uuid.uuid4().hex[:12]}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        # NIXL's progress thread polls without pause: on a CPU server it takes a core from the forward (each
+        # server of a P/D pair on a 2-core machine lost one). There the progress is made by a prefill rank's own
+        # waits and, on a decode rank (which must progress to take in TCP writes), by `_progress`.
+        self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=pool.is_cuda, backends=["UCX"]))
         self._mem = "VRAM" if pool.is_cuda else "DRAM"
         self._dev = (pool.device.index or 0) if pool.is_cuda else 0
         for t in (pool, self.meta, self._staging):
             self.agent.register_memory(self.agent.get_reg_descs(t, self._mem))
         self._peers: dict[str, tuple[str, RankAgent]] = {}
+        self._metadata = self.agent.get_agent_metadata()
+        self._notifs: list[tuple[int, int | None]] = []
+        self._lock = threading.Lock()
+        self._poller: threading.Thread | None = None
 
     def describe(self) -> RankAgent:
-        return RankAgent(agent_text(self.agent.get_agent_metadata()), self.pool.data_ptr(), self.meta.data_ptr(),
-                         self._dev)
+        return RankAgent(agent_text(self._metadata), self.pool.data_ptr(), self.meta.data_ptr(), self._dev)
 
     def add_peer(self, peer: str, agent: RankAgent) -> None:
         if peer not in self._peers:
@@ -131,7 +139,24 @@ class NixlAgent:
             self.agent.release_xfer_handle(xfer)
 
     def poll(self) -> list[tuple[int, int | None]]:
-        return [parse_notif(n) for msgs in self.agent.get_new_notifs().values() for n in msgs]
+        """The notifications come so far. The first call (a decode rank's, before any room's reservation goes
+        out) starts `_progress`, from then on the only caller of the agent on this rank."""
+        if self._poller is None:
+            self._poller = threading.Thread(target=self._progress, name=f"{self.name}-progress", daemon=True)
+            self._poller.start()
+        with self._lock:
+            out, self._notifs = self._notifs, []
+        return out
+
+    def _progress(self) -> None:
+        """Every PROGRESS_INTERVAL_S: progress the agent (take in peers' writes, answer their flushes) and keep
+        its notifications, so that a transfer into this rank never waits for its next step."""
+        while True:
+            got = [parse_notif(n) for msgs in self.agent.get_new_notifs().values() for n in msgs]
+            if got:
+                with self._lock:
+                    self._notifs.extend(got)
+            time.sleep(PROGRESS_INTERVAL_S)
 
 
 class FakeAgent:
