@@ -14,7 +14,7 @@ that plan's copies (so the pages are where the plan says) and waits for it after
 a complete prompt page), so a long prompt's transfer runs beside its later chunks. When it is released (in no
 step in flight), the rest of its pages, its state block and its first token go, as a send command, at the head
 of the next plan: the worker writes them before that plan's copies can move them. Decode hears that a room failed
-only once no chunk write into its memory is in flight.
+only once no write into its memory is in flight.
 """
 
 from __future__ import annotations
@@ -351,9 +351,9 @@ class PrefillSide:
         self._failed: list[tuple[Req, str]] = []
         self._abort: list[str] = []  # admitted requests whose decode side gave up: abort them
         self._outgoing: dict[int, _Outgoing] = {}  # admitted rooms whose prompt chunks completed pages
-        self._last_chunk_step: dict[int, int] = {}  # room -> the last plan carrying a chunk write of it
+        self._last_write_step: dict[int, int] = {}  # room -> the last plan carrying a write of it
         self._done_step = 0  # the last step whose result came
-        self._deferred: list[tuple[str, int, str]] = []  # RoomFailed to tell once the room's chunk writes ended
+        self._deferred: list[tuple[str, int, str]] = []  # RoomFailed to tell once the room's writes ended
 
     def add(self, req: Req) -> None:
         room = req.bootstrap.room  # type: ignore[union-attr]
@@ -456,6 +456,7 @@ class PrefillSide:
         sends, self._sends = self._sends, []
         if sends:
             self._sending[step] = [(int(c["room"]), str(c["peer"])) for c in sends]  # type: ignore[call-overload]
+            self._last_write_step.update((room, step) for room, _ in self._sending[step])
         return {"pd_peers": peers, "pd_sends": sends}
 
     def chunk_fields(self, step: int, pool: UnifiedPool) -> dict[str, object]:
@@ -472,7 +473,7 @@ class PrefillSide:
             pages = [pool.page_index(p) for p in o.req.pages[o.sent : o.ready]]
             chunks.append(chunk_send(reserve, pool.geometry, pages, o.sent - reserve.prefix_len // self.ps).to_plan())
             o.sent, o.chunks = o.ready, o.chunks + 1
-            self._last_chunk_step[room] = step
+            self._last_write_step[room] = step
             self._sending.setdefault(step, []).append((room, reserve.decode_id))
         return {"pd_chunks": chunks}
 
@@ -498,9 +499,9 @@ class PrefillSide:
 
     def step_done(self, step: int, failed: list[tuple[int, str]]) -> None:
         """After step `step`'s result: decode hears of the sends that failed (a failed chunk write fails its
-        request here), and of the rooms failed while their chunk writes were in flight."""
+        request here), and of the rooms failed while writes into them were in flight."""
         self._done_step = step
-        self._last_chunk_step = {r: s for r, s in self._last_chunk_step.items() if s > step}
+        self._last_write_step = {r: s for r, s in self._last_write_step.items() if s > step}
         deferred, self._deferred = self._deferred, []
         for decode_id, room, error in deferred:
             self.tell_failed(decode_id, room, error)
@@ -509,6 +510,8 @@ class PrefillSide:
             if room in self.admitted:  # a chunk's write failed: the request stops here
                 del self.admitted[room]
                 self._abort.append(self._rids.pop(room))
+            else:  # its last write, if not planned yet, is not to go either: decode frees the memory
+                self._sends = [c for c in self._sends if c["room"] != room]
             if room in peer_of:
                 self.tell_failed(peer_of[room], room, f"the transfer failed: {error}")
 
@@ -534,7 +537,7 @@ class PrefillSide:
         self._sends.append(cmd.to_plan())
 
     def tell_failed(self, decode_id: str, room: int, error: str) -> None:
-        if self._last_chunk_step.get(room, -1) > self._done_step:  # a chunk write into decode's memory is in flight
+        if self._last_write_step.get(room, -1) > self._done_step:  # a write into decode's memory is in flight
             self._deferred.append((decode_id, room, error))
             return
         sock = self.peers.get(decode_id)

@@ -11,6 +11,7 @@ the room; the decode rank polls its notifications and counts them against the la
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import threading
 import time
@@ -87,6 +88,7 @@ class NixlAgent:
         self._notifs: list[tuple[int, int | None]] = []
         self._lock = threading.Lock()
         self._poller: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def describe(self) -> RankAgent:
         return RankAgent(agent_text(self._metadata), self.pool.data_ptr(), self.meta.data_ptr(), self._dev)
@@ -144,6 +146,7 @@ class NixlAgent:
         if self._poller is None:
             self._poller = threading.Thread(target=self._progress, name=f"{self.name}-progress", daemon=True)
             self._poller.start()
+            atexit.register(self.close)  # stopped before the interpreter finalizes (a C++ call may be under way)
         with self._lock:
             out, self._notifs = self._notifs, []
         return out
@@ -151,12 +154,16 @@ class NixlAgent:
     def _progress(self) -> None:
         """Every PROGRESS_INTERVAL_S: progress the agent (take in peers' writes, answer their flushes) and keep
         its notifications, so that a transfer into this rank never waits for its next step."""
-        while True:
+        while not self._stop.wait(PROGRESS_INTERVAL_S):
             got = [parse_notif(n) for msgs in self.agent.get_new_notifs().values() for n in msgs]
             if got:
                 with self._lock:
                     self._notifs.extend(got)
-            time.sleep(PROGRESS_INTERVAL_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join()
 
 
 class FakeAgent:
