@@ -18,6 +18,7 @@ import numpy as np
 import orjson
 
 from kernels.sampling_columns import SamplingColumns
+from runtime.disagg.protocol import TransferStats
 from runtime.sampling_params import SamplingParams
 
 
@@ -192,6 +193,8 @@ class StepPlan:
     pd_peers: list[dict[str, Any]] = field(default_factory=list)
     pd_forget: list[str] = field(default_factory=list)
     pd_sends: list[dict[str, Any]] = field(default_factory=list)
+    # Prefill: the pages prompt chunks completed, written beside the step's forward (after its copies).
+    pd_chunks: list[dict[str, Any]] = field(default_factory=list)
     pd_expect: list[tuple[int, int]] = field(default_factory=list)
     pd_poll: bool = False
 
@@ -220,9 +223,12 @@ class StepResult:
     num_accepted: list[int] = field(default_factory=list)
     dp_rank: int = 0  # DP attention: the attention group whose plan this is the result of
     # P/D decode: (room, first token, its logprob) of each transfer that completed; a prefill rank's failed
-    # sends: (room, error)
+    # sends: (room, error), and what its transfers moved in the step (None: none)
     pd_arrived: list[tuple[int, int, float]] = field(default_factory=list)
     pd_failed: list[tuple[int, str]] = field(default_factory=list)
+    pd_stats: TransferStats | None = None
+
+    NESTED_OPTIONAL: ClassVar[dict[str, type]] = {"pd_stats": TransferStats}
 
 
 @dataclass

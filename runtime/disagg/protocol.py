@@ -5,8 +5,11 @@ Per peer, once: decode sends `PeerHello`: each of its ranks' transfer agent (NIX
 backend's name) with the addresses of its registered pool and metadata buffer, and its layout fingerprint.
 Per request: decode reserves pages, a state block and a metadata slot, pins them, and sends `RoomReserve` with
 their byte offsets (each side's pool has its own size, so offsets, not ids, cross) and its prefix length; prefill
-admits the request only then. When prefill has computed the prompt, its workers write the MLA pages from the
-prefix on, the KDA state block and the first token into those offsets, and notify the room.
+admits the request only then. As chunked prefill completes pages past the prefix, prefill's workers write them
+(`ChunkSend`, each its own transfer); when the prompt is computed, the rest of the pages, the KDA state block and
+the first token go in the room's last transfer (`SendCommand`). Every transfer notifies the room; the last one's
+notification carries how many the room had, so decode sees the room complete only once all of them landed
+(NIXL notifies each transfer after its own bytes, in no order across transfers).
 """
 
 from __future__ import annotations
@@ -128,20 +131,75 @@ class SendCommand:
     dst_meta_slot: int
     token: int
     logprob: float
+    transfers: int = 1  # the room's transfers, this one included (its chunks' before it)
 
     def to_plan(self) -> dict[str, Any]:
         return asdict(self)
 
 
+@dataclass
+class ChunkSend:
+    """A prefill rank's write of pages a prompt chunk completed, in a plan's `pd_chunks`."""
+
+    peer: str  # decode_id
+    room: int
+    src_pages: list[int]
+    dst_pages: list[int]
+    page_bytes: int
+
+    def to_plan(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _dst_pages(reserve: RoomReserve, start: int, n: int) -> list[int]:
+    """Decode's offsets of `n` pages from the `start`-th page past its prefix."""
+    if start + n > len(reserve.page_offsets):
+        raise ValueError(f"room {reserve.room}: pages {start}..{start + n} to send, {len(reserve.page_offsets)} "
+                         "reserved")
+    return list(reserve.page_offsets[start : start + n])
+
+
 def send_command(reserve: RoomReserve, geometry: PoolGeometry, pages: list[int], state_slot: int, token: int,
-                 logprob: float) -> SendCommand:
-    """The writes of one room from this (prefill) pool's physical `pages` (those past decode's prefix) and state
-    slot into the offsets decode reserved."""
-    if len(pages) != len(reserve.page_offsets):
-        raise ValueError(f"room {reserve.room}: {len(pages)} pages to send, {len(reserve.page_offsets)} reserved")
+                 logprob: float, start: int = 0, chunks: int = 0) -> SendCommand:
+    """The room's last writes from this (prefill) pool's physical `pages` and state slot into the offsets decode
+    reserved: `pages` are the prompt's pages from the `start`-th past decode's prefix to the end (the first
+    `start` went in `chunks` earlier transfers)."""
+    if start + len(pages) != len(reserve.page_offsets):
+        raise ValueError(f"room {reserve.room}: {start + len(pages)} pages to send, {len(reserve.page_offsets)} "
+                         "reserved")
     return SendCommand(reserve.decode_id, reserve.room, [geometry.page_offset(p) for p in pages],
-                       list(reserve.page_offsets), geometry.page_bytes, geometry.state_offset(state_slot),
-                       reserve.state_offset, geometry.state_block_bytes, reserve.meta_slot, token, logprob)
+                       _dst_pages(reserve, start, len(pages)), geometry.page_bytes, geometry.state_offset(state_slot),
+                       reserve.state_offset, geometry.state_block_bytes, reserve.meta_slot, token, logprob,
+                       chunks + 1)
+
+
+def chunk_send(reserve: RoomReserve, geometry: PoolGeometry, pages: list[int], start: int) -> ChunkSend:
+    """The writes of physical `pages`, the prompt's pages from the `start`-th past decode's prefix on."""
+    return ChunkSend(reserve.decode_id, reserve.room, [geometry.page_offset(p) for p in pages],
+                     _dst_pages(reserve, start, len(pages)), geometry.page_bytes)
+
+
+def room_notif(room: int, transfers: int | None) -> bytes:
+    """A transfer's notification: its room, and on the room's last transfer how many the room had."""
+    return (f"{room}" if transfers is None else f"{room}/{transfers}").encode()
+
+
+def parse_notif(raw: bytes | str) -> tuple[int, int | None]:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    room, _, total = text.partition("/")
+    return int(room), int(total) if total else None
+
+
+@dataclass
+class TransferStats:
+    """What a prefill rank's transfers moved in one step: how many, the MLA and KDA bytes, and the bytes and
+    seconds of the writes it timed (the room's last write, which it waits for before the step's forward)."""
+
+    transfers: int = 0
+    kv_bytes: int = 0
+    state_bytes: int = 0
+    timed_bytes: int = 0
+    timed_seconds: float = 0.0
 
 
 @dataclass

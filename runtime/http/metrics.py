@@ -47,6 +47,12 @@ _COUNTERS = (
     ("verify_steps", "spec_verify_steps", "speculative verify steps run"),
     ("draft_tokens", "spec_draft_tokens", "draft tokens proposed to verify windows"),
     ("accepted_tokens", "spec_accepted_tokens", "draft tokens accepted"),
+    ("pd_transfers", "pd_transfers", "P/D prefill: transfers written into decode servers (prompt chunks' pages, and "
+     "each request's last: its remaining pages, KDA state and first token)"),
+    ("pd_kv_bytes", "pd_kv_bytes_sent", "P/D prefill: MLA KV bytes written into decode servers"),
+    ("pd_state_bytes", "pd_state_bytes_sent", "P/D prefill: KDA state bytes written into decode servers"),
+    ("pd_timed_bytes", "pd_timed_transfer_bytes", "P/D prefill: bytes of the timed transfers (each request's last)"),
+    ("pd_timed_seconds", "pd_timed_transfer_seconds", "P/D prefill: seconds the timed transfers took"),
 )
 
 

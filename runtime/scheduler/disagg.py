@@ -8,9 +8,13 @@ that allocation's compaction copies (a copy run after prefill's write would clob
 workers; a room that arrived joins the running batch with its first token, its state and its KV in place.
 
 Prefill (`PrefillSide`): runs the bootstrap server and a control socket; a request waits until its room's
-reservation has come, then runs as usual with max_new_tokens = 1. When it is released (in no step in flight),
-its pages past decode's prefix, its state block and its first token go, as a send command, at the head of the
-next plan: the worker writes them before that plan's copies can move them.
+reservation has come, then runs as usual with max_new_tokens = 1. As the results of its prompt chunks come, the
+pages they completed past decode's prefix go in the next plan (`pd_chunks`): the worker starts their write after
+that plan's copies (so the pages are where the plan says) and waits for it after the forward (which never writes
+a complete prompt page), so a long prompt's transfer runs beside its later chunks. When it is released (in no
+step in flight), the rest of its pages, its state block and its first token go, as a send command, at the head
+of the next plan: the worker writes them before that plan's copies can move them. Decode hears that a room failed
+only once no write into its memory is in flight.
 
 Faults: each side's link to a peer (`runtime.disagg.link.PeerLink`) reports the peer's death; the rooms between
 them end then (decode frees their memory, prefill aborts their work and its workers forget the peer's agent),
@@ -38,6 +42,7 @@ from runtime.disagg.protocol import (
     RoomFailed,
     RoomReserve,
     check_peer,
+    chunk_send,
     decode_control,
     encode_control,
     layout_fingerprint,
@@ -98,6 +103,16 @@ class _Room:
     step: int  # the plan that carries the allocation's compaction copies: the reservation goes once it ran
     peer: _DecodePeer
     sent: bool = False
+
+
+@dataclass
+class _Outgoing:
+    """A prefill room's prompt pages (indices into the request's pages) gone chunk by chunk so far."""
+
+    req: Req
+    sent: int  # pages [decode's prefix, sent) are in a plan's chunk writes
+    ready: int = 0  # pages [.., ready) are complete: computed by steps whose result came
+    chunks: int = 0  # chunk writes planned
 
 
 class DecodeSide:
@@ -383,6 +398,10 @@ class PrefillSide:
         self._ready: list[Req] = []
         self._failed: list[tuple[Req, str]] = []
         self._abort: list[str] = []  # admitted requests whose decode side gave up: abort them
+        self._outgoing: dict[int, _Outgoing] = {}  # admitted rooms whose prompt chunks completed pages
+        self._last_write_step: dict[int, int] = {}  # room -> the last plan carrying a write of it
+        self._done_step = 0  # the last step whose result came
+        self._deferred: list[tuple[str, int, str]] = []  # RoomFailed to tell once the room's writes ended
 
     def add(self, req: Req) -> None:
         room = req.bootstrap.room  # type: ignore[union-attr]
@@ -505,13 +524,63 @@ class PrefillSide:
         sends, self._sends = self._sends, []
         if sends:
             self._sending[step] = [(int(c["room"]), str(c["peer"])) for c in sends]  # type: ignore[call-overload]
+            self._last_write_step.update((room, step) for room, _ in self._sending[step])
         forget, self._gone_peers = self._gone_peers, []
         return {"pd_peers": peers, "pd_sends": sends, "pd_forget": forget}
 
+    def chunk_fields(self, step: int, pool: UnifiedPool) -> dict[str, object]:
+        """The plan's chunk writes: each room's pages completed since its last one (resolved now, after this
+        plan's compaction moves: the worker starts the writes after the plan's copies)."""
+        chunks = []
+        for room, o in list(self._outgoing.items()):
+            reserve = self.admitted.get(room)
+            if reserve is None:  # the room ended (released, aborted, dropped) since
+                del self._outgoing[room]
+                continue
+            if o.ready <= o.sent:
+                continue
+            pages = [pool.page_index(p) for p in o.req.pages[o.sent : o.ready]]
+            chunks.append(chunk_send(reserve, pool.geometry, pages, o.sent - reserve.prefix_len // self.ps).to_plan())
+            o.sent, o.chunks = o.ready, o.chunks + 1
+            self._last_write_step[room] = step
+            self._sending.setdefault(step, []).append((room, reserve.decode_id))
+        return {"pd_chunks": chunks}
+
+    def chunks_done(self, seqs: list[tuple[Req, int]]) -> None:
+        """A step's result came (not failed): each prefill sequence `(req, end)` computed its prompt up to `end`;
+        the complete pages past decode's prefix go in the next plan."""
+        for req, end in seqs:
+            boot = req.bootstrap
+            if boot is None or req.poisoned or req.finished or req.aborted:
+                continue
+            reserve = self.admitted.get(boot.room)
+            if reserve is None:
+                continue
+            o = self._outgoing.setdefault(boot.room, _Outgoing(req, reserve.prefix_len // self.ps))
+            o.ready = max(o.sent, min(end, len(req.prompt_ids)) // self.ps)
+
+    def on_requeue(self, req: Req) -> None:
+        """`req` lets go of its pages to be recomputed: the complete pages not sent yet are to be computed again
+        (those already written to decode hold what it computed then)."""
+        o = self._outgoing.get(req.bootstrap.room) if req.bootstrap is not None else None
+        if o is not None:
+            o.ready = o.sent
+
     def step_done(self, step: int, failed: list[tuple[int, str]]) -> None:
-        """After step `step`'s result: decode hears of the sends that failed."""
+        """After step `step`'s result: decode hears of the sends that failed (a failed chunk write fails its
+        request here), and of the rooms failed while writes into them were in flight."""
+        self._done_step = step
+        self._last_write_step = {r: s for r, s in self._last_write_step.items() if s > step}
+        deferred, self._deferred = self._deferred, []
+        for decode_id, room, error in deferred:
+            self.tell_failed(decode_id, room, error)
         peer_of = dict(self._sending.pop(step, []))
-        for room, error in failed:
+        for room, error in dict(failed).items():
+            if room in self.admitted:  # a chunk's write failed: the request stops here
+                del self.admitted[room]
+                self._abort.append(self._rids.pop(room))
+            else:  # its last write, if not planned yet, is not to go either: decode frees the memory
+                self._sends = [c for c in self._sends if c["room"] != room]
             if room in peer_of:
                 self.tell_failed(peer_of[room], room, f"the transfer failed: {error}")
 
@@ -522,6 +591,7 @@ class PrefillSide:
         room = req.bootstrap.room  # type: ignore[union-attr]
         reserve = self.admitted.pop(room, None)
         self._rids.pop(room, None)
+        out = self._outgoing.pop(room, None)
         if reserve is None or not reserve.decode_id:
             return
         ok = req.output_ids and not req.poisoned and not req.aborted and req.finished in ("stop", "length")
@@ -529,12 +599,16 @@ class PrefillSide:
             self.tell_failed(reserve.decode_id, room, "the prefill of the request failed or was aborted")
             return
         first = reserve.prefix_len // self.ps
-        pages = [pool.page_index(p) for p in req.pages[first : -(-len(req.prompt_ids) // self.ps)]]
+        start = out.sent if out is not None else first
+        pages = [pool.page_index(p) for p in req.pages[start : -(-len(req.prompt_ids) // self.ps)]]
         cmd = send_command(reserve, pool.geometry, pages, pool.state_slot(req.state),  # type: ignore[arg-type]
-                           req.output_ids[0], req.first_logprob)
+                           req.output_ids[0], req.first_logprob, start - first, out.chunks if out is not None else 0)
         self._sends.append(cmd.to_plan())
 
     def tell_failed(self, decode_id: str, room: int, error: str) -> None:
+        if self._last_write_step.get(room, -1) > self._done_step:  # a write into decode's memory is in flight
+            self._deferred.append((decode_id, room, error))
+            return
         sock = self.peers.get(decode_id)
         if sock is not None:
             sock.send(encode_control(RoomFailed("prefill", room, error)))

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.disagg.protocol import RankAgent
+from runtime.disagg.protocol import RankAgent, TransferStats
 from runtime.errors import InvalidRequest
 from runtime.grammar import GrammarBackend, GrammarKey
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut
@@ -74,6 +74,13 @@ class SchedulerMetrics:
     spec_windows: int = 0  # sequences verified with at least one draft
     draft_tokens: int = 0  # drafts proposed
     accepted_tokens: int = 0  # drafts accepted
+    # P/D prefill: the transfers its workers made (chunk writes and each room's last), the MLA and KDA bytes they
+    # moved, and the bytes and seconds of the writes they timed (each room's last one)
+    pd_transfers: int = 0
+    pd_kv_bytes: int = 0
+    pd_state_bytes: int = 0
+    pd_timed_bytes: int = 0
+    pd_timed_seconds: float = 0.0
     # The most steps in a row that a decoding request (its first token sampled) was left out of, since the start:
     # how long a decode stalls, in steps rather than seconds. 0 while decodes ride in every step (mixed chunks);
     # 1 where an extend step cannot carry them (speculation, an isolated retry) and they get the next one.
@@ -369,7 +376,8 @@ class Scheduler:
 
     def _pd_plan(self, plan: StepPlan) -> StepPlan:
         if self.pd_prefill is not None:
-            return dataclasses.replace(plan, **self.pd_prefill.plan_fields(plan.step))
+            return dataclasses.replace(plan, **self.pd_prefill.plan_fields(plan.step),
+                                       **self.pd_prefill.chunk_fields(plan.step, self.pool))
         if self.pd_decode is not None:
             return dataclasses.replace(plan, **self.pd_decode.plan_fields())
         return plan
@@ -379,6 +387,8 @@ class Scheduler:
         ran and starts the rooms that arrived, each with its first token (which may already end it)."""
         if self.pd_prefill is not None:
             self.pd_prefill.step_done(step, result.pd_failed)
+            if result.pd_stats is not None:
+                self._pd_count(result.pd_stats)
         if self.pd_decode is None:
             return
         for req, tok, lp in self.pd_decode.step_done(step, result.pd_arrived):
@@ -394,6 +404,14 @@ class Scheduler:
             else:
                 self.outputs.emit(req)
         self._pd_take_failed()
+
+    def _pd_count(self, stats: TransferStats) -> None:
+        m = self.metrics
+        m.pd_transfers += stats.transfers
+        m.pd_kv_bytes += stats.kv_bytes
+        m.pd_state_bytes += stats.state_bytes
+        m.pd_timed_bytes += stats.timed_bytes
+        m.pd_timed_seconds += stats.timed_seconds
 
     def process(self, result: StepResult) -> list[TokenOut]:
         """Apply the result of the oldest step in flight."""
@@ -444,6 +462,8 @@ class Scheduler:
         for s in rec.seqs:
             if s.req.in_flight == 0 and not s.req.active and s.req.row is not None:
                 self._settle(s.req)
+        if self.pd_prefill is not None and not failed:  # the pages its prompt chunks completed go next
+            self.pd_prefill.chunks_done([(s.req, s.start + s.n) for s in rec.seqs])
         self._pd_step_done(result, rec.step)
         self.metrics.steps += 1
         if rec.mode == "decode":
@@ -520,6 +540,8 @@ class Scheduler:
         failed step it shared (`failed`), nothing that step may have touched is donated; it runs alone next,
         one retry spent, no longer poisoned (it will be recomputed from what succeeded)."""
         assert req.in_flight == 0
+        if self.pd_prefill is not None:
+            self.pd_prefill.on_requeue(req)
         self._release(req, donate=not failed)
         req.num_computed = req.branch_len = 0
         req.prefill_done = req.retract_pending = req.poisoned = req.retry = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import traceback
 
 import numpy as np
@@ -24,7 +25,7 @@ from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
 from radixk3.verify_graph import VerifyGraphs
 from radixk3.vision.config import has_vision_weights
 from radixk3.vision.encoder import VisionEncoder
-from runtime.disagg.protocol import RankAgent, SendCommand
+from runtime.disagg.protocol import META_SLOT_BYTES, ChunkSend, RankAgent, SendCommand, TransferStats
 from runtime.messages import StepPlan, StepResult
 from runtime.pool_layout import CopyCommand, pool_budget, pool_layout, serving_dtype
 from runtime.server_args import ServerArgs
@@ -112,14 +113,17 @@ class ModelWorker:
         self.proposer = build_proposer(args, self.model, self.buffer)
         # DP attention with MTP or a draft model: the proposer joins the other groups' calls (LockstepProposer).
         self.lockstep = lockstep_proposer(self.proposer, self.model.dp_attention)
-        # P/D disaggregation: this rank's transfer agent, the rooms it expects (room -> metadata slot) and the rooms
-        # whose notification came before the plan that expects them.
+        # P/D disaggregation: this rank's transfer agent, the rooms it expects (room -> metadata slot), the
+        # notifications each room's transfers sent so far and (from its last transfer's) how many it has in all,
+        # and (prefill) the chunk writes this step started.
         self.transfer: TransferAgent | None = None
         if args.disaggregation_mode != "null":
             self.transfer = make_agent(args.disaggregation_transfer_backend, self.buffer.data,
                                        max(args.max_running_requests, 1))
         self._expect: dict[int, int] = {}
-        self._notified: set[int] = set()
+        self._notified: dict[int, int] = {}
+        self._room_transfers: dict[int, int] = {}
+        self._posted: list[tuple[ChunkSend, object]] = []
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
         if compiled:  # paid here, at startup, once per batch-size bucket
@@ -217,22 +221,27 @@ class ModelWorker:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. An exception becomes a failed StepResult (the scheduler then confines it to the
         request that caused it), never a dead worker; only a broken TP group (a failed collective) escapes."""
-        failed = self._pd_send(plan) if self.transfer is not None else []
+        stats = TransferStats()
+        failed = self._pd_send(plan, stats) if self.transfer is not None else []
         try:
             res = self._execute(plan)
         except Exception as e:
             if is_collective_failure(e):  # the TP group is broken: not this step's fault, fatal for the rank
                 raise
             res = StepResult(plan.step, [], [], [], [], [], error=traceback.format_exc(limit=8))
+        finally:
+            if self.transfer is not None:
+                failed += self._pd_wait_chunks(plan, stats)
         if self.transfer is not None:
             res.pd_failed = failed
+            res.pd_stats = stats if stats.transfers else None
             res.pd_arrived = self._pd_arrivals() if plan.pd_poll else []
         return res
 
-    def _pd_send(self, plan: StepPlan) -> list[tuple[int, str]]:
-        """Before the plan's byte copies (which may move the pages being sent): the peers to add, the rooms to
-        write (each finished before the next; a failed one is reported, never the step's failure), the rooms
-        to expect (a slot of -1: forget the room). Returns (room, error) of the failed sends."""
+    def _pd_send(self, plan: StepPlan, stats: TransferStats) -> list[tuple[int, str]]:
+        """Before the plan's byte copies (which may move the pages being sent): the peers to add, the rooms'
+        last writes (each finished before the next; a failed one is reported, never the step's failure), the
+        rooms to expect (a slot of -1: forget the room). Returns (room, error) of the failed sends."""
         assert self.transfer is not None
         rank = parallel_state().tp_rank
         for peer in plan.pd_peers:
@@ -240,25 +249,71 @@ class ModelWorker:
         failed: list[tuple[int, str]] = []
         for c in plan.pd_sends:
             cmd = SendCommand(**c)
+            t0 = time.perf_counter()
             try:
                 self.transfer.send(cmd)
             except Exception as e:
                 failed.append((cmd.room, f"{type(e).__name__}: {e}"))
+                continue
+            kv = len(cmd.src_pages) * cmd.page_bytes
+            stats.transfers += 1
+            stats.kv_bytes += kv
+            stats.state_bytes += cmd.state_bytes
+            stats.timed_bytes += kv + cmd.state_bytes + META_SLOT_BYTES
+            stats.timed_seconds += time.perf_counter() - t0
         for gone in plan.pd_forget:  # after the sends: a write queued for a dead peer fails by name
             self.transfer.remove_peer(gone)
         for room, slot in plan.pd_expect:
             if slot < 0:
                 self._expect.pop(room, None)
-                self._notified.discard(room)
+                self._notified.pop(room, None)
+                self._room_transfers.pop(room, None)
             else:
                 self._expect[room] = slot
+        return failed
+
+    def _pd_post_chunks(self, plan: StepPlan) -> None:
+        """After the plan's copies (the pages' places are the plan's), start the writes of the pages prompt chunks
+        completed; they run beside the forward (which writes none of those pages: complete prompt pages are
+        never written again) and are waited for after it (`_pd_wait_chunks`)."""
+        assert self.transfer is not None
+        if self.buffer.data.is_cuda:  # the copies run on the stream: the transfer reads after them
+            torch.cuda.current_stream().synchronize()
+        for c in plan.pd_chunks:
+            chunk = ChunkSend(**c)
+            try:
+                handle = self.transfer.post(chunk)
+            except Exception as e:  # reported with the waits, never the step's failure
+                handle = e
+            self._posted.append((chunk, handle))
+
+    def _pd_wait_chunks(self, plan: StepPlan, stats: TransferStats) -> list[tuple[int, str]]:
+        """Wait for the chunk writes this step started; (room, error) of those that failed or never started."""
+        assert self.transfer is not None
+        posted, self._posted = self._posted, []
+        failed: list[tuple[int, str]] = []
+        for chunk, handle in posted:
+            try:
+                if isinstance(handle, Exception):
+                    raise handle
+                self.transfer.wait(handle)
+            except Exception as e:
+                failed.append((chunk.room, f"{type(e).__name__}: {e}"))
+                continue
+            stats.transfers += 1
+            stats.kv_bytes += len(chunk.src_pages) * chunk.page_bytes
+        for c in plan.pd_chunks[len(posted) :]:
+            failed.append((int(c["room"]), "the step failed before its chunk's write started"))
         return failed
 
     def _pd_arrivals(self) -> list[tuple[int, int, float]]:
         """The expected rooms whose transfer completed on every rank of the group: (room, first token, logprob)."""
         assert self.transfer is not None
-        self._notified.update(self.transfer.poll())
-        done = self._notified & self._expect.keys()
+        for room, transfers in self.transfer.poll():
+            self._notified[room] = self._notified.get(room, 0) + 1
+            if transfers is not None:
+                self._room_transfers[room] = transfers
+        done = {r for r in self._expect if self._notified.get(r, 0) >= self._room_transfers.get(r, 1 << 62)}
         state = parallel_state()
         if state.tp_size > 1:  # each rank's bytes come from its own peer rank: a room is there once on all
             every: list[set[int]] = [set() for _ in range(state.tp_size)]
@@ -267,13 +322,16 @@ class ModelWorker:
         out = []
         for room in sorted(done):
             tok, lp = self.transfer.meta[self._expect.pop(room)].tolist()
-            self._notified.discard(room)
+            self._notified.pop(room)
+            self._room_transfers.pop(room)
             out.append((room, int(tok), lp))
         return out
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> StepResult:
         self.apply_plan_changes(plan)
+        if plan.pd_chunks and self.transfer is not None:
+            self._pd_post_chunks(plan)
         if plan.mode == ForwardMode.IDLE.value:
             if self.model.dp_attention:  # DP attention, nothing for this group: join the others' FFN collectives
                 if self.lockstep is not None:

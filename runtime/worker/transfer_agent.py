@@ -3,22 +3,36 @@ once) and a few metadata slots, and moves a room's bytes straight from this pool
 
 `nixl`: NIXL over UCX (TCP on loopback or across machines here; RDMA / NVLink on GPUs). `fake`: the same
 interface in one process (two LocalEngines in a unit test): byte copies between the registered buffers.
-A prefill rank writes a room's pages, its state block and its metadata slot in one transfer that carries the
-room as its notification; the decode rank polls its notifications.
+A prefill rank writes the pages each prompt chunk completed as it completes them (`post`: one transfer started
+after the step's copies and waited for after its forward), then the rest of the pages, the state block and the
+metadata slot in the room's last transfer (`send`: waited for before the step goes on). Each transfer notifies
+the room; the decode rank polls its notifications and counts them against the last one's total.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import threading
 import time
 import uuid
 from typing import Protocol, TypeVar
 
 import torch
 
-from runtime.disagg.protocol import META_SLOT_BYTES, RankAgent, SendCommand, agent_bytes, agent_text
+from runtime.disagg.protocol import (
+    META_SLOT_BYTES,
+    ChunkSend,
+    RankAgent,
+    SendCommand,
+    agent_bytes,
+    agent_text,
+    parse_notif,
+    room_notif,
+)
 
 SEND_TIMEOUT_S = 30.0
+PROGRESS_INTERVAL_S = 0.0005  # a decode rank's NIXL progress: well under a step, and no core spent spinning
 _META_COLS = META_SLOT_BYTES // 8  # float64: the token id (exact below 2**53) and its logprob
 T = TypeVar("T")
 
@@ -30,7 +44,9 @@ class TransferAgent(Protocol):
     def add_peer(self, peer: str, agent: RankAgent) -> None: ...
     def remove_peer(self, peer: str) -> None: ...
     def send(self, cmd: SendCommand) -> None: ...
-    def poll(self) -> list[int]: ...
+    def post(self, chunk: ChunkSend) -> object: ...
+    def wait(self, handle: object) -> None: ...
+    def poll(self) -> list[tuple[int, int | None]]: ...
 
 
 def _runs(src: list[int], dst: list[int], size: int) -> list[tuple[int, int, int]]:
@@ -51,8 +67,12 @@ def _known(peers: dict[str, T], peer: str) -> T:
 
 
 def command_runs(cmd: SendCommand) -> list[tuple[int, int, int]]:
-    """A room's writes as (source pool offset, destination pool offset, bytes): its pages, then its state."""
+    """A room's last writes as (source pool offset, destination pool offset, bytes): its pages, then its state."""
     return [*_runs(cmd.src_pages, cmd.dst_pages, cmd.page_bytes), (cmd.src_state, cmd.dst_state, cmd.state_bytes)]
+
+
+def chunk_runs(chunk: ChunkSend) -> list[tuple[int, int, int]]:
+    return _runs(chunk.src_pages, chunk.dst_pages, chunk.page_bytes)
 
 
 class NixlAgent:
@@ -63,16 +83,23 @@ class NixlAgent:
         self.meta = torch.zeros(meta_slots, _META_COLS, dtype=torch.float64, device=pool.device)
         self._staging = torch.zeros(1, _META_COLS, dtype=torch.float64, device=pool.device)
         self.name = f"radixk3-{uuid.uuid4().hex[:12]}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        # NIXL's progress thread polls without pause: on a CPU server it takes a core from the forward (each
+        # server of a P/D pair on a 2-core machine lost one). There the progress is made by a prefill rank's own
+        # waits and, on a decode rank (which must progress to take in TCP writes), by `_progress`.
+        self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=pool.is_cuda, backends=["UCX"]))
         self._mem = "VRAM" if pool.is_cuda else "DRAM"
         self._dev = (pool.device.index or 0) if pool.is_cuda else 0
         for t in (pool, self.meta, self._staging):
             self.agent.register_memory(self.agent.get_reg_descs(t, self._mem))
         self._peers: dict[str, tuple[str, RankAgent]] = {}
+        self._metadata = self.agent.get_agent_metadata()
+        self._notifs: list[tuple[int, int | None]] = []
+        self._lock = threading.Lock()
+        self._poller: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def describe(self) -> RankAgent:
-        return RankAgent(agent_text(self.agent.get_agent_metadata()), self.pool.data_ptr(), self.meta.data_ptr(),
-                         self._dev)
+        return RankAgent(agent_text(self._metadata), self.pool.data_ptr(), self.meta.data_ptr(), self._dev)
 
     def add_peer(self, peer: str, agent: RankAgent) -> None:
         if peer not in self._peers:
@@ -84,7 +111,7 @@ class NixlAgent:
             self.agent.remove_remote_agent(known[0])
 
     def send(self, cmd: SendCommand) -> None:
-        name, peer = _known(self._peers, cmd.peer)
+        _, peer = _known(self._peers, cmd.peer)
         self._staging[0, 0], self._staging[0, 1] = float(cmd.token), cmd.logprob
         base = self.pool.data_ptr()
         runs = command_runs(cmd)
@@ -92,24 +119,64 @@ class NixlAgent:
                                                                     self._dev)]
         remote = [(peer.pool_addr + d, n, peer.device) for _, d, n in runs] + [
             (peer.meta_addr + cmd.dst_meta_slot * META_SLOT_BYTES, META_SLOT_BYTES, peer.device)]
-        handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self._mem),
-                                            self.agent.get_xfer_descs(remote, self._mem), name,
-                                            str(cmd.room).encode())
-        try:
-            state = self.agent.transfer(handle)
-            deadline = time.monotonic() + SEND_TIMEOUT_S
-            while state not in ("DONE", "ERR"):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"room {cmd.room}: the transfer did not finish within {SEND_TIMEOUT_S:g} s")
-                time.sleep(0.0005)
-                state = self.agent.check_xfer_state(handle)
-            if state == "ERR":
-                raise RuntimeError(f"room {cmd.room}: the NIXL transfer failed")
-        finally:
-            self.agent.release_xfer_handle(handle)
+        self.wait(self._start(cmd.peer, cmd.room, local, remote, room_notif(cmd.room, cmd.transfers)))
 
-    def poll(self) -> list[int]:
-        return [int(n) for msgs in self.agent.get_new_notifs().values() for n in msgs]
+    def post(self, chunk: ChunkSend) -> object:
+        _, peer = _known(self._peers, chunk.peer)
+        runs = chunk_runs(chunk)
+        base = self.pool.data_ptr()
+        return self._start(chunk.peer, chunk.room, [(base + s, n, self._dev) for s, _, n in runs],
+                           [(peer.pool_addr + d, n, peer.device) for _, d, n in runs], room_notif(chunk.room, None))
+
+    def _start(self, peer: str, room: int, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]],
+               notif: bytes) -> tuple[object, int]:
+        handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self._mem),
+                                            self.agent.get_xfer_descs(remote, self._mem), self._peers[peer][0], notif)
+        try:
+            if self.agent.transfer(handle) == "ERR":
+                raise RuntimeError(f"room {room}: the NIXL transfer failed to start")
+        except Exception:
+            self.agent.release_xfer_handle(handle)
+            raise
+        return handle, room
+
+    def wait(self, handle: object) -> None:
+        xfer, room = handle  # type: ignore[misc]
+        try:
+            deadline = time.monotonic() + SEND_TIMEOUT_S
+            while (state := self.agent.check_xfer_state(xfer)) not in ("DONE", "ERR"):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"room {room}: the transfer did not finish within {SEND_TIMEOUT_S:g} s")
+                time.sleep(0.0005)
+            if state == "ERR":
+                raise RuntimeError(f"room {room}: the NIXL transfer failed")
+        finally:
+            self.agent.release_xfer_handle(xfer)
+
+    def poll(self) -> list[tuple[int, int | None]]:
+        """The notifications come so far. The first call (a decode rank's, before any room's reservation goes
+        out) starts `_progress`, from then on the only caller of the agent on this rank."""
+        if self._poller is None:
+            self._poller = threading.Thread(target=self._progress, name=f"{self.name}-progress", daemon=True)
+            self._poller.start()
+            atexit.register(self.close)  # stopped before the interpreter finalizes (a C++ call may be under way)
+        with self._lock:
+            out, self._notifs = self._notifs, []
+        return out
+
+    def _progress(self) -> None:
+        """Every PROGRESS_INTERVAL_S: progress the agent (take in peers' writes, answer their flushes) and keep
+        its notifications, so that a transfer into this rank never waits for its next step."""
+        while not self._stop.wait(PROGRESS_INTERVAL_S):
+            got = [parse_notif(n) for msgs in self.agent.get_new_notifs().values() for n in msgs]
+            if got:
+                with self._lock:
+                    self._notifs.extend(got)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join()
 
 
 class FakeAgent:
@@ -124,7 +191,7 @@ class FakeAgent:
         self.name = f"fake-{next(self._ids)}"
         self._AGENTS[self.name] = self
         self._peers: dict[str, FakeAgent] = {}
-        self._inbox: list[int] = []
+        self._inbox: list[tuple[int, int | None]] = []
 
     def describe(self) -> RankAgent:
         return RankAgent(self.name, self.pool.data_ptr(), self.meta.data_ptr())
@@ -137,12 +204,24 @@ class FakeAgent:
 
     def send(self, cmd: SendCommand) -> None:
         peer = _known(self._peers, cmd.peer)
-        for s, d, n in command_runs(cmd):
-            peer.pool[d : d + n].copy_(self.pool[s : s + n])
+        self._copy(peer, command_runs(cmd))
         peer.meta[cmd.dst_meta_slot, 0], peer.meta[cmd.dst_meta_slot, 1] = float(cmd.token), cmd.logprob
-        peer._inbox.append(cmd.room)
+        peer._inbox.append((cmd.room, cmd.transfers))
 
-    def poll(self) -> list[int]:
+    def post(self, chunk: ChunkSend) -> object:
+        peer = _known(self._peers, chunk.peer)
+        self._copy(peer, chunk_runs(chunk))
+        peer._inbox.append((chunk.room, None))
+        return None
+
+    def wait(self, handle: object) -> None:
+        pass  # posted is landed: the copy is made when posted
+
+    def _copy(self, peer: FakeAgent, runs: list[tuple[int, int, int]]) -> None:
+        for s, d, n in runs:
+            peer.pool[d : d + n].copy_(self.pool[s : s + n])
+
+    def poll(self) -> list[tuple[int, int | None]]:
         out, self._inbox = self._inbox, []
         return out
 

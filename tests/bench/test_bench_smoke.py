@@ -112,6 +112,26 @@ def test_decode_gap_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert 0 < out["prefill_tokens_per_extend_step"] <= 64
 
 
+# --- pd (its servers and router take longer than a smoke test: its figures from timings and counters) -------
+def test_pd_figures() -> None:
+    m = bench("pd")
+    a = m.parse(["--quick"])
+    jobs = m.workload(a, 4096)
+    assert [j.kind for j in jobs] == ["short"] * a.shorts + ["long"] * a.longs
+    assert [j.delay_s for j in jobs if j.kind == "long"] == [a.long_interval * (i + 1) for i in range(a.longs)]
+    timings = [m.Timing("short", 16, 0.0, [0.1, 0.2, 0.4]), m.Timing("short", 16, 0.0, [0.3, 0.4, 0.5]),
+               m.Timing("long", 1100, 1.0, [2.0])]
+    lat = m.latencies(timings, 2.0)
+    assert lat.ttft_p50_s == pytest.approx(0.3) and lat.long_ttft_p50_s == pytest.approx(1.0)
+    assert lat.short_gap_p90_s == pytest.approx(0.17) and lat.output_tok_s == pytest.approx(3.5)
+    keys = ("pd_transfers", "pd_kv_bytes", "pd_state_bytes", "pd_timed_bytes", "pd_timed_seconds")
+    before = dict.fromkeys(keys, 10)
+    after = dict(zip(keys, (16, 10 + 4 * 512, 10 + 2 * 100, 10 + 2_000_000, 10.5), strict=True))
+    mv = m.moved(before, after, 2, (100.0, 2048.0))
+    assert (mv.transfers_per_request, mv.state_bytes_per_request, mv.kv_bytes_per_request) == (3, 100, 1024)
+    assert mv.ms_per_mb == pytest.approx(250.0)
+
+
 def test_decode_gap_slow_grammar_json(capsys: pytest.CaptureFixture[str]) -> None:
     """The slow-grammar disturbance: its outcome (a token, or the refusal of a compile past the budget) ends the
     window; the stream's gaps are measured around it. The short request is sent 5 ms in: the compile workers are

@@ -165,7 +165,7 @@ def test_abort_on_decode_reaches_prefill(model) -> None:  # noqa: ANN001
                 for o in engine.loop.step() if engine.loop.busy else []:
                     outs.setdefault(o.rid, []).append(o)
         assert outs[dec_rid][-1].finished == "abort"
-        assert outs[pre_rid][-1].finished == "abort"
+        assert outs[pre_rid][-1].finished == "abort", outs[pre_rid][-1]
         for engine in (pre, dec):
             _baseline(engine)
     finally:
@@ -212,5 +212,75 @@ def test_decode_side_radix_cache(model, prompts, want) -> None:  # noqa: ANN001
             assert (cached > 0) == (turn == 1), cached  # the 40-token prompt's first turn ends page-aligned
         for e in (pre, dec):
             _baseline(e)
+    finally:
+        _close(pre, dec)
+
+
+def test_long_prompt_goes_chunk_by_chunk(model) -> None:  # noqa: ANN001
+    """A prompt of several chunks (--chunked-prefill-size 16): the pages each chunk completed go as it completes
+    them, so prefill's workers write the room in more than one transfer; together they move exactly what the pool
+    geometry says (every prompt page and one state block), and the output equals the aggregated engine's. (Over
+    NIXL, test_pd_equals_aggregated's 40-token prompt goes in chunks too.)"""
+    g = random.Random(8)
+    prompt = [g.randrange(model.config.vocab_size) for _ in range(50)]
+    want = LocalEngine(BASE, model).generate([prompt], GREEDY)
+    pre, dec, port = _pair(model, "fake")
+    try:
+        boot = Bootstrap("127.0.0.1", port, 4242)
+        pre.submit(prompt, GREEDY, bootstrap=boot)
+        rid = dec.submit(prompt, GREEDY, bootstrap=boot)
+        assert [_run_both(pre, dec)[rid]] == want
+        m, geometry = pre.scheduler.metrics_now(), pre.scheduler.pool.geometry
+        assert m.pd_transfers > 1
+        assert m.pd_kv_bytes == -(-len(prompt) // BASE.page_size) * geometry.page_bytes
+        assert m.pd_state_bytes == geometry.state_block_bytes
+        assert 0 < m.pd_timed_bytes < m.pd_kv_bytes + m.pd_state_bytes + 16 and m.pd_timed_seconds > 0
+        for e in (pre, dec):
+            _baseline(e)
+    finally:
+        _close(pre, dec)
+
+
+def test_room_arrives_only_with_all_its_transfers(model) -> None:  # noqa: ANN001
+    """Decode's worker counts a room's notifications against the total its last transfer carries: the last one
+    landing before a chunk's (NIXL orders no notifications across transfers) does not complete the room."""
+    dec = LocalEngine(dataclasses.replace(BASE, disaggregation_mode="decode", disaggregation_transfer_backend="fake"),
+                      model)
+    try:
+        worker = dec.worker
+        worker._expect[77] = 0
+        worker.transfer._inbox.append((77, 3))  # the last of three transfers
+        assert worker._pd_arrivals() == []
+        worker.transfer._inbox.append((77, None))
+        assert worker._pd_arrivals() == []
+        worker.transfer._inbox.append((77, None))
+        assert [room for room, _, _ in worker._pd_arrivals()] == [77]
+    finally:
+        _close(dec)
+
+
+def test_failed_chunk_write_frees_both_sides(model, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A prompt chunk's write fails mid-room: the request fails on decode with the transfer's error, prefill drops
+    it, and both pools go back to their baseline."""
+    pre, dec, port = _pair(model, "fake")
+
+    def broken(chunk: object) -> object:
+        raise ConnectionError("the link went down")
+
+    monkeypatch.setattr(pre.worker.transfer, "post", broken)
+    try:
+        boot = Bootstrap("127.0.0.1", port, 31)
+        pre_rid = pre.submit(list(range(100, 170)), GREEDY, bootstrap=boot)
+        dec_rid = dec.submit(list(range(100, 170)), GREEDY, bootstrap=boot)
+        outs: dict[tuple[int, str], list] = {}  # by (engine, request id): the two engines number theirs alike
+        while pre.loop.busy or dec.loop.busy:
+            for i, engine in enumerate((pre, dec)):
+                for o in engine.loop.step() if engine.loop.busy else []:
+                    outs.setdefault((i, o.rid), []).append(o)
+        last = outs[1, dec_rid][-1]
+        assert last.finished == "error" and "the link went down" in last.error
+        assert outs[0, pre_rid][-1].finished == "abort"
+        for engine in (pre, dec):
+            _baseline(engine)
     finally:
         _close(pre, dec)
