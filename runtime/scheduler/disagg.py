@@ -557,7 +557,10 @@ class PrefillSide:
             if reserve is None:
                 continue
             o = self._outgoing.setdefault(boot.room, _Outgoing(req, reserve.prefix_len // self.ps))
-            o.ready = max(o.sent, min(end, len(req.prompt_ids)) // self.ps)
+            done = min(end, len(req.prompt_ids))
+            if self.proposer != "none" and done < len(req.prompt_ids):
+                done -= 1  # the MTP layers write a chunk's last row with the next chunk (they need its next token)
+            o.ready = max(o.sent, done // self.ps)
 
     def on_requeue(self, req: Req) -> None:
         """`req` lets go of its pages to be recomputed: the complete pages not sent yet are to be computed again

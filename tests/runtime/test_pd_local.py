@@ -159,13 +159,13 @@ def test_abort_on_decode_reaches_prefill(model) -> None:  # noqa: ANN001
         while not dec.scheduler.pd_decode.rooms or not all(r.sent for r in dec.scheduler.pd_decode.rooms.values()):
             dec.loop.step()  # decode reserved and told prefill where
         dec.scheduler.abort(dec_rid)
-        outs: dict[str, list] = {}
+        outs: dict[tuple[str, str], list] = {}  # by (side, request id): each engine numbers its requests alike
         while pre.loop.busy or dec.loop.busy:
-            for engine in (pre, dec):
+            for side, engine in (("prefill", pre), ("decode", dec)):
                 for o in engine.loop.step() if engine.loop.busy else []:
-                    outs.setdefault(o.rid, []).append(o)
-        assert outs[dec_rid][-1].finished == "abort"
-        assert outs[pre_rid][-1].finished == "abort", outs[pre_rid][-1]
+                    outs.setdefault((side, o.rid), []).append(o)
+        assert outs["decode", dec_rid][-1].finished == "abort"
+        assert outs["prefill", pre_rid][-1].finished == "abort", outs["prefill", pre_rid][-1]
         for engine in (pre, dec):
             _baseline(engine)
     finally:
