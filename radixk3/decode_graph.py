@@ -173,8 +173,11 @@ class DecodeGraphs:
     def _forward(self, step: PaddedDecode) -> Tensor:
         return padded_decode_logits(self.model, self.key, step)
 
+    @torch.inference_mode()
     def capture(self) -> CaptureReport:
-        """Compile every bucket now (on rows that touch only the scratch slots), so that serving never waits."""
+        """Compile every bucket now (on rows that touch only the scratch slots), so that serving never waits. The
+        scratch rows are made in inference mode, as a step's are: a graph compiled on ordinary tensors fails its
+        guards on a step's inference tensors (their dispatch keys differ) and compiles again while serving."""
         for b in self.buckets:
             start = time.perf_counter()
             for _ in range(2):  # compile, then replay once (on CUDA the first replays record the graph)
