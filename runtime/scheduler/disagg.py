@@ -23,6 +23,7 @@ not at --disaggregation-timeout.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import socket
 import time
@@ -103,6 +104,9 @@ class _Room:
     step: int  # the plan that carries the allocation's compaction copies: the reservation goes once it ran
     peer: _DecodePeer
     sent: bool = False
+    # Its request already ended (failed or aborted, its client told); the room only holds the memory prefill may
+    # still write into, until prefill's word, the write's arrival, the peer's death or a second deadline.
+    orphan: bool = False
 
 
 @dataclass
@@ -188,7 +192,7 @@ class DecodeSide:
         for room, r in list(self.rooms.items()):
             if now > r.deadline:
                 self._drop(room, f"bootstrap room {room}: no transfer from the prefill server within "
-                                 f"{self.args.disaggregation_timeout:g} s (--disaggregation-timeout)")
+                                 f"{self.args.disaggregation_timeout:g} s (--disaggregation-timeout)", hold=True)
         looking_up: list[tuple[Req, float]] = []  # their prefill server is being looked up: the next ones go first
         while self.pending and running + len(self.rooms) < self.args.max_running_requests:
             req, deadline = self.pending[0]
@@ -284,7 +288,8 @@ class DecodeSide:
             self._free_slots.append(r.slot)
             if r.req.aborted:
                 self._let_go(r.req)
-                self._aborted.append(r.req)
+                if not r.orphan:
+                    self._aborted.append(r.req)
             else:
                 out.append((r.req, tok, lp))
         return out
@@ -345,19 +350,42 @@ class DecodeSide:
                                      "control connection closed)")
             peer.socket.close()
 
-    def _drop(self, room: int, error: str) -> None:
-        """Give up on a room: its memory is freed and its request fails (or ends aborted)."""
+    def _drop(self, room: int, error: str, hold: bool = False) -> None:
+        """Give up on a room: its memory is freed and its request fails (or ends aborted). With `hold` (decode gave
+        up by itself: a timeout) a room whose reservation went to prefill keeps its memory, pinned, as an orphan:
+        a write prefill queued before our word reaches it may still land there. Prefill answers once no write
+        into it is in flight (or the write arrives, or the peer dies, or a second timeout passes), and only
+        then is the memory freed."""
         r = self.rooms.pop(room)
+        if hold and r.sent and not r.orphan:
+            self._orphan(room, r, error)
+            return
         self._unpin(r.req)
         self._let_go(r.req)
         self._free_slots.append(r.slot)
         self._expect.append((room, -1))
+        if r.orphan:
+            return
         if r.req.aborted:
             self._aborted.append(r.req)
         else:
             self._failed.append((r.req, error))
             if r.sent:
                 self._tell(r.peer, RoomFailed(self.id, room, error))
+
+    def _orphan(self, room: int, r: _Room, error: str) -> None:
+        """End `r`'s request now (its client hears at once) and keep its memory in the room (see `_drop`)."""
+        held = copy.copy(r.req)
+        held.aborted = True
+        req = r.req
+        req.state, req.pages, req.num_computed, req.node, req.tree_pages = None, [], 0, None, 0
+        if req.aborted:
+            self._aborted.append(req)
+        else:
+            self._failed.append((req, error))
+            self._tell(r.peer, RoomFailed(self.id, room, error))
+        deadline = time.monotonic() + self.args.disaggregation_timeout
+        self.rooms[room] = dataclasses.replace(r, req=held, deadline=deadline, orphan=True)
 
     def _unpin(self, req: Req) -> None:
         self.pool.unpin(Kind.STATE, [req.state])  # type: ignore[list-item]
@@ -499,24 +527,24 @@ class PrefillSide:
                     self._cancelled[room] = now + self.args.disaggregation_timeout
 
     def _decode_gave_up(self, msg: RoomFailed, now: float) -> None:
-        """Decode aborted or failed a room. If a reservation of it is held here (its memory waits on decode), the
-        room is dropped and decode is told it may free that memory: nothing will be sent. A send already
-        queued still goes (decode frees the memory when it arrives)."""
+        """Decode aborted or failed a room whose memory it holds for us: the room is dropped here, a last write
+        not yet planned is not to go, and decode is told it may free that memory once no write into it is in
+        flight (`tell_failed` waits for those)."""
         room = msg.room
         if room in self.waiting:  # decode gave up before reserving: it holds nothing
             req, _ = self.waiting.pop(room)
             self._failed.append((req, f"the decode server gave up on bootstrap room {room}: {msg.error}"))
             return
-        held = room in self.admitted or room in self.reserves
         if room in self.admitted:
             del self.admitted[room]
             self._abort.append(self._rids.pop(room))
         elif room in self.reserves:
             del self.reserves[room]
             self._cancelled[room] = now + self.args.disaggregation_timeout  # its request may still come
-        else:
+        else:  # released here (its last write queued, in flight or done), or never seen
             self._cancelled[room] = now + self.args.disaggregation_timeout
-        if held:
+            self._sends = [c for c in self._sends if c["room"] != room]
+        if msg.sender in self.peers:
             self.tell_failed(msg.sender, room, "the prefill server dropped the room")
 
     def plan_fields(self, step: int) -> dict[str, object]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
+import time
 
 import pytest
 
@@ -145,6 +146,38 @@ def test_room_without_partner_times_out(model) -> None:  # noqa: ANN001
         for engine, rid, side in ((dec, dec_rid, "prefill"), (pre, pre_rid, "decode")):
             last = _finish(engine)[rid][-1]
             assert last.finished == "error" and "--disaggregation-timeout" in last.error and side in last.error
+            _baseline(engine)
+    finally:
+        _close(pre, dec)
+
+
+def test_room_timed_out_with_a_write_queued_keeps_its_memory_until_prefill_answers(model) -> None:  # noqa: ANN001
+    """Decode times a room out while prefill has its last write queued (prefill has not heard yet): the client hears
+    at once, but the memory that write targets stays held (pinned, not reusable) until prefill answers that
+    nothing more will land; then both pools are back to empty and the request ended exactly once."""
+    pre, dec, port = _pair(model, "fake", disaggregation_timeout=0.5)
+    try:
+        boot = Bootstrap("127.0.0.1", port, 7)
+        prompt = list(range(10, 30))
+        pre.submit(prompt, GREEDY, bootstrap=boot)
+        dec_rid = dec.submit(prompt, GREEDY, bootstrap=boot)
+        side = dec.scheduler.pd_decode
+        while not side.rooms or not all(r.sent for r in side.rooms.values()):
+            dec.loop.step()
+        while not pre.scheduler.pd_prefill._sends:  # prefill computed the prompt: its write goes with the next plan
+            pre.loop.step()
+        time.sleep(0.6)
+        outs = dec.loop.step()
+        assert [o.finished for o in outs if o.rid == dec_rid] == ["error"]
+        assert "--disaggregation-timeout" in outs[-1].error
+        assert dec.scheduler.pool.states_used == 1 and dec.scheduler.pool.pages_used == 5  # still the write's target
+        ends = []
+        while pre.loop.busy or dec.loop.busy:
+            for engine in (pre, dec):
+                for o in engine.loop.step() if engine.loop.busy else []:
+                    ends += [o] if engine is dec and o.finished else []
+        assert ends == [], ends
+        for engine in (pre, dec):
             _baseline(engine)
     finally:
         _close(pre, dec)
