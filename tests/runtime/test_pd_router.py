@@ -1,12 +1,11 @@
 """P/D disaggregation behind the real sglang-router (`--pd-disaggregation`): one prefill and one decode radixk3 server
 over NIXL (UCX over TCP on loopback), for the Kimi-Linear-format built-in model and a native K3 checkpoint, each with
-speculation on the decode side: the built-in model with n-gram and the decode-side radix cache, K3 with its MTP
-layer (on both servers: prefill computes the MTP latents of the prompt) and no decode cache. Two pairs cover the
-four features at the cost of two: the cache and the proposer act on separate state (pages skipped vs. drafts), and
-each proposer alone is checked with and without a decode cache hit in one process (tests/runtime/test_pd_spec.py,
-test_pd_local.py). Greedy outputs through the router equal the aggregated engine's token for token, on /generate
-and the OpenAI routes; a second turn's decode-side hit is the cached-token count the client sees (decode's alone,
-never prefill's added); both servers' pools are back to empty after (once their caches are flushed)."""
+and without the decode-side radix cache, always with speculation on the decode side: the built-in model with n-gram,
+K3 with its MTP layer (on both servers: prefill computes the MTP latents of the prompt). Each proposer alone is also
+checked with and without a decode cache hit in one process (tests/runtime/test_pd_spec.py, test_pd_local.py).
+Greedy outputs through the router equal the aggregated engine's token for token, on /generate and the OpenAI
+routes; a second turn's decode-side hit is the cached-token count the client sees (decode's alone, never prefill's
+added); both servers' pools are back to empty after (once their caches are flushed)."""
 
 from __future__ import annotations
 
@@ -39,9 +38,12 @@ PROMPTS = [[5, 6, 7], list(range(300, 340)), [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 
 TEXT = "The router sends each request to both servers"
 TURN2_TAIL = [7, 8, 9]  # a second turn of PROMPTS[1]'s conversation: its prompt, its output, this
 # Per model: (prefill server flags, decode server flags).
+DECODE_CACHE = ["--disaggregation-decode-enable-radix-cache"]
 CONFIGS = {
-    "kimi-linear": ([], ["--disaggregation-decode-enable-radix-cache", "--speculative-algorithm", "ngram"]),
+    "kimi-linear": ([], [*DECODE_CACHE, "--speculative-algorithm", "ngram"]),
+    "kimi-linear-no-decode-cache": ([], ["--speculative-algorithm", "ngram"]),
     "k3-native": (["--speculative-algorithm", "mtp"], ["--speculative-algorithm", "mtp"]),
+    "k3-native-decode-cache": (["--speculative-algorithm", "mtp"], [*DECODE_CACHE, "--speculative-algorithm", "mtp"]),
 }
 ROUTER_STARTUP_S = 120.0
 
@@ -68,12 +70,12 @@ def _start_router(prefill: Server, bootstrap_port: int, decode: Server) -> tuple
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="module", params=["kimi-linear", "k3-native"])
+@pytest.fixture(scope="module", params=list(CONFIGS))
 def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
     """(router url, [prefill, decode] servers, the aggregated engine's greedy outputs over PROMPTS and over TEXT,
     the decode-side radix cache on, the second turn and its greedy output)."""
     model_flags: list[str] = []
-    if request.param == "k3-native":
+    if request.param.startswith("k3-native"):
         path = write_random_checkpoint(preset("k3-tiny-native"), tmp_path_factory.mktemp("k3_native"), seed=3)
         model_flags = ["--model", str(path)]
     os.environ.setdefault("UCX_TLS", "tcp")  # the servers inherit it
