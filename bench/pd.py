@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script, bench/ is sys.path[0] and bench/kernels.py shadows kernels
 
 from bench.machine_info import cpu_name  # noqa: E402
-from bench.router_hit_rate import free_port  # noqa: E402
+from bench.router_hit_rate import free_port, stop_process  # noqa: E402
 
 START_S = 240.0  # a server's start (k3-small on a busy 2-core machine), or the router's first routed request
 FIRST_ID = 16  # prompts draw ids above the tokenizer's special ones
@@ -202,15 +202,6 @@ def moved(before: dict[str, Any], after: dict[str, Any], n: int, plan: tuple[flo
 
 
 # --- servers and the router as processes ------------------------------------------------------------------
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 @contextlib.contextmanager
 def server(flags: Sequence[str], log: Path, cpus: set[int] | None = None) -> Iterator[str]:
     """A radixk3 server with `flags` on a free loopback port, once /health answers; stopped on exit. `cpus`: the
@@ -230,7 +221,7 @@ def server(flags: Sequence[str], log: Path, cpus: set[int] | None = None) -> Ite
             time.sleep(0.25)
         yield url
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 def _answers(url: str) -> bool:
@@ -266,7 +257,7 @@ def pd_router(prefill: str, bootstrap_port: int, decode: str, log: Path) -> Iter
             time.sleep(0.5)
         yield url
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 # --- the two modes -------------------------------------------------------------------------------------------

@@ -142,7 +142,7 @@ def launched_router(flags: Sequence[str], worker_urls: Sequence[str], log: Path)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 def wait_for_workers(url: str, n: int, log: Path, timeout: float = START_S) -> None:
@@ -163,7 +163,8 @@ def _all_healthy(url: str, n: int) -> bool:
     return len(workers) == n and all(w.get("is_healthy") for w in workers)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """Terminate, then kill after 60 s."""
     proc.terminate()
     try:
         proc.wait(60)
@@ -193,7 +194,7 @@ def local_servers(n: int, logs: Path) -> Iterator[list[str]]:
         yield urls
     finally:
         for proc in procs:
-            _stop(proc)
+            stop_process(proc)
 
 
 def _healthy(url: str) -> bool:
