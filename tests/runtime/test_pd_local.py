@@ -155,7 +155,7 @@ def test_room_timed_out_with_a_write_queued_keeps_its_memory_until_prefill_answe
     """Decode times a room out while prefill has its last write queued (prefill has not heard yet): the client hears
     at once, but the memory that write targets stays held (pinned, not reusable) until prefill answers that
     nothing more will land; then both pools are back to empty and the request ended exactly once."""
-    pre, dec, port = _pair(model, "fake", disaggregation_timeout=0.5)
+    pre, dec, port = _pair(model, "fake", disaggregation_timeout=2.0)  # ample for the steps before the wait
     try:
         boot = Bootstrap("127.0.0.1", port, 7)
         prompt = list(range(10, 30))
@@ -165,8 +165,10 @@ def test_room_timed_out_with_a_write_queued_keeps_its_memory_until_prefill_answe
         while not side.rooms or not all(r.sent for r in side.rooms.values()):
             dec.loop.step()
         while not pre.scheduler.pd_prefill._sends:  # prefill computed the prompt: its write goes with the next plan
+            assert pre.loop.busy, "prefill ended the request without queueing its write"
             pre.loop.step()
-        time.sleep(0.6)
+        (room,) = side.rooms.values()
+        time.sleep(max(0.0, room.deadline - time.monotonic()) + 0.05)
         outs = dec.loop.step()
         assert [o.finished for o in outs if o.rid == dec_rid] == ["error"]
         assert "--disaggregation-timeout" in outs[-1].error
