@@ -164,10 +164,12 @@ class DecodeSide:
                 peer = self.peers.get((boot.host, boot.port))
                 if peer is not None and peer.socket is not None:  # prefill may hold the request already
                     self._tell(peer, RoomFailed(self.id, boot.room, "aborted by the client"))
-        for room, r in self.rooms.items():
+        for room, r in list(self.rooms.items()):
             if r.req.rid == rid and not r.req.aborted:
                 r.req.aborted = True  # its memory waits for the transfer (or prefill's word that none comes)
                 self._tell(r.peer, RoomFailed(self.id, room, "aborted by the client"))
+                if not r.sent:  # prefill never had the reservation: nothing will be written, the memory goes now
+                    self._drop(room, "aborted by the client")
 
     @property
     def has_work(self) -> bool:
@@ -438,11 +440,24 @@ class PrefillSide:
         elif self._cancelled.pop(room, None) is not None:
             self._failed.append((req, f"the decode server gave up on bootstrap room {room}"))
         elif room in self.reserves:
-            self.admitted[room] = self.reserves.pop(room)[0]
-            self._rids[room] = req.rid
-            self._ready.append(req)
+            self._admit(req, self.reserves.pop(room)[0])
         else:
             self.waiting[room] = (req, time.monotonic() + self.args.disaggregation_timeout)
+
+    def _admit(self, req: Req, reserve: RoomReserve) -> None:
+        """Admit `req` with decode's reservation, if it fits the prompt (both sides got the same one)."""
+        room = reserve.room
+        prefix_pages, pages = reserve.prefix_len // self.ps, -(-len(req.prompt_ids) // self.ps)
+        if reserve.prefix_len % self.ps or len(reserve.page_offsets) != pages - prefix_pages:
+            why = (f"bootstrap room {room}: decode reserved {len(reserve.page_offsets)} pages past a prefix of "
+                   f"{reserve.prefix_len} tokens for a prompt of {len(req.prompt_ids)} tokens here: the two servers "
+                   "got different prompts")
+            self._failed.append((req, why))
+            self.tell_failed(reserve.decode_id, room, why)
+            return
+        self.admitted[room] = reserve
+        self._rids[room] = req.rid
+        self._ready.append(req)
 
     def abort(self, rid: str) -> Req | None:
         for room, (req, _) in list(self.waiting.items()):
@@ -475,10 +490,7 @@ class PrefillSide:
                 if msg.decode_id not in self.peers:
                     continue  # a peer refused at its hello: it was told why
                 if msg.room in self.waiting:
-                    req, _ = self.waiting.pop(msg.room)
-                    self.admitted[msg.room] = msg
-                    self._rids[msg.room] = req.rid
-                    self._ready.append(req)
+                    self._admit(self.waiting.pop(msg.room)[0], msg)
                 else:
                     self.reserves[msg.room] = (msg, now + self.args.disaggregation_timeout)
             elif isinstance(msg, RoomFailed):
@@ -584,8 +596,10 @@ class PrefillSide:
             reserve = self.admitted.get(boot.room)
             if reserve is None:
                 continue
-            o = self._outgoing.setdefault(boot.room, _Outgoing(req, reserve.prefix_len // self.ps))
             done = min(end, len(req.prompt_ids))
+            if len(req.pages) * self.ps < done:  # it let go of its pages since (retracted): they are to be recomputed
+                continue
+            o = self._outgoing.setdefault(boot.room, _Outgoing(req, reserve.prefix_len // self.ps))
             if self.proposer != "none" and done < len(req.prompt_ids):
                 done -= 1  # the MTP layers write a chunk's last row with the next chunk (they need its next token)
             o.ready = max(o.sent, done // self.ps)

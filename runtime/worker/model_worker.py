@@ -245,7 +245,10 @@ class ModelWorker:
         assert self.transfer is not None
         rank = parallel_state().tp_rank
         for peer in plan.pd_peers:
-            self.transfer.add_peer(peer["decode_id"], RankAgent(**peer["ranks"][rank]))
+            try:  # a peer this agent cannot add: its sends fail by name ("no transfer peer"), never the worker
+                self.transfer.add_peer(peer["decode_id"], RankAgent(**peer["ranks"][rank]))
+            except Exception:
+                log.exception("P/D: cannot add the decode server's transfer agent %s", peer["decode_id"])
         failed: list[tuple[int, str]] = []
         for c in plan.pd_sends:
             cmd = SendCommand(**c)
@@ -262,7 +265,10 @@ class ModelWorker:
             stats.timed_bytes += kv + cmd.state_bytes + META_SLOT_BYTES
             stats.timed_seconds += time.perf_counter() - t0
         for gone in plan.pd_forget:  # after the sends: a write queued for a dead peer fails by name
-            self.transfer.remove_peer(gone)
+            try:
+                self.transfer.remove_peer(gone)
+            except Exception:
+                log.exception("P/D: cannot remove the dead decode server's transfer agent %s", gone)
         for room, slot in plan.pd_expect:
             if slot < 0:
                 self._expect.pop(room, None)

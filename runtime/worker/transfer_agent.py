@@ -113,6 +113,8 @@ class NixlAgent:
     def send(self, cmd: SendCommand) -> None:
         _, peer = _known(self._peers, cmd.peer)
         self._staging[0, 0], self._staging[0, 1] = float(cmd.token), cmd.logprob
+        if self._staging.is_cuda:  # the two stores run on the stream: the write reads after them
+            torch.cuda.current_stream().synchronize()
         base = self.pool.data_ptr()
         runs = command_runs(cmd)
         local = [(base + s, n, self._dev) for s, _, n in runs] + [(self._staging.data_ptr(), META_SLOT_BYTES,

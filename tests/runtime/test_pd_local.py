@@ -185,6 +185,32 @@ def test_room_timed_out_with_a_write_queued_keeps_its_memory_until_prefill_answe
         _close(pre, dec)
 
 
+def test_different_prompts_on_the_two_sides_fail_that_request_alone(model, prompts, want) -> None:  # noqa: ANN001
+    """Decode reserved pages for another prompt than prefill got under the same room (a client that bypassed the
+    router): that request fails on both sides by name, and both servers go on serving."""
+    pre, dec, port = _pair(model, "fake")
+    try:
+        boot = Bootstrap("127.0.0.1", port, 11)
+        pre_rid = pre.submit(list(range(10, 30)), GREEDY, bootstrap=boot)
+        dec_rid = dec.submit(list(range(10, 50)), GREEDY, bootstrap=boot)
+        outs: dict[tuple[str, str], list] = {}
+        while pre.loop.busy or dec.loop.busy:
+            for side, engine in (("prefill", pre), ("decode", dec)):
+                for o in engine.loop.step() if engine.loop.busy else []:
+                    outs.setdefault((side, o.rid), []).append(o)
+        for key in (("prefill", pre_rid), ("decode", dec_rid)):
+            last = outs[key][-1]
+            assert last.finished == "error" and "different prompts" in last.error, (key, last.error)
+        for engine in (pre, dec):
+            _baseline(engine)
+        boot = Bootstrap("127.0.0.1", port, 12)
+        pre.submit(prompts[1], GREEDY, bootstrap=boot)
+        rid = dec.submit(prompts[1], GREEDY, bootstrap=boot)
+        assert _run_both(pre, dec)[rid] == want[1]
+    finally:
+        _close(pre, dec)
+
+
 def test_abort_on_decode_reaches_prefill(model) -> None:  # noqa: ANN001
     pre, dec, port = _pair(model, "fake")
     try:
