@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import socket
 import time
 import uuid
@@ -56,6 +57,8 @@ from runtime.scheduler.radix_cache import HybridRadixCache, MatchResult
 from runtime.scheduler.request import Req
 from runtime.server_args import ServerArgs
 
+log = logging.getLogger(__name__)
+
 POLL_INTERVAL_S = 0.001  # how often an otherwise idle decode scheduler asks its workers which rooms arrived
 
 
@@ -83,7 +86,11 @@ class _Control:
     def drain(self) -> list[PeerHello | RoomReserve | RoomFailed]:
         out = []
         while self.inbox.poll(0):
-            out.append(decode_control(self.inbox.recv()))
+            raw = self.inbox.recv()
+            try:
+                out.append(decode_control(raw))
+            except Exception:  # a stray or malformed message is dropped, never the scheduler
+                log.warning("P/D: dropped a control message that does not parse (%d bytes)", len(raw), exc_info=True)
         return out
 
     def close(self) -> None:
@@ -321,10 +328,10 @@ class DecodeSide:
                                          f"{type(e).__name__}: {e}")
             why = check_peer(self.tp_size, self.ps, self.fingerprint, entry.tp_size, entry.page_size,
                              entry.fingerprint, "prefill", self.proposer, entry.proposer)
-            peer = _DecodePeer(None, why)
-            if why is None:
-                peer.socket = self.control.connect(entry.address)
-                peer.socket.send(encode_control(self.hello))
+            if why is not None:  # not kept: a prefill server restarted there with the right flags is looked up again
+                return _DecodePeer(None, why)
+            peer = _DecodePeer(self.control.connect(entry.address), None)
+            peer.socket.send(encode_control(self.hello))  # type: ignore[union-attr]
             self.peers[key] = peer
         return self.peers[key]
 

@@ -345,3 +345,26 @@ def test_failed_chunk_write_frees_both_sides(model, monkeypatch: pytest.MonkeyPa
             _baseline(engine)
     finally:
         _close(pre, dec)
+
+
+def test_a_malformed_control_message_is_dropped() -> None:
+    """A stray message on a P/D control socket (not orjson, or not a known message) is dropped with a warning; the
+    scheduler that drains it goes on."""
+    from runtime.disagg.protocol import RoomFailed, encode_control
+    from runtime.scheduler.disagg import _Control
+
+    control = _Control("127.0.0.1")
+    try:
+        link = control.connect(control.address)
+        for raw in (b"\x00not json", b'{"kind": "nothing"}', encode_control(RoomFailed("prefill", 3, "why"))):
+            link.send(raw)
+        got: list = []
+        deadline = time.monotonic() + 10
+        while not got:
+            assert time.monotonic() < deadline, "the messages did not arrive"
+            got = control.drain()
+            time.sleep(0.01)
+        assert got == [RoomFailed("prefill", 3, "why")]
+    finally:
+        control.close()
+
