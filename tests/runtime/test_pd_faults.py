@@ -23,6 +23,7 @@ from runtime.local_engine import LocalEngine
 from runtime.messages import Bootstrap
 from runtime.server_args import ServerArgs
 from tests.runtime.http_server_proc import Server, free_port, start_server
+from tests.runtime.test_pd_local import _baseline, _close
 
 pytest.importorskip("nixl")
 
@@ -98,15 +99,8 @@ def _server_empty(server: Server) -> None:
 
 
 def _engine_empty(engine: LocalEngine) -> None:
-    s = engine.scheduler
-    s.check_integrity()
-    assert not s.has_work and s.flush_cache() and s.pool.states_used == 0 and s.pool.pages_used == 0
-
-
-def _close(engine: LocalEngine) -> None:
-    side = engine.scheduler.pd_prefill or engine.scheduler.pd_decode
-    if side is not None:
-        side.close()
+    assert not engine.scheduler.has_work
+    _baseline(engine)
 
 
 def _serve(prefill: LocalEngine, decode: Server, boot: Bootstrap) -> list[int]:

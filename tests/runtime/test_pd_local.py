@@ -14,7 +14,7 @@ import pytest
 from radixk3.config import preset
 from radixk3.model import build_model
 from runtime.local_engine import LocalEngine
-from runtime.messages import Bootstrap
+from runtime.messages import Bootstrap, TokenOut
 from runtime.server_args import ServerArgs
 from tests.runtime.http_server_proc import free_port
 
@@ -51,16 +51,25 @@ def _pair(model, backend: str, **kw: object) -> tuple[LocalEngine, LocalEngine, 
     return pre, dec, port
 
 
-def _run_both(pre: LocalEngine, dec: LocalEngine) -> dict[str, list[int]]:
-    """Step both engines in turn until neither has work; the decode side's tokens by request id."""
-    outs: dict[str, list[int]] = {}
+def _step_both(pre: LocalEngine, dec: LocalEngine) -> dict[tuple[str, str], list[TokenOut]]:
+    """Step both engines in turn until neither has work; their outputs by (side, request id): the two engines
+    number their requests alike."""
+    outs: dict[tuple[str, str], list[TokenOut]] = {}
     while pre.loop.busy or dec.loop.busy:
-        for engine in (pre, dec):
-            got = engine.loop.step() if engine.loop.busy else []
-            if engine is dec:
-                for o in got:
-                    assert o.error is None, o.error
-                    outs.setdefault(o.rid, []).extend(o.token_ids)
+        for side, engine in (("prefill", pre), ("decode", dec)):
+            for o in engine.loop.step() if engine.loop.busy else []:
+                outs.setdefault((side, o.rid), []).append(o)
+    return outs
+
+
+def _run_both(pre: LocalEngine, dec: LocalEngine) -> dict[str, list[int]]:
+    """Step both engines until neither has work; the decode side's tokens by request id."""
+    outs: dict[str, list[int]] = {}
+    for (side, rid), chunks in _step_both(pre, dec).items():
+        if side == "decode":
+            for o in chunks:
+                assert o.error is None, o.error
+                outs.setdefault(rid, []).extend(o.token_ids)
     return outs
 
 
@@ -173,11 +182,8 @@ def test_room_timed_out_with_a_write_queued_keeps_its_memory_until_prefill_answe
         assert [o.finished for o in outs if o.rid == dec_rid] == ["error"]
         assert "--disaggregation-timeout" in outs[-1].error
         assert dec.scheduler.pool.states_used == 1 and dec.scheduler.pool.pages_used == 5  # still the write's target
-        ends = []
-        while pre.loop.busy or dec.loop.busy:
-            for engine in (pre, dec):
-                for o in engine.loop.step() if engine.loop.busy else []:
-                    ends += [o] if engine is dec and o.finished else []
+        ends = [o for (side, _), chunks in _step_both(pre, dec).items() if side == "decode" for o in chunks
+                if o.finished]
         assert ends == [], ends
         for engine in (pre, dec):
             _baseline(engine)
@@ -193,11 +199,7 @@ def test_different_prompts_on_the_two_sides_fail_that_request_alone(model, promp
         boot = Bootstrap("127.0.0.1", port, 11)
         pre_rid = pre.submit(list(range(10, 30)), GREEDY, bootstrap=boot)
         dec_rid = dec.submit(list(range(10, 50)), GREEDY, bootstrap=boot)
-        outs: dict[tuple[str, str], list] = {}
-        while pre.loop.busy or dec.loop.busy:
-            for side, engine in (("prefill", pre), ("decode", dec)):
-                for o in engine.loop.step() if engine.loop.busy else []:
-                    outs.setdefault((side, o.rid), []).append(o)
+        outs = _step_both(pre, dec)
         for key in (("prefill", pre_rid), ("decode", dec_rid)):
             last = outs[key][-1]
             assert last.finished == "error" and "different prompts" in last.error, (key, last.error)
@@ -220,11 +222,7 @@ def test_abort_on_decode_reaches_prefill(model) -> None:  # noqa: ANN001
         while not dec.scheduler.pd_decode.rooms or not all(r.sent for r in dec.scheduler.pd_decode.rooms.values()):
             dec.loop.step()  # decode reserved and told prefill where
         dec.scheduler.abort(dec_rid)
-        outs: dict[tuple[str, str], list] = {}  # by (side, request id): each engine numbers its requests alike
-        while pre.loop.busy or dec.loop.busy:
-            for side, engine in (("prefill", pre), ("decode", dec)):
-                for o in engine.loop.step() if engine.loop.busy else []:
-                    outs.setdefault((side, o.rid), []).append(o)
+        outs = _step_both(pre, dec)
         assert outs["decode", dec_rid][-1].finished == "abort"
         assert outs["prefill", pre_rid][-1].finished == "abort", outs["prefill", pre_rid][-1]
         for engine in (pre, dec):
@@ -333,14 +331,10 @@ def test_failed_chunk_write_frees_both_sides(model, monkeypatch: pytest.MonkeyPa
         boot = Bootstrap("127.0.0.1", port, 31)
         pre_rid = pre.submit(list(range(100, 170)), GREEDY, bootstrap=boot)
         dec_rid = dec.submit(list(range(100, 170)), GREEDY, bootstrap=boot)
-        outs: dict[tuple[int, str], list] = {}  # by (engine, request id): the two engines number theirs alike
-        while pre.loop.busy or dec.loop.busy:
-            for i, engine in enumerate((pre, dec)):
-                for o in engine.loop.step() if engine.loop.busy else []:
-                    outs.setdefault((i, o.rid), []).append(o)
-        last = outs[1, dec_rid][-1]
+        outs = _step_both(pre, dec)
+        last = outs["decode", dec_rid][-1]
         assert last.finished == "error" and "the link went down" in last.error
-        assert outs[0, pre_rid][-1].finished == "abort"
+        assert outs["prefill", pre_rid][-1].finished == "abort"
         for engine in (pre, dec):
             _baseline(engine)
     finally:
