@@ -603,10 +603,8 @@ class PrefillSide:
             reserve = self.admitted.get(boot.room)
             if reserve is None:
                 continue
-            done = min(end, len(req.prompt_ids))
-            if len(req.pages) * self.ps < done:  # it let go of its pages since (retracted): they are to be recomputed
-                continue
             o = self._outgoing.setdefault(boot.room, _Outgoing(req, reserve.prefix_len // self.ps))
+            done = min(end, len(req.prompt_ids))
             if self.proposer != "none" and done < len(req.prompt_ids):
                 done -= 1  # the MTP layers write a chunk's last row with the next chunk (they need its next token)
             o.ready = max(o.sent, done // self.ps)

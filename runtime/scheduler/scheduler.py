@@ -459,11 +459,12 @@ class Scheduler:
                 continue
             self.tables.mark_changed(req, self.req_cache.insert_checkpoint(req, c.pos, c.block))
             self.metrics.checkpoints += 1
+        # Before settling: a request retracted there lets go of its pages, and `on_requeue` then undoes this.
+        if self.pd_prefill is not None and not failed:  # the pages its prompt chunks completed go next
+            self.pd_prefill.chunks_done([(s.req, s.start + s.n) for s in rec.seqs])
         for s in rec.seqs:
             if s.req.in_flight == 0 and not s.req.active and s.req.row is not None:
                 self._settle(s.req)
-        if self.pd_prefill is not None and not failed:  # the pages its prompt chunks completed go next
-            self.pd_prefill.chunks_done([(s.req, s.start + s.n) for s in rec.seqs])
         self._pd_step_done(result, rec.step)
         self.metrics.steps += 1
         if rec.mode == "decode":
