@@ -1,4 +1,4 @@
-"""Time to first token of concurrent `Engine.async_stream`s on k3-tiny (the built-in model).
+"""Time to first token of concurrent `Engine.async_stream`s on k3-tiny (random weights).
 
 N streams (default 100) start at once on one event loop, each a distinct short prompt, greedy, a few new
 tokens; TTFT is from the moment all are started to each stream's first chunk holding a token. Prints the
@@ -20,6 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # bench/kernels.py must not shadow the kernels package
 
+from radixk3.config import TINY_PRESET  # noqa: E402
 from runtime.tokenizer.engine import Engine  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="bursts; the first warms up and is not reported")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    with Engine(mem_bytes=64 << 20, max_running_requests=max(a.streams, 1)) as engine:
+    with Engine(TINY_PRESET, mem_bytes=64 << 20, max_running_requests=max(a.streams, 1)) as engine:
         rows = [asyncio.run(burst(engine, a.streams, a.new_tokens)) for _ in range(a.rounds)]
     rounds = rows[1:] or rows
     ttft = [t for r, _ in rounds for t in r]

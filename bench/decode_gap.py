@@ -16,7 +16,7 @@ under `--grammar-compile-timeout`; its "first token" is then its outcome, a toke
 past the compile budget, or over the size limit). The warm-up sends a one-property schema first, so that the
 compile workers (started at a server's first grammar, importing torch) are up before the window opens.
 
-    python bench/decode_gap.py [--model builtin|k3-small] [--long-tokens N] [--shorts K] [--json]
+    python bench/decode_gap.py [--model k3-tiny|k3-small] [--long-tokens N] [--shorts K] [--json]
         [--chunked-prefill-size C] [--max-prefill-tokens B] [--disable-mixed-chunk]
         [--grammar-properties P [--grammar-compile-timeout S]]
 
@@ -176,8 +176,8 @@ async def run(engine: Engine, a: argparse.Namespace, vocab: int) -> dict[str, An
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=("builtin", "k3-small"), default="builtin",
-                    help="the built-in k3-tiny, or a random k3-small checkpoint written to a temp dir")
+    ap.add_argument("--model", choices=("k3-tiny", "k3-small"), default="k3-tiny",
+                    help="k3-tiny (random weights), or a random k3-small checkpoint written to a temp dir")
     ap.add_argument("--long-tokens", type=int, default=20_000)
     ap.add_argument("--shorts", type=int, default=3, help="short requests arriving during the long prefill")
     ap.add_argument("--short-tokens", type=int, default=6)
@@ -204,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
             kw[name] = getattr(a, name)
     if a.disable_mixed_chunk:
         kw["enable_mixed_chunk"] = False
-    name = "k3-tiny" if a.model == "builtin" else "k3-small"
+    name = a.model
     with tempfile.TemporaryDirectory(prefix="radixk3-bench-") as tmp:
-        model = None
+        model = name  # the preset's random weights
         if a.model == "k3-small":
             from radixk3.checkpoint import write_random_checkpoint
 

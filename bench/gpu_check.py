@@ -64,7 +64,7 @@ from bench.gpu_engine_checks import (  # noqa: E402
 )
 from bench.gpu_kernel_checks import CPU_SIZES, GPU_SIZES, KERNEL_CHECKS  # noqa: E402
 from bench.gpu_kernel_harness import ModelShapes, Sizes  # noqa: E402
-from radixk3.config import ModelConfig, preset  # noqa: E402
+from radixk3.config import TINY_PRESET, ModelConfig, preset  # noqa: E402
 
 MEM = 16 << 20
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -85,7 +85,7 @@ def _reference(device: str) -> tuple[tuple[int, ...], ...]:
     from runtime.local_engine import LocalEngine
     from runtime.server_args import ServerArgs
 
-    outs = LocalEngine(ServerArgs(device=device, mem_bytes=MEM)).generate(PROMPTS, GREEDY)
+    outs = LocalEngine(ServerArgs(model=TINY_PRESET, device=device, mem_bytes=MEM)).generate(PROMPTS, GREEDY)
     return tuple(tuple(o) for o in outs)
 
 
@@ -94,7 +94,7 @@ def _engine_matches(device: str, **kw: Any) -> Outcome:
     from runtime.tokenizer.engine import Engine
 
     want = _reference(device)
-    with Engine(device=device, **({"mem_bytes": MEM} | kw)) as engine:
+    with Engine(TINY_PRESET, device=device, **({"mem_bytes": MEM} | kw)) as engine:
         got = tuple(tuple(r["output_ids"]) for r in engine.generate(PROMPTS, GREEDY, timeout=300))
         metrics = engine.get_metrics()
     flags = " ".join(f"{k}={v}" for k, v in kw.items())
@@ -133,7 +133,7 @@ def mem_fraction_cuda() -> Outcome:
     from runtime.tokenizer.engine import Engine
 
     want = _reference("cuda")
-    with Engine(device="cuda", mem_fraction=0.02) as engine:
+    with Engine(TINY_PRESET, device="cuda", mem_fraction=0.02) as engine:
         got = tuple(tuple(r["output_ids"]) for r in engine.generate(PROMPTS, GREEDY, timeout=300))
         scheduler_pool = engine.get_metrics()["pool_bytes"]
         worker_pool = engine.procs.pool_bytes
@@ -163,7 +163,7 @@ def _bad_row_fails_alone(mode: str, want: tuple[tuple[int, ...], ...], **spec: A
             req.params.stop_token_ids, req.params.min_new_tokens = [10**6], len(req.output_ids) + 2
             poisoned.append(len(req.output_ids))
 
-    eng = LocalEngine(ServerArgs(device="cuda", mem_bytes=MEM, **spec), check=True, on_step=poison)
+    eng = LocalEngine(ServerArgs(model=TINY_PRESET, device="cuda", mem_bytes=MEM, **spec), check=True, on_step=poison)
     rids += [eng.submit(p, GREEDY) for p in PROMPTS]
     outs = eng.run()
     last = outs[rids[1]][-1]

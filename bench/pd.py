@@ -17,9 +17,9 @@ On one machine the prefill and decode servers split its cores, half each (the ag
 P/D here shows the protocol's cost and what separating prefill from decode does to the latencies, not the
 scale-out of two machines. Timings only: no test runs this.
 
-    UCX_TLS=tcp python bench/pd.py [--model builtin|k3-small] [--quick] [--json] [--server-flag=--FLAG ...]
+    UCX_TLS=tcp python bench/pd.py [--model k3-tiny|k3-small] [--quick] [--json] [--server-flag=--FLAG ...]
 
-`--quick`: the built-in k3-tiny and a small workload (a smoke run, a minute or so); the default is k3-small
+`--quick`: k3-tiny (random weights) and a small workload (a smoke run, a minute or so); the default is k3-small
 (a random checkpoint written to a temp dir).
 """
 
@@ -174,15 +174,14 @@ class Moved:
         return self.timed_seconds * 1e3 / (self.timed_bytes / 1e6) if self.timed_bytes else float("nan")
 
 
-def plan_bytes(model: str | None, page_size: int, jobs: list[Job]) -> tuple[float, float]:
+def plan_bytes(model: str, page_size: int, jobs: list[Job]) -> tuple[float, float]:
     """(state, KV) bytes per request that the pool geometry says the jobs move."""
-    from radixk3.config import BUILTIN_PRESET, preset
-    from radixk3.config_formats import load_model_config
+    from runtime.model_files import model_config
     from runtime.pool_layout import pool_layout
     from runtime.server_args import ServerArgs
 
-    cfg = preset(BUILTIN_PRESET) if model is None else load_model_config(model)
-    layout = pool_layout(cfg, ServerArgs(model=model, page_size=page_size))
+    args = ServerArgs(model=model, page_size=page_size)
+    layout = pool_layout(model_config(args), args)
     kv = sum(-(-len(j.input_ids) // page_size) * layout.page_bytes for j in jobs)
     return float(layout.state_block_bytes), kv / len(jobs)
 
@@ -284,7 +283,7 @@ def split_cores() -> tuple[set[int] | None, set[int] | None]:
     return set(cores[: len(cores) // 2]), set(cores[len(cores) // 2 :])
 
 
-def disaggregated(a: argparse.Namespace, model_flags: list[str], model: str | None, jobs: list[Job],
+def disaggregated(a: argparse.Namespace, model_flags: list[str], model: str, jobs: list[Job],
                   tmp: Path) -> tuple[Latencies, Moved]:
     boot = free_port()
     prefill_flags = [*model_flags, *a.server_flag, "--disaggregation-mode", "prefill",
@@ -303,14 +302,14 @@ def disaggregated(a: argparse.Namespace, model_flags: list[str], model: str | No
 
 
 # --- main ----------------------------------------------------------------------------------------------------
-QUICK = {"model": "builtin", "shorts": 3, "short_tokens": 16, "short_new_tokens": 24, "longs": 2,
+QUICK = {"model": "k3-tiny", "shorts": 3, "short_tokens": 16, "short_new_tokens": 24, "longs": 2,
          "long_tokens": 1100, "long_new_tokens": 4, "long_interval": 0.3}
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=("builtin", "k3-small"), default="k3-small",
-                    help="the built-in k3-tiny, or a random k3-small checkpoint written to a temp dir")
+    ap.add_argument("--model", choices=("k3-tiny", "k3-small"), default="k3-small",
+                    help="k3-tiny (random weights), or a random k3-small checkpoint written to a temp dir")
     ap.add_argument("--shorts", type=int, default=4, help="short prompts decoding from the start")
     ap.add_argument("--short-tokens", type=int, default=32)
     ap.add_argument("--short-new-tokens", type=int, default=96)
@@ -383,16 +382,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("UCX_TLS", "tcp")  # the servers inherit it: NIXL over TCP on loopback
     from radixk3.config import preset
 
-    name = "k3-tiny" if a.model == "builtin" else "k3-small"
+    name = a.model
     jobs = workload(a, preset(name).vocab_size)
     with tempfile.TemporaryDirectory(prefix="radixk3-pd-") as tmpdir:
         tmp = Path(tmpdir)
-        model = None
+        model = name  # the preset's random weights
         if a.model == "k3-small":
             from radixk3.checkpoint import write_random_checkpoint
 
             model = str(write_random_checkpoint(preset(name), tmp / name, seed=0))
-        model_flags = ["--model", model] if model is not None else []
+        model_flags = ["--model", model]
         agg = aggregated(a, model_flags, jobs, tmp)
         pd, mv = disaggregated(a, model_flags, model, jobs, tmp)
     out = report(a, machine(), agg, pd, mv)

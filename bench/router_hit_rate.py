@@ -14,7 +14,7 @@ many requests that server takes in flight before the other one gets work (and co
 
     python bench/router_hit_rate.py [--servers URL URL] [--num-questions 40] [--parallel 1] [--json]
 
-Without `--servers` it starts two servers of the built-in model on loopback (`--disable-compile`: the hit rate
+Without `--servers` it starts two servers of k3-tiny (random weights) on loopback (`--disable-compile`: the hit rate
 does not depend on it). `--parallel 1` (the default) sends the questions one after another, so every figure is
 deterministic; more in flight lets the balance thresholds matter.
 """
@@ -175,14 +175,15 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
 
 @contextlib.contextmanager
 def local_servers(n: int, logs: Path) -> Iterator[list[str]]:
-    """n servers of the built-in model on free loopback ports, once each answers /health."""
+    """n servers of k3-tiny (random weights) on free loopback ports, once each answers /health."""
     procs, urls = [], []
     try:
         for i in range(n):
             port = free_port()
             with open(logs / f"server{i}.log", "wb") as log:
-                procs.append(subprocess.Popen([sys.executable, "-m", "radixk3.launch_server", "--port", str(port),
-                                               "--disable-compile"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                cmd = [sys.executable, "-m", "radixk3.launch_server", "--port", str(port), "--model-path", "k3-tiny",
+                       "--disable-compile"]
+                procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                               env=os.environ | {"PYTHONUNBUFFERED": "1"}))
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + START_S

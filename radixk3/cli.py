@@ -13,7 +13,8 @@ from pathlib import Path
 
 import orjson
 
-from radixk3.config import BUILTIN_PRESET, PRESETS, TRUE_SIZE_PRESETS, ConfigError, preset
+from radixk3.builtin_model import checkpoint_dir
+from radixk3.config import PRESETS, TINY_PRESET, TRUE_SIZE_PRESETS, ConfigError, preset
 from radixk3.config_formats import load_model_config
 from radixk3.generation_config import load_generation_config
 from radixk3.plan import EXPERT_FORMATS, memory_plan, parallel_plan, parse_bytes
@@ -139,13 +140,14 @@ def _check_tokenizer(model: str | None, mode: str, trust_remote_code: bool) -> N
 
 def _generate(args: argparse.Namespace) -> None:
     # Imported here so that `plan` and `make-checkpoint` stay instant (no engine, no ZeroMQ).
+    from runtime.model_files import model_config
     from runtime.server_args import ServerArgs
     from runtime.tokenizer.engine import Engine, EngineError
 
     server_args = ServerArgs.from_cli_args(args)
     # Checked here, before any process starts, so that a bad directory gets a one-line error.
-    cfg = preset(BUILTIN_PRESET) if server_args.model is None else load_model_config(server_args.model)
-    _check_tokenizer(server_args.model, server_args.tokenizer_mode, server_args.trust_remote_code)
+    cfg = model_config(server_args)
+    _check_tokenizer(checkpoint_dir(server_args.model), server_args.tokenizer_mode, server_args.trust_remote_code)
     try:
         engine = Engine(**dataclasses.asdict(server_args))
     except EngineError as e:
@@ -177,10 +179,10 @@ def _serve(args: argparse.Namespace) -> None:
     from runtime.server_args import ServerArgs
 
     server_args = ServerArgs.from_cli_args(args)
-    if server_args.model is not None:
-        load_model_config(server_args.model)  # a bad directory gets a one-line error before any process starts
-        load_generation_config(server_args.model)
-        _check_tokenizer(server_args.model, server_args.tokenizer_mode, server_args.trust_remote_code)
+    if (directory := checkpoint_dir(server_args.model)) is not None:
+        load_model_config(directory)  # a bad directory gets a one-line error before any process starts
+        load_generation_config(directory)
+        _check_tokenizer(directory, server_args.tokenizer_mode, server_args.trust_remote_code)
     if server_args.node_rank > 0:  # another node: only its ranks, serving node 0's plans until it stops
         from runtime.node_main import run_node
 
@@ -215,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     mk = sub.add_parser("make-checkpoint", help="write a seeded random checkpoint (config, safetensors, tokenizer)")
     mk.add_argument("out", type=Path)
-    mk.add_argument("--preset", default=BUILTIN_PRESET, choices=sorted([*PRESETS, *DRAFTER_PRESETS]))
+    mk.add_argument("--preset", default=TINY_PRESET, choices=sorted([*PRESETS, *DRAFTER_PRESETS]))
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--shards", type=int, default=1, help="safetensors shards (>1 writes an index)")
     mk.add_argument("--expert-format", default=None, choices=("mxfp4", "int4", "fp8", "none"),
@@ -246,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="the HTTP server: native (/generate) and OpenAI-compatible (/v1) APIs",
                            description="Starts the engine with the ServerArgs flags below (--model/--model-path "
-                                       "DIR; default: the built-in tiny model) behind FastAPI on uvicorn; "
+                                       "DIR or a test preset; default: the built-in k3-gsm8k) behind FastAPI on "
+                                       "uvicorn; "
                                        "SIGTERM drains in-flight requests and exits. With --nnodes N "
                                        "--node-rank R > 0 --dist-init-addr HOST:PORT it runs only node R's "
                                        "ranks (no HTTP) until node 0 shuts down or goes away.")

@@ -332,9 +332,9 @@ PRESETS = {
     "kimi-linear-48b": _kimi_linear_48b,
     "kimi-k3": _kimi_k3,
 }
-# The built-in model: what `radixk3 generate` and an Engine without a checkpoint run (random weights).
-BUILTIN_PRESET = "k3-tiny"
-BUILTIN_SEED = 0
+# The preset tests and benches serve with random weights (`--model-path k3-tiny`), and its weights' default seed.
+TINY_PRESET = "k3-tiny"
+PRESET_SEED = 0
 # True-size presets exist for memory plans only; never allocate their weights here.
 TRUE_SIZE_PRESETS = frozenset({"kimi-linear-48b", "kimi-k3"})
 

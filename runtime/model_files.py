@@ -1,9 +1,11 @@
 """What a model directory gives the processes: its config, its tokenizer, the ids that end a generation and the
-default sampling parameters of its generation_config.json (the built-in model when no directory is given)."""
+default sampling parameters of its generation_config.json (`radixk3.builtin_model`: the built-in model when no
+model is named, a preset's random weights when one is)."""
 
 from __future__ import annotations
 
-from radixk3.config import BUILTIN_PRESET, ModelConfig, preset
+from radixk3.builtin_model import checkpoint_dir, random_preset
+from radixk3.config import ModelConfig, preset
 from radixk3.config_formats import load_model_config
 from radixk3.generation_config import FILE_NAME, load_generation_config
 from radixk3.tokenizer import Tokenizer, checkpoint_tokenizer
@@ -14,23 +16,25 @@ from runtime.server_args import ServerArgs
 
 
 def model_config(args: ServerArgs) -> ModelConfig:
-    if args.model is None:
-        return preset(BUILTIN_PRESET)
-    cfg = load_model_config(args.model)
-    if cfg.vision is not None and not has_vision_weights(args.model):
+    if (name := random_preset(args.model)) is not None:
+        return preset(name)
+    directory = checkpoint_dir(args.model)
+    cfg = load_model_config(directory)
+    if cfg.vision is not None and not has_vision_weights(directory):
         return cfg.replace(vision=None)  # a vision_config without the tower's tensors: text only
     return cfg
 
 
 def tokenizer_for(args: ServerArgs) -> Tokenizer:
     """The model directory's tokenizer by `--tokenizer-mode` (`radixk3.tokenizer.checkpoint_tokenizer`)."""
-    return checkpoint_tokenizer(args.model, args.tokenizer_mode, args.trust_remote_code)
+    return checkpoint_tokenizer(checkpoint_dir(args.model), args.tokenizer_mode, args.trust_remote_code)
 
 
 def stop_ids(args: ServerArgs, tok: Tokenizer, cfg: ModelConfig) -> frozenset[int]:
     """The ids that end a generation (unless a request ignores eos): the tokenizer's stop markers, the config's
     eos, and generation_config.json's eos ids."""
-    return frozenset(tok.stop_ids) | {cfg.eos_token_id} | set(load_generation_config(args.model).eos_token_ids)
+    generation = load_generation_config(checkpoint_dir(args.model))
+    return frozenset(tok.stop_ids) | {cfg.eos_token_id} | set(generation.eos_token_ids)
 
 
 def sampling_defaults(args: ServerArgs) -> dict[str, object]:
@@ -38,7 +42,7 @@ def sampling_defaults(args: ServerArgs) -> dict[str, object]:
     with `model`, none with `openai`. ValueError naming the file's field if the file's values are out of range."""
     if args.sampling_defaults != "model":
         return {}
-    defaults = load_generation_config(args.model).sampling
+    defaults = load_generation_config(checkpoint_dir(args.model)).sampling
     try:
         SamplingParams.from_dict(defaults)
     except InvalidRequest as e:

@@ -8,7 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixk3.config import BUILTIN_SEED
+from radixk3.builtin_model import BUILTIN_MODEL_NAME, default_model, random_preset
+from radixk3.config import PRESET_SEED
 from radixk3.tokenizer_base import TOKENIZER_MODES
 
 # "0" turns the compiled decode step off, "1" on, whatever --disable-compile says (the test suite sets "0").
@@ -32,7 +33,10 @@ QUANTIZATIONS = ("int8", "int4")  # kernels.weight_quant.METHODS (this module im
 
 @dataclass
 class ServerArgs:
-    model: str | None = None  # checkpoint dir; None = the built-in tiny model
+    model: str | None = field(default=None, metadata={"help": (
+        "a checkpoint directory, or a test preset's name (k3-tiny, k3-tiny-native, k3-small: random weights from "
+        "--seed); default: $RADIXK3_DEFAULT_MODEL if set, else the built-in k3-gsm8k (a small K3 model trained on "
+        "gsm8k text)")})
     tokenizer_mode: str = field(default="auto", metadata={"help": (
         "native: radixk3's own tokenizer (a sentencepiece tokenizer.model, or Kimi's tiktoken.model with its "
         "tokenizer_config.json); hf: the checkpoint's own class through transformers' AutoTokenizer; auto: native "
@@ -96,7 +100,7 @@ class ServerArgs:
         "and vLLM's flag): int8 (one scale per output channel) or int4 (groups of 32 inputs, scale and zero; "
         "int8 where a weight does not pack), on torch's CPU kernels; the embedding, norms, router and KDA "
         "gates stay in the model dtype (README: Weight-only quantisation)")})
-    seed: int = BUILTIN_SEED  # weights of the built-in model
+    seed: int = PRESET_SEED  # a random preset's weights
     disable_compile: bool = field(default=False, metadata={"help": (
         "run decode steps eagerly, not through the compiled decode step (torch.compile of the whole decode "
         "forward: inductor's C++ on CPU, CUDA graphs on CUDA, compiled at startup once per batch-size bucket); "
@@ -178,7 +182,7 @@ class ServerArgs:
     port: int = 30000
     api_key: str | None = None  # if set: `Authorization: Bearer KEY` on every endpoint but /health
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
-    served_model_name: str | None = None  # the model id /v1 reports; default: the model path or "k3-tiny"
+    served_model_name: str | None = None  # the model id /v1 reports; default: model_id
     graceful_shutdown_timeout: float = field(default=10.0, metadata={"help": (
         "on SIGTERM: seconds to let in-flight requests finish; then each is aborted and ends with a 503 error "
         "(a stream: an error event and [DONE]), and the server exits 0")})
@@ -191,6 +195,9 @@ class ServerArgs:
         "(nginx's client_header_timeout and Node's headersTimeout, both 60 s)")})
 
     def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = default_model()
+        random_preset(self.model)  # a true-size preset is refused here, by name
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
             raise ValueError("--mem-fraction must be in (0, 1)")
         if self.page_size < 1:
@@ -301,6 +308,11 @@ class ServerArgs:
         for on, what in unsupported:
             if on:
                 raise ValueError(f"--disaggregation-mode {mode} with {what} is not supported yet")
+
+    @property
+    def model_id(self) -> str:
+        """The model as given (a checkpoint path or a preset name), or the built-in model's name."""
+        return self.model or BUILTIN_MODEL_NAME
 
     @property
     def overlap_schedule(self) -> bool:

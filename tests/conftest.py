@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 from bench.train_spec_pair import Recipe, SpecPair, Stage, ensure_spec_pair, k3_config
+from radixk3.builtin_model import DEFAULT_MODEL_ENV
+from radixk3.config import TINY_PRESET
 from runtime.server_args import COMPILE_ENV
 from tests.runtime.http_server_proc import Server, SharedServers
 
@@ -30,6 +32,9 @@ if TYPE_CHECKING:
 # Engines under test decode eagerly (compiling costs tens of seconds per batch-size bucket); the compiled step's
 # own tests build it themselves. Set before any engine starts, so spawned workers inherit it.
 os.environ.setdefault(COMPILE_ENV, "0")
+# An engine given no model serves the random k3-tiny preset here (every feature, test-sized; the built-in trained
+# model is dense), spawned servers included; the tests of the built-in model name its directory.
+os.environ[DEFAULT_MODEL_ENV] = TINY_PRESET
 
 SMALL_SPEC_RECIPE = Recipe(
     target=k3_config(64, 2, [2], 1, 32, 128, mtp=1),
@@ -70,8 +75,9 @@ def default_server(shared_servers: SharedServers) -> Server:
 
 @pytest.fixture(scope="session")
 def builtin_engine() -> Iterator[Engine]:
-    """The multi-process Engine on the built-in model (8 MiB pool), shared by the modules whose tests hold whatever
-    ran on it before: each checks only its own requests, or flushes the cache first where it counts hits."""
+    """The multi-process Engine on the default model (k3-tiny here; 8 MiB pool), shared by the modules whose tests
+    hold whatever ran on it before: each checks only its own requests, or flushes the cache first where it counts
+    hits."""
     from runtime.tokenizer.engine import Engine  # the engine's imports only for the tests that use it
 
     with Engine(mem_bytes=8 << 20) as engine:

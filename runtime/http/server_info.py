@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.responses import Response
 
+from radixk3.builtin_model import checkpoint_dir
 from radixk3.sentencepiece_tokenizer import BUILTIN_MODEL
 from runtime.http.api_errors import OrjsonResponse, parse_body
 from runtime.http.state import ServerState, state_of
@@ -31,8 +32,9 @@ VERSION = "0.1.0"
 
 
 def tokenizer_path(st: ServerState) -> str:
-    """Where the tokenizer's files are: the checkpoint's folder, or the built-in model's assets folder."""
-    return st.args.model or str(BUILTIN_MODEL.parent)
+    """Where the tokenizer's files are: the checkpoint's folder (the built-in model's too), or the built-in
+    tokenizer's assets folder for a random preset."""
+    return checkpoint_dir(st.args.model) or str(BUILTIN_MODEL.parent)
 
 
 @router.get("/model_info")

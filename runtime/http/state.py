@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from radixk3.config import BUILTIN_PRESET
 from radixk3.tokenizer import Tokenizer
 from runtime.engine_processes import EngineProcesses
 from runtime.http.api_errors import APIError
@@ -51,7 +50,7 @@ class ServerState:
 
     @property
     def model_path(self) -> str:
-        return model_path(self.args)
+        return self.args.model_id
 
     def check_model(self, model: str) -> None:
         """SGLang's names of the served model: the served name, "default" (SGLang's documentation sends it) and
@@ -61,13 +60,8 @@ class ServerState:
                            "invalid_request_error", param="model", code="model_not_found")
 
 
-def model_path(args: ServerArgs) -> str:
-    """The checkpoint's path as given, or the built-in model's preset name."""
-    return args.model or BUILTIN_PRESET
-
-
 def served_model_name(args: ServerArgs) -> str:
-    return args.served_model_name or model_path(args)
+    return args.served_model_name or args.model_id
 
 
 def state_of(request: Request) -> ServerState:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixk3.builtin_model import checkpoint_dir, random_preset
 from radixk3.chat_template import ChatTemplate, HFChatTokenizer, control_markers, load_chat_template
 from radixk3.config import ModelConfig
 from radixk3.tokenizer import Tokenizer
@@ -52,9 +53,10 @@ def chat_format_for(args: ServerArgs, cfg: ModelConfig, tokenizer: Tokenizer,
         hf = hf_tokenizer if getattr(hf_tokenizer, "chat_template", None) is not None else None
     template = None
     if hf is None and (args.chat_template is not None or not cfg.is_k3_format):
-        template = load_chat_template(args.model, args.chat_template)
-    # The built-in model is K3 (its tokenizer has K3's markers), though its config is written in Kimi-Linear's format.
-    k3 = cfg.is_k3_format or args.model is None
+        template = load_chat_template(checkpoint_dir(args.model), args.chat_template)
+    # The random test presets are K3 (the built-in tokenizer has K3's markers), though k3-tiny's config is written
+    # in Kimi-Linear's format.
+    k3 = cfg.is_k3_format or random_preset(args.model) is not None
     family = HF if hf is not None else JINJA if template is not None else K3 if k3 else NATIVE
     tool_parser = args.tool_call_parser or _TOOL_PARSERS[family][0]
     if tool_parser not in _TOOL_PARSERS[family]:

@@ -639,7 +639,7 @@ class TokenizerManager:
         self._check_alive()
         cfg, args = self.procs.config, self.args
         return {
-            "model_path": args.model,
+            "model_path": args.model_id,
             "vocab_size": cfg.vocab_size,
             "context_length": self.context_length,
             "dtype": serving_dtype(cfg, args),

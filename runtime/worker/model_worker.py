@@ -16,7 +16,8 @@ from kernels.sampling import LogitBias, TokenMask
 from kernels.sampling_tensors import SamplingTensors
 from kernels.spec_layout import pad, window_layout
 from kernels.state_checkpoints import StateCheckpoints
-from radixk3.config import BUILTIN_PRESET, preset
+from radixk3.builtin_model import checkpoint_dir, random_preset
+from radixk3.config import preset
 from radixk3.decode_graph import DecodeGraphs, Scratch
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM, build_model
@@ -44,8 +45,8 @@ COMPILED_SPECULATION = (None, "ngram")
 
 
 def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
-    if args.model is None:
-        model = build_model(preset(BUILTIN_PRESET), seed=args.seed, device=args.device)
+    if (name := random_preset(args.model)) is not None:
+        model = build_model(preset(name), seed=args.seed, device=args.device)
         dtype = serving_dtype(model.config, args)
         model = model if dtype == model.config.dtype else model.cast_(torch_dtype(dtype))
     else:
@@ -54,7 +55,7 @@ def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
         # In the serving dtype from the start: each tensor is converted as it is read, so a bf16 engine never holds
         # the whole model in the checkpoint's fp32 as well (a load-time copy that set the worker's peak).
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-        model = load_model(args.model, device=args.device, dtype=dtype)
+        model = load_model(checkpoint_dir(args.model), device=args.device, dtype=dtype)
     if args.quantization is not None:
         from radixk3.weight_quant import quantize_model_
 
@@ -65,11 +66,12 @@ def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
 def load_worker_vision(args: ServerArgs, model: KimiForCausalLM) -> VisionEncoder | None:
     """The checkpoint's vision tower (None for a text-only model), in the text model's serving dtype. Every rank
     holds it whole: it is small beside the text model, and its output feeds the replicated first-layer input."""
-    if args.model is None or model.config.vision is None or not has_vision_weights(args.model):
+    directory = checkpoint_dir(args.model)
+    if directory is None or model.config.vision is None or not has_vision_weights(directory):
         return None  # a text-only checkpoint (its vision_config, if any, without the tower's tensors)
     from radixk3.vision.weights import load_vision_encoder
 
-    return load_vision_encoder(args.model, device=model.device, dtype=torch_dtype(serving_dtype(model.config, args)))
+    return load_vision_encoder(directory, device=model.device, dtype=torch_dtype(serving_dtype(model.config, args)))
 
 
 class ModelWorker:

@@ -14,7 +14,7 @@ import pytest
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 
-from radixk3.config import BUILTIN_SEED
+from radixk3.config import PRESET_SEED
 from radixk3.tokenizer import Tokenizer, load_tokenizer
 from tests.frontend_lang.oracle import tiny_model, token_logprobs
 from tests.runtime.http_server_proc import Server
@@ -47,7 +47,7 @@ def split_pair(context: str, continuation: str) -> tuple[str, str]:
 def assert_loglikelihoods_are_radixk3s(samples: list[dict[str, Any]], tok: Tokenizer) -> int:
     """Each (context, continuation) lm-eval scored: its loglikelihood equals the no-cache forward's sum over
     the continuation's tokens, the ids being radixk3's; returns how many were checked."""
-    model = tiny_model(BUILTIN_SEED)
+    model = tiny_model(PRESET_SEED)
     checked = 0
     for sample in samples:
         for (context, continuation), resp in zip(sample["arguments"], sample["resps"], strict=True):

@@ -22,7 +22,7 @@ import pytest
 import sglang as sgl
 from sglang.test import test_programs as sgl_programs
 
-from radixk3.config import BUILTIN_SEED
+from radixk3.config import PRESET_SEED
 from radixk3.tokenizer import load_tokenizer
 from tests.frontend_lang.oracle import tiny_model, token_logprobs
 from tests.runtime.http_server_proc import Server
@@ -145,7 +145,7 @@ def test_select_matches_the_no_cache_forward(backend: sgl.RuntimeEndpoint) -> No
     choices = [" yes", " she sold 72 clips", " no"]
     state = pick.run(prefix=PREFIX, choices=choices, temperature=0)
     meta = state.get_meta_info("pick")
-    model, tok = tiny_model(BUILTIN_SEED), load_tokenizer()
+    model, tok = tiny_model(PRESET_SEED), load_tokenizer()
     for choice, got in zip(choices, meta["input_token_logprobs"], strict=True):
         ids = tok.encode(PREFIX + choice, add_bos=True)
         start = len(ids) - len(got)

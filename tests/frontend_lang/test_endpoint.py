@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 import pytest
 
 import frontend_lang as sgl
-from radixk3.config import BUILTIN_SEED
+from radixk3.config import PRESET_SEED
 from radixk3.tokenizer import load_tokenizer
 from tests.bench.test_bench_smoke import bench, last_json
 from tests.frontend_lang.oracle import choice_logprobs, tiny_model
@@ -53,7 +53,7 @@ def test_gen_with_a_stop_string(endpoint: sgl.RuntimeEndpoint) -> None:
 
 @pytest.mark.parametrize(("prefix", "choices"), [(PREFIX, CHOICES), (MERGING_PREFIX, MERGING_CHOICES)])
 def test_select_matches_the_no_cache_forward(endpoint: sgl.RuntimeEndpoint, prefix: str, choices: list[str]) -> None:
-    model, tok = tiny_model(BUILTIN_SEED), load_tokenizer()
+    model, tok = tiny_model(PRESET_SEED), load_tokenizer()
     truth = [choice_logprobs(model, tok, prefix, c) for c in choices]
     means = [sum(t) / len(t) for t in truth]
     state = pick.run(prefix=prefix, choices=choices, backend=endpoint)

@@ -43,14 +43,14 @@ def test_generate_builtin_and_bad_model_path(tmp_path: Path, capsys: pytest.Capt
 
 def test_generate_streams_the_engine_greedy_output(capsys: pytest.CaptureFixture[str]) -> None:
     """Through the engine (with ServerArgs flags), the printed text is the prompt + the no-cache greedy loop."""
-    from radixk3.config import BUILTIN_PRESET, BUILTIN_SEED, preset
+    from radixk3.config import PRESET_SEED, TINY_PRESET, preset
     from radixk3.model import build_model
     from radixk3.tokenizer import load_tokenizer
     from tests.greedy import greedy_reference
 
     tok = load_tokenizer()
     prompt = "Natalia sold clips to 48 of her friends"
-    ref = greedy_reference(build_model(preset(BUILTIN_PRESET), seed=BUILTIN_SEED), tok.encode(prompt, add_bos=True), 6)
+    ref = greedy_reference(build_model(preset(TINY_PRESET), seed=PRESET_SEED), tok.encode(prompt, add_bos=True), 6)
     expected = prompt + tok.decode(ref) + "\n"
     assert main(["generate", prompt, "--max-new-tokens", "6", "--ignore-eos", "--page-size", "4",
                  "--chunked-prefill-size", "8", "--disable-radix-cache", "--mem-bytes", str(16 << 20)]) == 0

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from radixk3.checkpoint import load_model, write_checkpoint, write_random_checkpoint
-from radixk3.config import BUILTIN_PRESET, BUILTIN_SEED, preset
+from radixk3.config import PRESET_SEED, TINY_PRESET, preset
 from radixk3.dspark_checkpoint import write_random_dspark
 from radixk3.model import KimiForCausalLM, build_model
 from runtime.local_engine import LocalEngine
@@ -59,7 +59,7 @@ def _waves(model: KimiForCausalLM) -> tuple[Waves, Waves]:
 
 @pytest.fixture(scope="module")
 def builtin() -> tuple[Waves, Waves]:
-    return _waves(build_model(preset(BUILTIN_PRESET), seed=BUILTIN_SEED))
+    return _waves(build_model(preset(TINY_PRESET), seed=PRESET_SEED))
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +238,7 @@ def _drafter(alg: str, root: Path) -> Path:
     """A random draft model (k3-tiny, another seed) or DSpark drafter for the built-in target."""
     if alg == "draft":
         return write_checkpoint(build_model(preset("k3-tiny"), seed=5), root / "draft")
-    return write_random_dspark(root / "dspark", build_model(preset(BUILTIN_PRESET), seed=BUILTIN_SEED), seed=2)
+    return write_random_dspark(root / "dspark", build_model(preset(TINY_PRESET), seed=PRESET_SEED), seed=2)
 
 
 @pytest.mark.parametrize("alg", ["draft", "dspark"])
@@ -249,7 +249,7 @@ def test_dp_attention_with_a_draft_model_or_dspark_equals_tp1(alg: str, builtin:
     Besides the waves, a long request decodes on rank 0 while a later one prefills, decodes and ends on rank 1, so
     ranks verify, extend and idle against each other."""
     waves, refs = builtin
-    target = build_model(preset(BUILTIN_PRESET), seed=BUILTIN_SEED)
+    target = build_model(preset(TINY_PRESET), seed=PRESET_SEED)
     longer = dict(GREEDY, max_new_tokens=40)
     g = random.Random(9)
     first, later = [g.randrange(target.config.vocab_size) for _ in range(30)], [3, 1, 4, 1, 5, 9, 2, 6]

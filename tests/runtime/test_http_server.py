@@ -17,7 +17,7 @@ import torch
 
 from frontend_lang.endpoint_backend import RuntimeEndpoint
 from radixk3.chat_prompt import ChatPrompt
-from radixk3.config import BUILTIN_SEED
+from radixk3.config import PRESET_SEED
 from radixk3.tokenizer import load_tokenizer
 from runtime.tokenizer.engine import Engine
 from runtime.tokenizer.request_stream import token_text
@@ -271,7 +271,7 @@ def test_logprobs_raw_http(server: Server) -> None:
 def _expected_completion_logprobs(ids: list[int], k: int) -> dict[str, list[Any]]:
     """OpenAI's legacy logprobs of `ids` (prompt then outputs) from the no-cache forward: null for the first."""
     tok = load_tokenizer()
-    logp = torch.log_softmax(tiny_model(BUILTIN_SEED)(torch.tensor(ids)).float(), dim=-1)
+    logp = torch.log_softmax(tiny_model(PRESET_SEED)(torch.tensor(ids)).float(), dim=-1)
     texts = [token_text(tok, t) for t in ids]
     tops: list[dict[str, float] | None] = [None]
     for t in range(1, len(ids)):
@@ -315,7 +315,7 @@ def test_completions_echo_with_logprobs(server: Server) -> None:
     for choice, ids in zip(sorted(done["choices"], key=lambda ch: ch["index"]), body["prompt"], strict=True):
         lp = choice["logprobs"]
         assert choice["text"].startswith(tok.decode(ids, False))
-        full = ids + greedy_reference(tiny_model(BUILTIN_SEED), ids, 3)
+        full = ids + greedy_reference(tiny_model(PRESET_SEED), ids, 3)
         _assert_logprobs_equal(lp, _expected_completion_logprobs(full, 1))
         mine = [ch for e in events[:-1] for ch in e["choices"] if ch["index"] == choice["index"]]
         assert "".join(ch["text"] for ch in mine) == choice["text"]

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from radixk3.config import BUILTIN_PRESET, preset
+from radixk3.config import TINY_PRESET, preset
 from radixk3.model import build_model
 from runtime.local_engine import LocalEngine
 from runtime.messages import Shutdown, WorkerReady, decode, encode
@@ -118,5 +118,5 @@ def test_engine_with_mem_fraction_uses_the_workers_pool_size() -> None:
         assert engine.model_info()["context_length"] == min(g.num_pages, room // g.page_bytes) * g.page_size
         prompt = list(range(40, 70))
         out = engine.generate(prompt, {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
-        model = build_model(preset(BUILTIN_PRESET), seed=engine.args.seed)
+        model = build_model(preset(TINY_PRESET), seed=engine.args.seed)
         assert out["output_ids"] == greedy_reference(model, prompt, 4)
