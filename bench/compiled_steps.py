@@ -6,8 +6,8 @@ compiled step, the compile seconds per graph, and a profile of the compiled step
 Sequences are prefilled eagerly on the worker's real pool buffer (with its scratch slot and row), then steps
 alternate between the variants over the same sequences; each figure is the best of the runs.
 
-    python bench/compiled_steps.py [--model k3-small] [--batches 1 32] [--drafts 3] [--repeats 20] [--threads N]
-        [--json]
+    python bench/compiled_steps.py [--model k3-small|k3-gsm8k|DIR] [--batches 1 32] [--drafts 3] [--repeats 20]
+        [--threads N] [--json]
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import kda_decode_cpu as fused_kda  # noqa: E402
+from radixk3.builtin_model import BUILTIN_MODEL_DIR, BUILTIN_MODEL_NAME, random_preset  # noqa: E402
+from radixk3.checkpoint import load_model  # noqa: E402
 from radixk3.config import preset  # noqa: E402
 from radixk3.decode_graph import DecodeGraphs, Scratch  # noqa: E402
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache  # noqa: E402
-from radixk3.model import build_model  # noqa: E402
+from radixk3.model import KimiForCausalLM, build_model  # noqa: E402
 from radixk3.spec_window import SpecWindow, WindowRows  # noqa: E402
 from radixk3.verify_graph import VerifyGraphs  # noqa: E402
 from runtime.pool_layout import pool_layout  # noqa: E402
@@ -61,9 +63,17 @@ def torch_kda(fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
+def bench_model(name: str) -> KimiForCausalLM:
+    """A test preset's random weights (seed 0), the built-in model or a checkpoint directory; in fp32."""
+    if random_preset(name) is not None:
+        return build_model(preset(name), seed=0)
+    return load_model(BUILTIN_MODEL_DIR if name == BUILTIN_MODEL_NAME else name, dtype=torch.float32)
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="k3-small")
+    ap.add_argument("--model", default="k3-small", help="a test preset (random weights), k3-gsm8k (the built-in "
+                    "model) or a checkpoint directory; in fp32")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--drafts", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20)
@@ -74,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
-    model = build_model(preset(a.model), seed=0)
+    model = bench_model(a.model)
     cfg = model.config
     n_max, width = max(a.batches), a.drafts + 1
     pages = -(-(PROMPT + 4 * a.repeats * width + 64) // PAGE)
