@@ -29,7 +29,8 @@ _REFUSALS = (ValueError, TypeError, RuntimeError, TimeoutError)
 class Runtime(Backend):
     def __init__(self, model_path: str | os.PathLike[str] | None = None, *, engine: Any = None,  # noqa: ANN401
                  **server_args: Any) -> None:
-        """Start an Engine on `model_path` (None: the built-in k3-tiny) with `server_args`, or wrap `engine`."""
+        """Start an Engine on `model_path` (None: the default model, `radixk3.builtin_model`) with `server_args`, or
+        wrap `engine`."""
         if engine is None:
             from radixk3 import Engine
 
