@@ -6,8 +6,8 @@ Who reads what: SGLang's frontend (`RuntimeEndpoint`) picks a chat template by /
 `bench_serving` loads the tokenizer at `tokenizer_path`; sglang-router registers a worker by /server_info and
 /model_info and balances by /get_load's `num_tokens`; lm-eval's remote tokenizer reads /tokenizer_info and
 tokenizes through /tokenize and /detokenize (vLLM's shapes, which SGLang's extend). `model_path`,
-`tokenizer_path` and `served_model_name` are always strings: for the built-in model, its preset name and the
-folder of its tokenizer files.
+`tokenizer_path` and `served_model_name` are always strings: for the built-in model its name (k3-gsm8k) and its
+folder, for a test preset its name and the built-in tokenizer's folder.
 """
 
 from __future__ import annotations
