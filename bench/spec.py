@@ -4,7 +4,9 @@ accepted length and output tok/s per proposer, with and without speculation, at 
 (a) Memory: the draft window's scratch per request for `kimi-k3` at TP 8, from the pool plan
     (`PoolLayout.spec_window_bytes`); and the bytes the window really allocates for the trained target.
 (b) Speed: the real engine (`runtime.tokenizer.engine.Engine`: tokenizer, scheduler and worker processes) on gsm8k test
-    questions with the trained pair (`bench/train_spec_pair.py`, built into the cache directory if missing),
+    questions with the trained pair (`bench/train_spec_pair.py`): the built-in target `radixk3/assets/k3-gsm8k/`
+    (bf16, with its MTP layer), a draft model and a DSpark drafter trained against it into the cache directory
+    when missing,
     greedy, one plain run and one run per proposer per batch size, all in this run.
     Batch 1 sends one question at a time; batch B sends B at once. Each engine is warmed up on the first
     question, then flushed: the timed run starts with an empty radix cache and n-gram corpus.
@@ -124,9 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.json:
             print(json.dumps(fig))
         return 0
-    from bench.train_spec_pair import ensure_spec_pair
+    from bench.train_spec_pair import BUILTIN, ensure_spec_pair
 
-    pair = ensure_spec_pair()
+    pair = ensure_spec_pair(target=BUILTIN, log=True)
     fig |= measured_memory(pair.target, a.k, 64)
     print(f"    measured on the trained target, 64 rows: ReplaySSM {fig['trained_replay_bytes'] / 2**20:.2f} MiB, "
           f"snapshot {fig['trained_snapshot_bytes'] / 2**20:.2f} MiB: {fig['trained_memory_ratio']:.1f}x")

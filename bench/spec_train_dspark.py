@@ -11,7 +11,7 @@ forced: prev_i is the text's token L+i (the anchor for i = 0). The target's weig
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from radixk3.model import KimiForCausalLM
 class TargetData(NamedTuple):
     ids: list[Tensor]  # per text [T_j] int64
     aux: list[Tensor]  # per text [T_j, n_ids * H_t]
-    probs: list[Tensor]  # per text [T_j, V] the target's next-token distribution (fp32)
+    probs: list[Tensor]  # per text [T_j, V] the target's next-token distribution (bf16: held for every token)
 
 
 class Sample(NamedTuple):
@@ -45,7 +45,7 @@ def target_data(target: KimiForCausalLM, cfg: DSparkConfig, texts_ids: list[list
         cu = torch.tensor([0, t.numel()], device=dev)
         # Cloned: inference-mode tensors cannot enter autograd.
         aux.append(target_aux_states(target, cfg, t, cu).clone().float())
-        probs.append(target(t, cu).float().softmax(-1).clone())
+        probs.append(target(t, cu).float().softmax(-1).to(torch.bfloat16))
         ids.append(t)
     if not ids:
         raise ValueError("train_dspark needs at least one text of 3 or more tokens")
@@ -124,6 +124,86 @@ def train_dspark(
     try:
         for _ in range(steps):
             loss = dspark_loss(model, data, draw_samples(data, batch_size, gen), distill=distill, hard=hard)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            if losses is not None:
+                losses.append(float(loss.detach()))
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
+    return model.eval()
+
+
+# --- every anchor of a window in one pass -------------------------------------------------------------------
+def every_anchor_logits(model: DSparkModel, context: list[Tensor], ids: Tensor, anchors: Tensor) -> Tensor:
+    """Base logits [A, B, V] of the block at each anchor L in `anchors` of one text `ids`, all in one pass:
+    `context` holds the text's context latents per draft layer (`context_latents` at positions 0..T-1), and the
+    block at L sees context rows [0, L) and itself, non-causally, exactly as `draft_block` on that prefix (one
+    dense masked attention instead of a sequence per anchor)."""
+    b, n, t = model.config.block_size, anchors.numel(), context[0].shape[0]
+    x, positions = model.block_inputs(ids[anchors], anchors, b)
+    blk = torch.arange(n, device=ids.device).repeat_interleave(b)  # the block of each query row
+    visible = torch.cat([torch.arange(t, device=ids.device)[None, :] < anchors[blk][:, None],
+                         blk[:, None] == blk[None, :]], dim=1)  # [n*b, t + n*b]: context rows, then block rows
+
+    def attend(i: int, attn: Any, q_nope: Tensor, q_pe: Tensor, lat: Tensor) -> Tensor:  # noqa: ANN401
+        buf = torch.cat([context[i].to(lat.dtype), lat])
+        c, k_pe = buf[:, :attn.kv_lora_rank], buf[:, attn.kv_lora_rank:]
+        w = attn.kv_b_proj.weight.view(attn.num_heads, -1, attn.kv_lora_rank)  # per head: k rows, then v rows
+        w_uk, w_uv = w[:, :attn.nope], w[:, attn.nope:]
+        scores = (torch.einsum("jhd,hdr,sr->hjs", q_nope, w_uk, c) + torch.einsum("jhe,se->hjs", q_pe, k_pe))
+        probs = (scores.float() * attn.scale).masked_fill(~visible, float("-inf")).softmax(-1).to(q_nope.dtype)
+        return torch.einsum("hjs,sr,hvr->jhv", probs, c, w_uv)
+
+    return model._finish(model._run_layers(x, positions, attend), n).logits
+
+
+def window_loss(model: DSparkModel, target: KimiForCausalLM, windows: Tensor) -> Tensor:
+    """The mean per-position distillation loss of the blocks at every anchor L in [1, T-1) of each window [W, T]:
+    block position i (prev_i = token L+i, teacher forced) against the target's distribution at L+i."""
+    cfg = model.config
+    b = cfg.block_size
+    losses = []
+    for ids in windows:
+        t = ids.numel()
+        with torch.no_grad():
+            cu = torch.tensor([0, t], device=ids.device)
+            aux = target_aux_states(target, cfg, ids, cu).float().clone()  # inference tensors: no autograd
+            teacher = target(ids, cu).float().log_softmax(-1).clone()
+        anchors = torch.arange(1, t - 1, device=ids.device)
+        base = every_anchor_logits(model, model.context_latents(aux, torch.arange(t, device=ids.device)), ids,
+                                   anchors)
+        pos = (anchors[:, None] + torch.arange(b, device=ids.device)).clamp(max=t - 1)  # [A, B]: L + i
+        valid = anchors[:, None] + torch.arange(b, device=ids.device) < t
+        logq = model.markov_logits(base, ids[pos]).log_softmax(-1)
+        p = teacher[pos]
+        losses.append((p.exp() * (p - logq)).sum(-1)[valid].mean())  # KL(target || draft)
+    return torch.stack(losses).mean()
+
+
+def train_dspark_windows(target: KimiForCausalLM, windows: Tensor, *, seed: int, steps: int, cfg: DSparkConfig,
+                         windows_per_step: int = 2, lr: float = 3e-3, losses: list[float] | None = None
+                         ) -> DSparkModel:
+    """A drafter of `cfg` trained `steps` AdamW steps on the frozen target, each on `windows_per_step` windows
+    [W, T] (a seeded order, epoch after epoch) with the blocks at every anchor (`window_loss`)."""
+    torch.manual_seed(seed)
+    model = build_dspark(cfg.replace(dtype="float32"), target, seed=seed).train()
+    gen = torch.Generator().manual_seed(seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.1, 1 - s / steps))
+    trainable = [p for p in target.parameters() if p.requires_grad]
+    for p in trainable:
+        p.requires_grad_(False)
+    order, pos = torch.randperm(windows.shape[0], generator=gen), 0
+    try:
+        for _ in range(steps):
+            if pos + windows_per_step > order.numel():
+                order, pos = torch.randperm(windows.shape[0], generator=gen), 0
+            loss = window_loss(model, target, windows[order[pos: pos + windows_per_step]])
+            pos += windows_per_step
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,19 +1,25 @@
-"""The trained model pair for the speculative-decoding bench: a small K3-family target with an MTP layer, a tiny
-draft model, and (when the DSpark trainer is present) a DSpark drafter, all trained here on the gsm8k train set
-the project ships, seeded and deterministic, in CPU minutes.
+"""The trained model pair for the speculative-decoding bench: a small K3-family target with an MTP layer, a draft
+model and a DSpark drafter, all trained here on the gsm8k train set the project ships, seeded and deterministic,
+in CPU minutes.
 
 Stages, each on the frozen result of the one before:
 1. target: next-token cross-entropy on "Question: ...\\nAnswer: ..." examples joined by blank lines (the shape of
    `bench/gsm8k.py`'s few-shot prompts), cut into fixed windows;
-2. its MTP layer: token t+2 from (the target's pre-norm hidden state at t, token t+1); lm_head shared, frozen;
-3. the draft: a 2-layer K3-family model distilled from the target (KL to its distribution plus cross-entropy);
-4. DSpark, through `bench/spec_train_dspark.py`'s `train_dspark` when it is importable.
+2. its MTP layer: token t+2 from (the target's pre-norm hidden state at t, token t+1), distilled from the target's
+   distribution at t+1 (what a verify step accepts); lm_head shared, frozen;
+3. the draft: a 2-layer K3-family model distilled from the target's distribution;
+4. DSpark (`bench/spec_train_dspark.py`), distilled from the target on windows of the same stream, a block at
+   every anchor of a window in one pass.
 
-Training differentiates the model's own no-cache forward (`_prenorm_hidden`); nothing in the serving path
-changes. The artifact is cached under `$XDG_CACHE_HOME/radixk3/spec_pair/<key>`, `<key>` a hash of the recipe
-and data, written into a temporary directory and renamed into place (a killed run leaves no half artifact).
+The bench's target is the built-in one, `radixk3/assets/k3-gsm8k/` (stages 1-2, weights in bf16, with the recipe
+that made it in `recipe.json`), written by `--write-builtin`; the draft and DSpark are trained against it as
+served (its bf16 weights) into `$XDG_CACHE_HOME/radixk3/spec_pair/<key>`, `<key>` a hash of the recipe, the data
+and the target's weights. A recipe without a given target (the tests' small one) trains its own into the cache.
+Artifacts are written into a temporary directory and renamed into place (a killed run leaves no half artifact).
+Training differentiates the model's own no-cache forward (`_prenorm_hidden`); nothing in the serving path changes.
 
-    python bench/train_spec_pair.py [--rebuild] [--steps-scale X]
+    python bench/train_spec_pair.py [--rebuild] [--steps-scale X]   # the pair on the built-in target: agreements
+    python bench/train_spec_pair.py --write-builtin                  # retrain the built-in target (~25 CPU min)
 """
 
 from __future__ import annotations
@@ -39,19 +45,26 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script, bench/kernels.py would shadow the kernels package
 
 from bench.gsm8k import DATA, one_example, read_jsonl  # noqa: E402
-from radixk3.checkpoint import load_model, write_checkpoint  # noqa: E402
+from bench.spec_pair_agreement import agreement, held_out_ids, sample_replies  # noqa: E402
+from bench.spec_train_dspark import train_dspark_windows  # noqa: E402
+from radixk3.checkpoint import SINGLE_FILE, load_model, write_checkpoint  # noqa: E402
 from radixk3.config import ModelConfig, every_mla  # noqa: E402
+from radixk3.dspark_checkpoint import load_dspark, write_dspark_checkpoint  # noqa: E402
+from radixk3.dspark_config import DSparkConfig, k3_tiny_dspark_preset  # noqa: E402
 from radixk3.model import KimiForCausalLM, build_model  # noqa: E402
 from radixk3.mtp import run_mtp_layer  # noqa: E402
 from radixk3.tokenizer import load_tokenizer  # noqa: E402
 
-RECIPE_VERSION = 1  # bump when the training code changes what a recipe produces
+RECIPE_VERSION = 2  # bump when the training code changes what a recipe produces
+BUILTIN = REPO / "radixk3" / "assets" / "k3-gsm8k"  # the committed target (`--write-builtin`)
+WRITE_COMMAND = "python bench/train_spec_pair.py --write-builtin"
 
 
 class SpecPair(NamedTuple):
     target: Path
     draft: Path
-    dspark: Path | None
+    dspark: Path
+    report: Path  # report.json of the draft (and of the target when trained with them)
 
 
 def k3_config(hidden: int, layers: int, mla_1based: list[int], heads: int, head_dim: int, ffn: int,
@@ -80,14 +93,13 @@ class Stage:
 
 @dataclass(frozen=True)
 class Recipe:
-    target: ModelConfig = field(default_factory=lambda: k3_config(128, 4, [2, 4], 2, 64, 384, mtp=1))
-    draft: ModelConfig = field(default_factory=lambda: k3_config(64, 2, [2], 2, 32, 192, mtp=0))
-    target_stage: Stage = Stage(steps=400, lr=3e-3, batch=8)
-    mtp_stage: Stage = Stage(steps=150, lr=3e-3, batch=8)
-    draft_stage: Stage = Stage(steps=150, lr=4e-3, batch=8)
-    dspark_steps: int = 150
-    dspark_texts: int = 256  # the DSpark trainer holds the target's distribution at every token of its texts
-    seq_len: int = 256
+    target: ModelConfig = field(default_factory=lambda: k3_config(160, 4, [2, 4], 2, 64, 448, mtp=1))
+    draft: ModelConfig = field(default_factory=lambda: k3_config(128, 2, [2], 2, 64, 384, mtp=0))
+    target_stage: Stage = Stage(steps=800, lr=3e-3, batch=8)
+    mtp_stage: Stage = Stage(steps=450, lr=4e-3, batch=8)
+    draft_stage: Stage = Stage(steps=500, lr=4e-3, batch=8)
+    dspark_stage: Stage = Stage(steps=500, lr=5e-3, batch=1)  # batch: windows, each with a block at every anchor
+    seq_len: int = 512
     num_examples: int | None = None  # None: the whole train set
     seed: int = 0
 
@@ -95,11 +107,15 @@ class Recipe:
         def s(st: Stage) -> Stage:
             return dataclasses.replace(st, steps=max(1, round(st.steps * x)))
         return dataclasses.replace(self, target_stage=s(self.target_stage), mtp_stage=s(self.mtp_stage),
-                                   draft_stage=s(self.draft_stage), dspark_steps=max(1, round(self.dspark_steps * x)))
+                                   draft_stage=s(self.draft_stage), dspark_stage=s(self.dspark_stage))
 
     def key(self, data: Path) -> str:
-        raw = {"version": RECIPE_VERSION, "recipe": dataclasses.asdict(self), "data_size": data.stat().st_size}
+        raw = {"version": RECIPE_VERSION, "recipe": dataclasses.asdict(self), "data": file_sha256(data)}
         return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def cache_root() -> Path:
@@ -176,6 +192,12 @@ def optimise(params: list[torch.nn.Parameter], stage: Stage, loss_fn: Any, data:
     return losses
 
 
+def distill_loss(logits: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) per position, [N, V] logits against the teacher's log-probabilities [N, V]: a
+    proposer is judged by agreeing with the target, not with the text."""
+    return F.kl_div(F.log_softmax(logits, -1), teacher, log_target=True, reduction="batchmean")
+
+
 def train_target(cfg: ModelConfig, data: torch.Tensor, stage: Stage, seed: int, log: str) -> tuple[
         KimiForCausalLM, list[float]]:
     model = build_model(cfg, seed=seed).train()
@@ -189,15 +211,17 @@ def train_target(cfg: ModelConfig, data: torch.Tensor, stage: Stage, seed: int, 
 
 
 def mtp_loss(model: KimiForCausalLM, x: torch.Tensor) -> torch.Tensor:
-    """MTP layer 0 on (h_t, token t+1) -> token t+2, for t = 0..T-3 of each window; the target frozen."""
+    """MTP layer 0 on (h_t, token t+1) -> token t+2, for t = 0..T-3 of each window, distilled from the target's
+    distribution at t+1 (its prediction of t+2); the target frozen."""
     b, t = x.shape
     with torch.no_grad():
         ids, cu = packed(x)
         h = model._prenorm_hidden(ids, cu).view(b, t, -1)
+        teacher = F.log_softmax(model.lm_head(model.model.norm(h[:, 1:-1])), -1).flatten(0, 1)
     nxt, cu_m = packed(x[:, 1:])
     out = run_mtp_layer(model.model.mtp_layers, 0, nxt, h[:, :-1].reshape(-1, h.shape[-1]), cu_m, None)
     logits = model.mtp_logits(0, out).view(b, t - 1, -1)[:, :-1]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 2:].reshape(-1))
+    return distill_loss(logits.flatten(0, 1), teacher)
 
 
 def train_mtp(model: KimiForCausalLM, data: torch.Tensor, stage: Stage, seed: int, log: str) -> list[float]:
@@ -223,71 +247,79 @@ def train_draft(cfg: ModelConfig, target: KimiForCausalLM, data: torch.Tensor, s
 
     def loss_fn(x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            teacher = F.log_softmax(logits_of(target, x)[:, :-1], -1).flatten(0, 1)
-        logits = logits_of(draft, x)[:, :-1].flatten(0, 1)
-        logp = F.log_softmax(logits, -1)
-        kl = F.kl_div(logp, teacher, log_target=True, reduction="batchmean")
-        return kl + F.cross_entropy(logits, x[:, 1:].reshape(-1))
+            teacher = F.log_softmax(logits_of(target, x), -1).flatten(0, 1)
+        return distill_loss(logits_of(draft, x).flatten(0, 1), teacher)
 
     return draft, optimise(list(draft.parameters()), stage, loss_fn, data, torch.Generator().manual_seed(seed + 4),
                            log)
 
 
-def dspark_trainer() -> Any:
-    """(train_dspark, write_dspark_checkpoint, config for a target) when the DSpark trainer is part of the
-    tree, else None."""
-    try:
-        from bench.spec_train_dspark import train_dspark
-        from radixk3.dspark_checkpoint import write_dspark_checkpoint
-        from radixk3.dspark_config import k3_tiny_dspark_preset
-    except ImportError:
-        return None
-
-    def config_for(target: ModelConfig) -> Any:
-        # The k3-tiny drafter's shape at the target's width, reading an early and the last target layer
-        # (layers 1 and 3 of 4, as the preset does for k3-tiny-native).
-        n = target.num_hidden_layers
-        ids = tuple(sorted({n // 4, n - 1}))
-        return k3_tiny_dspark_preset().replace(
-            hidden_size=target.hidden_size, target_hidden_size=target.hidden_size, num_target_layers=n,
-            target_layer_ids=ids, intermediate_size=2 * target.hidden_size)
-
-    return train_dspark, write_dspark_checkpoint, config_for
+def dspark_config(target: ModelConfig) -> DSparkConfig:
+    """The k3-tiny drafter's shape at the target's width, reading an early and the last target layer (layers 1 and
+    3 of 4, as the preset does for k3-tiny-native), with wider attention and Markov head than the preset's."""
+    n = target.num_hidden_layers
+    return k3_tiny_dspark_preset().replace(
+        hidden_size=target.hidden_size, target_hidden_size=target.hidden_size, num_target_layers=n,
+        target_layer_ids=tuple(sorted({n // 4, n - 1})), intermediate_size=2 * target.hidden_size,
+        q_lora_rank=target.hidden_size // 2, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=64, markov_rank=32)
 
 
-def train_into(out: Path, recipe: Recipe, data_path: Path, log: bool) -> dict[str, Any]:
-    """Train every stage and write the checkpoints into `out`; returns the report."""
-    torch.manual_seed(recipe.seed)
+class Trained(NamedTuple):
+    losses: list[float]
+    seconds: float
+
+
+def timed(fn: Any, *args: Any, **kw: Any) -> tuple[Any, float]:  # noqa: ANN401
     t0 = time.perf_counter()
-    stream = token_stream(data_path, recipe.num_examples)
-    data = windows(stream, recipe.seq_len)
-    say = (lambda s: print(s, flush=True)) if log else (lambda s: None)
-    say(f"data: {stream.numel()} tokens, {data.shape[0]} windows of {recipe.seq_len}")
-    target, t_loss = train_target(recipe.target, data, recipe.target_stage, recipe.seed, "target" if log else "")
+    return fn(*args, **kw), time.perf_counter() - t0
+
+
+def train_target_stages(recipe: Recipe, data: torch.Tensor, log: bool) -> tuple[KimiForCausalLM, dict[str, Trained]]:
+    """Stages 1-2: the target, then its MTP layer; the model comes back frozen, in eval mode."""
+    torch.manual_seed(recipe.seed)
+    (target, t_loss), t_sec = timed(train_target, recipe.target, data, recipe.target_stage, recipe.seed,
+                                    "target" if log else "")
     target.eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    m_loss = train_mtp(target, data, recipe.mtp_stage, recipe.seed, "mtp" if log else "")
-    draft, d_loss = train_draft(recipe.draft, target, data, recipe.draft_stage, recipe.seed, "draft" if log else "")
-    write_checkpoint(target.eval(), out / "target")
+    m_loss, m_sec = timed(train_mtp, target, data, recipe.mtp_stage, recipe.seed, "mtp" if log else "")
+    return target, {"target": Trained(t_loss, t_sec), "mtp": Trained(m_loss, m_sec)}
+
+
+def train_drafters_into(out: Path, recipe: Recipe, target: KimiForCausalLM, data: torch.Tensor,
+                        log: bool) -> dict[str, Trained]:
+    """Stages 3-4 against the frozen `target`: the draft model into `out/draft`, DSpark into `out/dspark`."""
+    torch.manual_seed(recipe.seed)
+    (draft, d_loss), d_sec = timed(train_draft, recipe.draft, target, data, recipe.draft_stage, recipe.seed,
+                                   "draft" if log else "")
     write_checkpoint(draft.eval(), out / "draft")
-    report: dict[str, Any] = {"recipe": dataclasses.asdict(recipe), "tokens": stream.numel(),
-                              "final_loss": {"target": tail_mean(t_loss), "mtp": tail_mean(m_loss),
-                                             "draft": tail_mean(d_loss)},
-                              "first_loss": {"target": t_loss[0], "mtp": m_loss[0], "draft": d_loss[0]}}
-    trainer = dspark_trainer()
-    if trainer is not None:
-        train_dspark, write_dspark, config_for = trainer
-        tok = load_tokenizer()
-        texts = [tok.encode(one_example(e, True)) for e in read_jsonl(data_path)[: recipe.dspark_texts]]
-        ds_loss: list[float] = []
-        ds = train_dspark(target, texts, seed=recipe.seed, steps=recipe.dspark_steps, losses=ds_loss,
-                          cfg=config_for(recipe.target))
-        write_dspark(ds, out / "dspark")
-        report["final_loss"]["dspark"] = tail_mean(ds_loss)
-        report["first_loss"]["dspark"] = ds_loss[0]
-    report["train_seconds"] = time.perf_counter() - t0
-    return report
+    ds_loss: list[float] = []
+    st = recipe.dspark_stage
+    if log:
+        print(f"  dspark: {st.steps} steps of {st.batch} window(s)", flush=True)
+    ds, ds_sec = timed(train_dspark_windows, target, data, seed=recipe.seed, steps=st.steps, losses=ds_loss,
+                       cfg=dspark_config(recipe.target), windows_per_step=st.batch, lr=st.lr)
+    write_dspark_checkpoint(ds, out / "dspark")
+    if log:
+        print(f"  dspark loss {ds_loss[0]:.3f} -> {tail_mean(ds_loss):.3f} ({ds_sec:.0f}s)", flush=True)
+    return {"draft": Trained(d_loss, d_sec), "dspark": Trained(ds_loss, ds_sec)}
+
+
+def stage_report(stages: dict[str, Trained]) -> dict[str, dict[str, float]]:
+    return {"first_loss": {k: s.losses[0] for k, s in stages.items()},
+            "final_loss": {k: tail_mean(s.losses) for k, s in stages.items()},
+            "seconds": {k: round(s.seconds, 1) for k, s in stages.items()}}
+
+
+def training_data(recipe: Recipe, data_path: Path) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The recipe's windows and what they were cut from (file, bytes, sha256, tokens)."""
+    stream = token_stream(data_path, recipe.num_examples)
+    data = windows(stream, recipe.seq_len)
+    about = {"file": str(data_path.relative_to(REPO)) if data_path.is_relative_to(REPO) else data_path.name,
+             "bytes": data_path.stat().st_size, "sha256": file_sha256(data_path), "tokens": stream.numel(),
+             "windows": data.shape[0]}
+    return data, about
 
 
 def tail_mean(losses: list[float]) -> float:
@@ -295,75 +327,121 @@ def tail_mean(losses: list[float]) -> float:
     return sum(tail) / len(tail)
 
 
-def ensure_spec_pair(rebuild: bool = False, *, recipe: Recipe | None = None, cache_dir: Path | None = None,
-                     data_path: Path | None = None, log: bool = False) -> SpecPair:
-    """The cached pair for `recipe` (default: the bench's), trained when missing or when `rebuild`."""
+def served_target(path: Path) -> KimiForCausalLM:
+    """A checkpoint's weights as served (a bf16 checkpoint's values), computed in fp32, frozen."""
+    model = load_model(path, dtype=torch.float32)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def ensure_spec_pair(rebuild: bool = False, *, recipe: Recipe | None = None, target: Path | None = None,
+                     cache_dir: Path | None = None, data_path: Path | None = None, log: bool = False) -> SpecPair:
+    """The cached pair for `recipe` (default: the bench's), trained when missing or when `rebuild`. `target`: a
+    trained target checkpoint (with its MTP layer) to train the draft and DSpark against; None: the recipe's
+    target is trained too, into the cache."""
     recipe = recipe or Recipe()
     data_path = data_path or DATA / "train.jsonl"
     root = cache_dir or cache_root()
-    final = root / recipe.key(data_path)
+    key = recipe.key(data_path) + ("" if target is None else "-" + file_sha256(target / SINGLE_FILE)[:12])
+    final = root / key
     if rebuild and final.exists():
         shutil.rmtree(final)
     if not (final / "report.json").is_file():
         root.mkdir(parents=True, exist_ok=True)
         tmp = root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        report = train_into(tmp, recipe, data_path, log)
+        (data, about), data_sec = timed(training_data, recipe, data_path)
+        if log:
+            print(f"data: {about['tokens']} tokens, {about['windows']} windows of {recipe.seq_len}", flush=True)
+        if target is None:
+            model, stages = train_target_stages(recipe, data, log)
+            write_checkpoint(model, tmp / "target")
+        else:
+            model, stages = served_target(target), {}
+        stages |= train_drafters_into(tmp, recipe, model, data, log)
         for name in ("target", "draft"):
-            load_model(tmp / name)  # refuse to publish an artifact that does not load
+            if (tmp / name).is_dir():
+                load_model(tmp / name)  # refuse to publish an artifact that does not load
+        report = {"recipe_version": RECIPE_VERSION, "recipe": dataclasses.asdict(recipe), "data": about,
+                  "target": "trained here" if target is None else str(target), **stage_report(stages)}
+        report["seconds"]["data"] = round(data_sec, 1)
         (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
         shutil.rmtree(final, ignore_errors=True)  # a leftover without report.json
         os.replace(tmp, final)
-    dspark = final / "dspark"
-    return SpecPair(final / "target", final / "draft", dspark if dspark.is_dir() else None)
+    return SpecPair(target or final / "target", final / "draft", final / "dspark", final / "report.json")
 
 
-# --- quick checks of the trained pair ----------------------------------------------------------------------
-@torch.inference_mode()
-def greedy(model: KimiForCausalLM, prompt: list[int], max_new: int, stop: set[int]) -> list[int]:
-    ids = list(prompt)
-    for _ in range(max_new):
-        nxt = int(model(torch.tensor(ids))[-1].argmax())
-        if nxt in stop:
-            break
-        ids.append(nxt)
-    return ids[len(prompt):]
+def measure(pair: SpecPair) -> dict[str, Any]:
+    """Top-1 agreements of the pair's proposers with its target as served, on held-out gsm8k text, and the
+    target's replies to two test questions."""
+    target = served_target(pair.target)
+    draft = load_model(pair.draft)
+    drafter = load_dspark(pair.dspark, target)
+    tok = load_tokenizer()
+    test = read_jsonl(DATA / "test.jsonl")
+    agree = agreement(target, draft, held_out_ids(tok, test), drafter)
+    return {"agreement": agree._asdict(), "samples": [
+        {"question": e["question"], "reply": r, "label": e["answer"].split("####")[-1].strip()}
+        for e, r in zip(test[:2], sample_replies(target, tok, test[:2]), strict=True)]}
 
 
-class Agreement(NamedTuple):
-    mtp_top1: float  # MTP's argmax for t+2 equals the target's argmax at t+1 (both on the true prefix)
-    draft_top1: float  # the draft's argmax equals the target's at the same position
-
-
-@torch.inference_mode()
-def agreement(target: KimiForCausalLM, draft: KimiForCausalLM, ids: torch.Tensor) -> Agreement:
-    cu = torch.tensor([0, ids.numel()])
-    t_arg = target(ids).argmax(-1)
-    h = target.prenorm_hidden(ids, cu)
-    mtp = target.forward_mtp(0, ids[1:], h[:-1]).logits.argmax(-1)  # position t predicts t+2
-    d_arg = draft(ids).argmax(-1)
-    return Agreement(float((mtp[:-1] == t_arg[1:-1]).float().mean()), float((d_arg == t_arg).float().mean()))
+def write_builtin(recipe: Recipe, out: Path = BUILTIN, data_path: Path | None = None, log: bool = True) -> Path:
+    """Train the target (stages 1-2), write it in bf16 into `out` (replacing it), train the draft and DSpark
+    against it as served (into the cache, where the bench finds them), and write `out/recipe.json`: the recipe,
+    data, losses, agreements, seconds per stage and the command."""
+    data_path = data_path or DATA / "train.jsonl"
+    t0 = time.perf_counter()
+    (data, about), data_sec = timed(training_data, recipe, data_path)
+    if log:
+        print(f"data: {about['tokens']} tokens, {about['windows']} windows of {recipe.seq_len}", flush=True)
+    model, stages = train_target_stages(recipe, data, log)
+    served = build_model(recipe.target.replace(dtype="bfloat16"))
+    served.load_state_dict(model.state_dict())  # rounded to bf16 (the fp32 gates stay fp32, as when served)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_checkpoint(served, tmp)
+    load_model(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    pair = ensure_spec_pair(True, recipe=recipe, target=out, data_path=data_path, log=log)
+    train_seconds = round(time.perf_counter() - t0, 1)  # before measuring: the recipe's cost
+    mine, drafters = stage_report(stages), json.loads(pair.report.read_text())
+    # The drafters' run tokenised the data again: those seconds count in train_seconds only.
+    drafter_seconds = {k: v for k, v in drafters["seconds"].items() if k != "data"}
+    report = {"recipe_version": RECIPE_VERSION, "recipe": dataclasses.asdict(recipe), "data": about,
+              "first_loss": mine["first_loss"] | drafters["first_loss"],
+              "final_loss": mine["final_loss"] | drafters["final_loss"], **measure(pair),
+              "seconds": {"data": round(data_sec, 1)} | mine["seconds"] | drafter_seconds,
+              "train_seconds": train_seconds, "threads": torch.get_num_threads(), "command": WRITE_COMMAND}
+    (out / "recipe.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rebuild", action="store_true", help="retrain even when the cached artifact exists")
+    ap.add_argument("--rebuild", action="store_true", help="retrain the draft and DSpark even when cached")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every stage's steps")
+    ap.add_argument("--write-builtin", action="store_true",
+                    help=f"retrain the built-in target into {BUILTIN.relative_to(REPO)} (then the rest against it)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (the recipe's figures: 2)")
     a = ap.parse_args()
+    torch.set_num_threads(a.threads)
     recipe = Recipe().scaled(a.steps_scale) if a.steps_scale != 1.0 else Recipe()
-    t0 = time.perf_counter()
-    pair = ensure_spec_pair(a.rebuild, recipe=recipe, log=True)
-    print(f"artifact: {pair.target.parent} ({time.perf_counter() - t0:.0f}s)")
-    print(json.dumps(json.loads((pair.target.parent / "report.json").read_text())["final_loss"]))
-    target, draft = load_model(pair.target), load_model(pair.draft)
-    tok = load_tokenizer()
-    test = read_jsonl(DATA / "test.jsonl")
-    for e in test[:2]:
-        prompt = tok.encode(one_example(e, False))
-        text = tok.decode(greedy(target, prompt, 128, set(tok.stop_ids))).split("\n\n")[0]
-        print(f"--- {e['question']}\n>>> {text!r}\n(label {e['answer'].split('####')[-1].strip()})")
-    held = torch.tensor(tok.encode("".join(one_example(e, True) + "\n\n" for e in test[100:110])))
-    print(agreement(target, draft, held))
+    if a.write_builtin:
+        out = write_builtin(recipe)
+        report = json.loads((out / "recipe.json").read_text())
+        pair = ensure_spec_pair(recipe=recipe, target=out)
+    else:
+        t0 = time.perf_counter()
+        pair = ensure_spec_pair(a.rebuild, recipe=recipe, target=BUILTIN, log=True)
+        print(f"artifact: {pair.draft.parent} ({time.perf_counter() - t0:.0f}s)")
+        report = json.loads(pair.report.read_text()) | measure(pair)
+    print(f"target: {pair.target.relative_to(REPO) if pair.target.is_relative_to(REPO) else pair.target}")
+    print("final loss", json.dumps(report["final_loss"]), "seconds", json.dumps(report["seconds"]))
+    for s in report["samples"]:
+        print(f"--- {s['question']}\n>>> {s['reply']!r}\n(label {s['label']})")
+    print("agreement (top-1 with the target on held-out gsm8k text):", json.dumps(report["agreement"]))
 
 
 if __name__ == "__main__":

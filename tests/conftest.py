@@ -42,8 +42,7 @@ SMALL_SPEC_RECIPE = Recipe(
     target_stage=Stage(steps=40, lr=1e-2, batch=4),
     mtp_stage=Stage(steps=30, lr=1e-2, batch=4),
     draft_stage=Stage(steps=30, lr=1e-2, batch=4),
-    dspark_steps=20,
-    dspark_texts=16,
+    dspark_stage=Stage(steps=20, lr=1e-2, batch=1),
     seq_len=64,
     num_examples=200,
 )

@@ -1,5 +1,6 @@
 """bench/train_spec_pair.py on a tiny recipe (a dozen examples, a few steps): the losses fall, the artifact loads
-with its MTP layer, two runs give identical bytes, and a second call reuses the cache."""
+with its MTP layer, two runs give identical bytes, and a second call reuses the cache; `--write-builtin`'s target
+(bf16, recipe.json) and the pair trained against a given target; the DSpark agreement drafts as the drafter does."""
 
 from __future__ import annotations
 
@@ -8,8 +9,19 @@ from pathlib import Path
 
 import torch
 
-from bench.train_spec_pair import Recipe, Stage, agreement, ensure_spec_pair, k3_config
+from bench.spec_pair_agreement import agreement, dspark_first_drafts
+from bench.train_spec_pair import (
+    Recipe,
+    Stage,
+    ensure_spec_pair,
+    file_sha256,
+    k3_config,
+    served_target,
+    write_builtin,
+)
 from radixk3.checkpoint import load_model
+from radixk3.dspark import target_aux_states
+from radixk3.dspark_checkpoint import load_dspark
 
 TINY = Recipe(
     target=k3_config(32, 2, [2], 1, 32, 64, mtp=1),
@@ -17,8 +29,7 @@ TINY = Recipe(
     target_stage=Stage(steps=6, lr=2e-2, batch=2),
     mtp_stage=Stage(steps=6, lr=2e-2, batch=2),
     draft_stage=Stage(steps=6, lr=2e-2, batch=2),
-    dspark_steps=2,
-    dspark_texts=4,
+    dspark_stage=Stage(steps=2, lr=1e-2, batch=1),
     seq_len=32,
     num_examples=12,
 )
@@ -55,3 +66,47 @@ def test_tiny_recipe_trains_loads_is_deterministic_and_cached(tmp_path: Path) ->
 
     changed = TINY.scaled(0.5)
     assert changed.key(Path("bench/data/gsm8k/train.jsonl")) != root.name  # a changed recipe rebuilds
+
+
+def test_write_builtin_then_the_pair_on_it(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """`write_builtin` writes the target in bf16 with its recipe.json; the draft and DSpark trained against it are
+    cached under a key of the recipe and the target's weights, and the pair's target is the given checkpoint."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = write_builtin(TINY, tmp_path / "k3-gsm8k", log=False)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "recipe.json",
+                                                     "tokenizer.model"]
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    target = load_model(out)
+    assert target.lm_head.weight.dtype == torch.bfloat16 and len(target.model.mtp_layers) == 1
+    report = json.loads((out / "recipe.json").read_text())
+    assert report["command"] == "python bench/train_spec_pair.py --write-builtin"
+    assert report["data"]["sha256"] == file_sha256(Path("bench/data/gsm8k/train.jsonl"))
+    assert set(report["seconds"]) == {"data", "target", "mtp", "draft", "dspark"}
+    assert set(report["agreement"]) == {"mtp_top1", "draft_top1", "dspark_top1"}
+    assert all(0.0 <= v <= 1.0 for v in report["agreement"].values())
+
+    pair = ensure_spec_pair(recipe=TINY, target=out)  # trained by write_builtin: a cache hit
+    assert pair.target == out and not (pair.draft.parent / "target").exists()
+    assert pair.draft.parent.name.startswith(TINY.key(Path("bench/data/gsm8k/train.jsonl")) + "-")
+    stamp = (pair.draft / "model.safetensors").stat().st_mtime_ns
+    assert ensure_spec_pair(recipe=TINY, target=out) == pair
+    assert (pair.draft / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_dspark_agreement_drafts_as_the_drafter_does(tmp_path: Path) -> None:
+    """The measured first drafts, batched over anchors, equal the drafter's own greedy draft from each anchor
+    alone (context [0, L), anchor L, a block of its block size)."""
+    pair = ensure_spec_pair(recipe=TINY, cache_dir=tmp_path)
+    target = served_target(pair.target)
+    drafter = load_dspark(pair.dspark, target)
+    ids = torch.arange(100, 160)
+    anchors = torch.tensor([1, 2, 7, 30, 58])
+    got = dspark_first_drafts(target, drafter, ids, anchors, chunk=2)
+    aux = target_aux_states(target, drafter.config, ids, torch.tensor([0, ids.numel()]))
+    for n, first in zip(anchors.tolist(), got.tolist(), strict=True):
+        with torch.inference_mode():
+            ctx = drafter.context_latents(aux[:n], torch.arange(n))
+            want = drafter.draft(ctx, torch.tensor([0, n]), ids[n:n + 1]).tokens[0, 0]
+        assert first == int(want)
+    agree = agreement(target, load_model(pair.draft), ids, drafter)
+    assert agree.dspark_top1 is not None and 0.0 <= agree.dspark_top1 <= 1.0
