@@ -51,6 +51,7 @@ from radixk3.checkpoint import SINGLE_FILE, load_model, write_checkpoint  # noqa
 from radixk3.config import ModelConfig, every_mla  # noqa: E402
 from radixk3.dspark_checkpoint import load_dspark, write_dspark_checkpoint  # noqa: E402
 from radixk3.dspark_config import DSparkConfig, k3_tiny_dspark_preset  # noqa: E402
+from radixk3.hf_tokenizer_writer import write_hf_tokenizer  # noqa: E402
 from radixk3.model import KimiForCausalLM, build_model  # noqa: E402
 from radixk3.mtp import run_mtp_layer  # noqa: E402
 from radixk3.tokenizer import load_tokenizer  # noqa: E402
@@ -401,6 +402,7 @@ def write_builtin(recipe: Recipe, out: Path = BUILTIN, data_path: Path | None = 
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     write_checkpoint(served, tmp)
+    write_hf_tokenizer(tmp)  # transformers' files too: `bench_serving` and lm-eval load the folder /model_info names
     load_model(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
