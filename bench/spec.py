@@ -11,7 +11,8 @@ accepted length and output tok/s per proposer, with and without speculation, at 
     Batch 1 sends one question at a time; batch B sends B at once. Each engine is warmed up on the first
     question, then flushed: the timed run starts with an empty radix cache and n-gram corpus.
 
-    python bench/spec.py [--json] [--proposers ngram,mtp,draft,dspark] [--k 3] [--ngram-k 8] [--questions 16]
+    python bench/spec.py [--json] [--dtype float32|bfloat16] [--proposers ngram,mtp,draft,dspark] [--k 3]
+        [--ngram-k 8] [--questions 16]
 
 The n-gram proposer drafts up to --ngram-k tokens, fewer after a short match (`runtime.spec.ngram.draft_budget`);
 the model proposers draft --k.
@@ -77,9 +78,10 @@ def warmed_engine(target: Path, warm_up: str | list[int], batch: int, **spec: An
         yield eng
 
 
-def run_engine(target: Path, texts: list[str], batch: int, max_new: int, **spec: Any) -> dict[str, Any]:  # noqa: ANN401
+def run_engine(target: Path, texts: list[str], batch: int, max_new: int, dtype: str, **spec: Any  # noqa: ANN401
+               ) -> dict[str, Any]:
     sampling = {"max_new_tokens": max_new, "temperature": 0, "stop": STOPS}
-    with warmed_engine(target, texts[0], batch, **spec) as eng:
+    with warmed_engine(target, texts[0], batch, dtype=dtype, **spec) as eng:
         base = eng.get_metrics()
         t0 = time.perf_counter()
         outs: list[dict[str, Any]] = []
@@ -105,6 +107,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--shots", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--batches", default="1,16")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the serving dtype (float32: the bf16 target widened; a CPU's bf16 GEMMs round by the row "
+                        "count, so a verify window and a decode step would break near-ties differently)")
     p.add_argument("--memory-only", action="store_true", help="only part (a), from the plan")
     p.add_argument("--json", action="store_true", help="end with one JSON object of the figures")
     return p.parse_args(argv)
@@ -117,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"unknown proposer(s) {bad}; choose from {PROPOSERS}")
     print(f"machine: {cpu_name()}")
-    fig: dict[str, Any] = memory_figures(a.k)
+    fig: dict[str, Any] = memory_figures(a.k) | {"dtype": a.dtype}
     print(f"(a) draft window of {a.k + 1} tokens, kimi-k3 at TP 8, per request: ReplaySSM "
           f"{fig['k3_tp8_replay_bytes_per_request'] / 2**20:.1f} MiB, snapshot "
           f"{fig['k3_tp8_snapshot_bytes_per_request'] / 2**20:.1f} MiB: "
@@ -135,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     texts = prompts(a.questions, a.shots)
     paths = {"draft": pair.draft, "dspark": getattr(pair, "dspark", None)}
     for batch in (int(b) for b in a.batches.split(",")):
-        plain = run_engine(pair.target, texts, batch, a.max_new_tokens)
+        plain = run_engine(pair.target, texts, batch, a.max_new_tokens, a.dtype)
         print(f"(b) batch {batch}: plain {plain['tok_s']:.1f} tok/s ({plain['tokens']} tokens)")
         fig[f"plain_tok_s_b{batch}"] = plain["tok_s"]
         for name in proposers:
@@ -146,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"    {name}: no trained checkpoint in the pair, skipped")
                     continue
                 spec["speculative_draft_model"] = str(paths[name])
-            got = run_engine(pair.target, texts, batch, a.max_new_tokens, **spec)
+            got = run_engine(pair.target, texts, batch, a.max_new_tokens, a.dtype, **spec)
             same = got["texts"] == plain["texts"]
             speedup = got["tok_s"] / plain["tok_s"]
             print(f"    {name:7s} k {k}  accept length {got['accept_length']:.2f}  {got['tok_s']:.1f} tok/s  "
