@@ -11,6 +11,7 @@ forced: prev_i is the text's token L+i (the anchor for i = 0). The target's weig
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -115,15 +116,22 @@ def train_dspark(
     model = build_dspark(cfg.replace(dtype="float32"), target, seed=seed).train()
     data = target_data(target, cfg, texts_ids, max_len)
     gen = torch.Generator().manual_seed(seed + 1)
+    return fit(model, target, steps, lr, losses,
+               lambda: dspark_loss(model, data, draw_samples(data, batch_size, gen), distill=distill, hard=hard))
+
+
+def fit(model: DSparkModel, target: KimiForCausalLM, steps: int, lr: float, losses: list[float] | None,
+        step_loss: Callable[[], Tensor]) -> DSparkModel:
+    """`steps` AdamW steps on `step_loss()` (warm-up over 10 steps, then linear decay to 10%), the target frozen:
+    the drafter calls its embedding and LM head (aliased modules), which take no gradients."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.1, 1 - s / steps))
-    # The drafter calls the target's embedding and LM head (aliased modules): frozen, they take no gradients.
     trainable = [p for p in target.parameters() if p.requires_grad]
     for p in trainable:
         p.requires_grad_(False)
     try:
         for _ in range(steps):
-            loss = dspark_loss(model, data, draw_samples(data, batch_size, gen), distill=distill, hard=hard)
+            loss = step_loss()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -192,26 +200,13 @@ def train_dspark_windows(target: KimiForCausalLM, windows: Tensor, *, seed: int,
     torch.manual_seed(seed)
     model = build_dspark(cfg.replace(dtype="float32"), target, seed=seed).train()
     gen = torch.Generator().manual_seed(seed + 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.1, 1 - s / steps))
-    trainable = [p for p in target.parameters() if p.requires_grad]
-    for p in trainable:
-        p.requires_grad_(False)
     order, pos = torch.randperm(windows.shape[0], generator=gen), 0
-    try:
-        for _ in range(steps):
-            if pos + windows_per_step > order.numel():
-                order, pos = torch.randperm(windows.shape[0], generator=gen), 0
-            loss = window_loss(model, target, windows[order[pos: pos + windows_per_step]])
-            pos += windows_per_step
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            if losses is not None:
-                losses.append(float(loss.detach()))
-    finally:
-        for p in trainable:
-            p.requires_grad_(True)
-    return model.eval()
+
+    def step_loss() -> Tensor:
+        nonlocal order, pos
+        if pos + windows_per_step > order.numel():
+            order, pos = torch.randperm(windows.shape[0], generator=gen), 0
+        pos += windows_per_step
+        return window_loss(model, target, windows[order[pos - windows_per_step: pos]])
+
+    return fit(model, target, steps, lr, losses, step_loss)
