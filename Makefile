@@ -1,4 +1,4 @@
-# Two commands on a fresh machine: `make run` (set up, generate with the built-in tiny model) and
+# Two commands on a fresh machine: `make run` (set up, generate with the built-in k3-gsm8k model) and
 # `make test` (set up with the test extras, lint, run the suite). CI runs `make test` via .ci/run.
 PYTHON ?= python3
 VENV ?= .venv

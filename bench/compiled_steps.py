@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import kda_decode_cpu as fused_kda  # noqa: E402
-from radixk3.builtin_model import BUILTIN_MODEL_DIR, BUILTIN_MODEL_NAME, random_preset  # noqa: E402
+from radixk3.builtin_model import checkpoint_dir, random_preset  # noqa: E402
 from radixk3.checkpoint import load_model  # noqa: E402
 from radixk3.config import preset  # noqa: E402
 from radixk3.decode_graph import DecodeGraphs, Scratch  # noqa: E402
@@ -67,7 +67,7 @@ def bench_model(name: str) -> KimiForCausalLM:
     """A test preset's random weights (seed 0), the built-in model or a checkpoint directory; in fp32."""
     if random_preset(name) is not None:
         return build_model(preset(name), seed=0)
-    return load_model(BUILTIN_MODEL_DIR if name == BUILTIN_MODEL_NAME else name, dtype=torch.float32)
+    return load_model(checkpoint_dir(name), dtype=torch.float32)
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:

@@ -5,7 +5,8 @@ that made it (`radixk3/assets/k3-gsm8k/recipe.json`; `python bench/train_spec_pa
 so a first `make run` writes gsm8k-like English. A model argument that names a preset (`k3-tiny`, `k3-tiny-native`,
 `k3-small`) and is not a directory runs that preset with seeded random weights: what tests and benches use.
 `RADIXK3_DEFAULT_MODEL` (a directory or a preset name) replaces the built-in model as the default; the test suite
-sets it to `k3-tiny`."""
+sets it to `k3-tiny`. The default is resolved to a name once, where the engine's arguments are made (each node of a
+multi-node engine makes its own: name the model on every node)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ BUILTIN_MODEL_NAME = "k3-gsm8k"  # the model id the server reports for it
 DEFAULT_MODEL_ENV = "RADIXK3_DEFAULT_MODEL"
 
 
-def default_model() -> str | None:
-    """The model `None` stands for: the environment's choice, else None (the built-in model)."""
-    return os.environ.get(DEFAULT_MODEL_ENV, "").strip() or None
+def default_model() -> str:
+    """The model an engine given none serves: the environment's choice, else the built-in model's name."""
+    return os.environ.get(DEFAULT_MODEL_ENV, "").strip() or BUILTIN_MODEL_NAME
 
 
 def random_preset(model: str | None) -> str | None:
@@ -37,7 +38,8 @@ def random_preset(model: str | None) -> str | None:
 
 
 def checkpoint_dir(model: str | None) -> str | None:
-    """The directory a model's files come from: the built-in model's for None, None for a random preset."""
-    if model is None:
+    """The directory a model's files come from: the built-in model's for None or its name (unless a directory of
+    that name exists), None for a random preset."""
+    if model is None or (model == BUILTIN_MODEL_NAME and not Path(model).exists()):
         return str(BUILTIN_MODEL_DIR)
     return None if random_preset(model) is not None else model

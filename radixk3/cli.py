@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream a completion through the engine (greedy by default)",
                          description="Starts radixk3.Engine with the ServerArgs flags below (--model DIR: a "
-                                     "checkpoint; default: the built-in tiny model) and streams the text.")
+                                     "checkpoint, or a test preset; default: the built-in k3-gsm8k) and streams the "
+                                     "text.")
     gen.add_argument("prompt")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)

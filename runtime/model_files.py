@@ -17,7 +17,7 @@ from runtime.server_args import ServerArgs
 
 def model_config(args: ServerArgs) -> ModelConfig:
     if (name := random_preset(args.model)) is not None:
-        return preset(name)
+        return preset(name).replace(vision=None)  # a random preset's vision_config comes without a tower
     directory = checkpoint_dir(args.model)
     cfg = load_model_config(directory)
     if cfg.vision is not None and not has_vision_weights(directory):

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixk3.builtin_model import BUILTIN_MODEL_NAME, default_model, random_preset
+from radixk3.builtin_model import default_model, random_preset
 from radixk3.config import PRESET_SEED
 from radixk3.tokenizer_base import TOKENIZER_MODES
 
@@ -195,7 +195,7 @@ class ServerArgs:
         "(nginx's client_header_timeout and Node's headersTimeout, both 60 s)")})
 
     def __post_init__(self) -> None:
-        if self.model is None:
+        if self.model is None or not self.model.strip():  # resolved once: the worker processes copy it as it is
             self.model = default_model()
         random_preset(self.model)  # a true-size preset is refused here, by name
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
@@ -311,8 +311,9 @@ class ServerArgs:
 
     @property
     def model_id(self) -> str:
-        """The model as given (a checkpoint path or a preset name), or the built-in model's name."""
-        return self.model or BUILTIN_MODEL_NAME
+        """The model as given or defaulted: a checkpoint path, a preset name or the built-in model's name."""
+        assert self.model is not None  # __post_init__ resolved it
+        return self.model
 
     @property
     def overlap_schedule(self) -> bool:

@@ -42,10 +42,13 @@ def test_the_default_model_is_the_builtin_one_unless_the_environment_names_anoth
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(DEFAULT_MODEL_ENV, raising=False)
     args = ServerArgs()
-    assert args.model is None and args.model_id == BUILTIN_MODEL_NAME
+    assert args.model == args.model_id == BUILTIN_MODEL_NAME and ServerArgs(model=" ").model == BUILTIN_MODEL_NAME
     assert model_config(args) == load_model_config(BUILTIN_MODEL_DIR)
+    assert checkpoint_dir(BUILTIN_MODEL_NAME) == str(BUILTIN_MODEL_DIR)
     monkeypatch.setenv(DEFAULT_MODEL_ENV, "k3-tiny-native")
     assert ServerArgs().model == "k3-tiny-native" and ServerArgs(model="k3-tiny").model == "k3-tiny"
+    # A random preset has no vision tower, so its config (which the front end reads) claims none.
+    assert model_config(ServerArgs()).vision is None
 
 
 def test_the_builtin_checkpoint_is_a_small_bf16_k3_model_with_its_recipe() -> None:
