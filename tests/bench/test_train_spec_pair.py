@@ -74,7 +74,7 @@ def test_write_builtin_then_the_pair_on_it(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = write_builtin(TINY, tmp_path / "k3-gsm8k", log=False)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "recipe.json",
-                                                     "tokenizer.model"]
+                                                     "tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     target = load_model(out)
     assert target.lm_head.weight.dtype == torch.bfloat16 and len(target.model.mtp_layers) == 1
