@@ -313,13 +313,15 @@ def stage_report(stages: dict[str, Trained]) -> dict[str, dict[str, float]]:
             "seconds": {k: round(s.seconds, 1) for k, s in stages.items()}}
 
 
-def training_data(recipe: Recipe, data_path: Path) -> tuple[torch.Tensor, dict[str, Any]]:
+def training_data(recipe: Recipe, data_path: Path, log: bool) -> tuple[torch.Tensor, dict[str, Any]]:
     """The recipe's windows and what they were cut from (file, bytes, sha256, tokens)."""
     stream = token_stream(data_path, recipe.num_examples)
     data = windows(stream, recipe.seq_len)
     about = {"file": str(data_path.relative_to(REPO)) if data_path.is_relative_to(REPO) else data_path.name,
              "bytes": data_path.stat().st_size, "sha256": file_sha256(data_path), "tokens": stream.numel(),
              "windows": data.shape[0]}
+    if log:
+        print(f"data: {about['tokens']} tokens, {about['windows']} windows of {recipe.seq_len}", flush=True)
     return data, about
 
 
@@ -352,9 +354,7 @@ def ensure_spec_pair(rebuild: bool = False, *, recipe: Recipe | None = None, tar
         root.mkdir(parents=True, exist_ok=True)
         tmp = root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        (data, about), data_sec = timed(training_data, recipe, data_path)
-        if log:
-            print(f"data: {about['tokens']} tokens, {about['windows']} windows of {recipe.seq_len}", flush=True)
+        (data, about), data_sec = timed(training_data, recipe, data_path, log)
         if target is None:
             model, stages = train_target_stages(recipe, data, log)
             write_checkpoint(model, tmp / "target")
@@ -393,9 +393,7 @@ def write_builtin(recipe: Recipe, out: Path = BUILTIN, data_path: Path | None = 
     data, losses, agreements, seconds per stage and the command."""
     data_path = data_path or DATA / "train.jsonl"
     t0 = time.perf_counter()
-    (data, about), data_sec = timed(training_data, recipe, data_path)
-    if log:
-        print(f"data: {about['tokens']} tokens, {about['windows']} windows of {recipe.seq_len}", flush=True)
+    (data, about), data_sec = timed(training_data, recipe, data_path, log)
     model, stages = train_target_stages(recipe, data, log)
     served = build_model(recipe.target.replace(dtype="bfloat16"))
     served.load_state_dict(model.state_dict())  # rounded to bf16 (the fp32 gates stay fp32, as when served)
