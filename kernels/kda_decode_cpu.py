@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
-import platform
-import shutil
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from kernels.cpu_extension import load_cpu_library
 
 ENV_VAR = "RADIXK3_FUSED_KDA"
 _SOURCE = Path(__file__).with_name("kda_decode_cpu.cpp")
@@ -35,30 +32,12 @@ _SOURCE = Path(__file__).with_name("kda_decode_cpu.cpp")
 _SUM_LANES = 8
 
 
-def _ensure_ninja() -> None:
-    """torch's loader runs `ninja` from PATH: the `ninja` package's binary serves when the system has none."""
-    if shutil.which("ninja") is None:
-        import ninja  # type: ignore[import-untyped]
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """Build (or find cached) and load the op once per process; None where it cannot run here."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    lib = load_cpu_library("radixk3_kda_decode_cpu", _SOURCE, ["-ffp-contract=off"])
+    if lib is None:
         return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        _ensure_ninja()
-        path = load(name="radixk3_kda_decode_cpu", sources=[str(_SOURCE)], is_python_module=False,
-                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"])
-    except Exception as exc:  # no compiler or no ninja: the torch path still serves
-        log.warning("fused KDA decode unavailable, decode keeps the torch path: %s", exc)
-        return None
-    lib = ctypes.CDLL(str(path))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.radixk3_kda_decode.restype = None
     lib.radixk3_kda_decode.argtypes = [ptr, i64, ptr, *[i64] * 4, *[ptr] * 6, i64]

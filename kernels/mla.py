@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels import mla_decode_cpu as fused_mla
+
 # A group may cost this much more than its sequences' own (query x key) work, plus a little slack, before a
 # sequence starts a new group: bounds padding waste whatever the length mix.
 _PAD_WASTE = 1.5
@@ -137,6 +139,9 @@ def mla_decode_padded(
     r = kv_b_weight.shape[-1]
     w_uk, w_uv = _split_kv_b(kv_b_weight, h, dn)
     q = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe], dim=-1)  # [N, H, R+Dr]
+    if fused_mla.available() and fused_mla.fusable(q, latent):  # no gathered copy, no padding
+        return torch.einsum("nhr,hvr->nhv", fused_mla.mla_decode_latent_cpu(q, latent, kv_rows, kv_lens, r, scale),
+                            w_uv)
     lat = latent[kv_rows].to(q_nope.dtype)  # [N, S, R+Dr]
     scores = torch.einsum("nhe,nse->nhs", q, lat)
     hidden = torch.arange(kv_rows.shape[1], device=kv_rows.device)[None, :] >= kv_lens[:, None]  # [N, S]

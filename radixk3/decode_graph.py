@@ -62,6 +62,15 @@ class PaddedDecode(NamedTuple):
 # the graph they are calls on activations only; the pools are state outside it, as a KV cache is to a CUDA graph
 # (fixed addresses, written in place).
 _CACHES: dict[int, HybridCache] = {}
+
+
+
+def compile_options(cuda: bool) -> dict[str, object]:
+    """torch.compile's options for a captured step: CUDA graphs on CUDA (mode "reduce-overhead"), and no guards
+    on the model's modules: a serving model's modules never change (its weights are read at each call, never
+    baked in), and checking them cost ~90 us a call on CPU, a tenth of a batch-1 MTP draft step."""
+    return {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} | (
+        {"triton.cudagraphs": True} if cuda else {})
 _NEXT_KEY = itertools.count()
 
 
@@ -130,7 +139,16 @@ class PaddedDecodeBackend:
                                s.kv_lens, scale)
 
 
-def padded_decode_logits(model: KimiForCausalLM, cache_key: int, step: PaddedDecode) -> Tensor:
+class GraphOutput(NamedTuple):
+    """A captured step's outputs: fp32 logits at every row, and (for a proposer that reads them, `with_hidden`)
+    the pre-norm final hiddens there."""
+
+    logits: Tensor
+    hidden: Tensor | None
+
+
+def padded_decode_logits(model: KimiForCausalLM, cache_key: int, step: PaddedDecode,
+                         with_hidden: bool = False) -> GraphOutput:
     """The decode forward of `step`'s B rows over cache `cache_key` -> fp32 logits [B, V] (what is captured)."""
     b = step.input_ids.shape[0]
     cu = torch.arange(b + 1, device=step.input_ids.device)
@@ -138,7 +156,7 @@ def padded_decode_logits(model: KimiForCausalLM, cache_key: int, step: PaddedDec
     batch = ForwardBatch(ForwardMode.DECODE, step.input_ids, cu, step.kv_lens - 1, step.state_slots, step.kv_rows,
                          1, step.kv_slots, attn_backend=PaddedDecodeBackend(cache_key, step))  # type: ignore[arg-type]
     hidden = model._prenorm_hidden(step.input_ids, cu, batch)
-    return model.lm_head(model.model.norm(hidden)).float()
+    return GraphOutput(model.lm_head(model.model.norm(hidden)).float(), hidden if with_hidden else None)
 
 
 @dataclass
@@ -154,7 +172,10 @@ class DecodeGraphs:
 
     kind = "decode"
 
-    def __init__(self, model: KimiForCausalLM, cache: HybridCache, scratch: Scratch, buckets: Sequence[int]) -> None:
+    def __init__(self, model: KimiForCausalLM, cache: HybridCache, scratch: Scratch, buckets: Sequence[int],
+                 with_hidden: bool = False) -> None:
+        """`with_hidden`: the graphs also return the pre-norm final hiddens (`run`'s `prenorm`), for the MTP
+        proposer."""
         if not buckets or min(buckets) < 1:
             raise ValueError(f"batch-size buckets must be >= 1, got {list(buckets)}")
         self.model, self.cache, self.scratch = model, cache, scratch
@@ -163,15 +184,16 @@ class DecodeGraphs:
         self.device = model.device
         self.cuda = self.device.type == "cuda"
         self.buckets = sorted(set(buckets))
+        self.with_hidden = with_hidden
         self.mode = "reduce-overhead" if self.cuda else "default"
         # One code object, one recompile per bucket: leave room for every bucket (and the dynamic KV length).
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets))
-        self._fn = torch.compile(self._forward, mode=self.mode, fullgraph=True)
+        self._fn = torch.compile(self._forward, fullgraph=True, options=compile_options(self.cuda))
         self.report = CaptureReport(self.mode, {})
         self.replays = 0  # steps served (tests check that a path ran through the graphs)
 
-    def _forward(self, step: PaddedDecode) -> Tensor:
-        return padded_decode_logits(self.model, self.key, step)
+    def _forward(self, step: PaddedDecode) -> GraphOutput:
+        return padded_decode_logits(self.model, self.key, step, self.with_hidden)
 
     @torch.inference_mode()
     def capture(self) -> CaptureReport:
@@ -201,7 +223,7 @@ class DecodeGraphs:
         return -(-longest // 16) * 16
 
     @torch.inference_mode()
-    def _call(self, step: PaddedDecode) -> Tensor:
+    def _call(self, step: PaddedDecode) -> GraphOutput:
         torch._dynamo.mark_static(step.input_ids, 0)
         torch._dynamo.mark_dynamic(step.kv_rows, 1)
         if self.cuda:
@@ -217,15 +239,19 @@ class DecodeGraphs:
         return (batch.mode is ForwardMode.DECODE and (ck is None or not len(ck.slot)) and batch.spec is None
                 and self.bucket(batch.num_seqs) is not None)
 
-    def run(self, batch: ForwardBatch) -> Tensor:
+    def run(self, batch: ForwardBatch, prenorm: list[Tensor] | None = None) -> Tensor:
         """Logits [M, V] fp32 for `batch.logits_index` (default: every sequence's token), as the eager
-        `model.forward_batch(batch, cache).float()` gives them."""
+        `model.forward_batch(batch, cache, prenorm=prenorm).float()` gives them (`prenorm`: needs `with_hidden`)."""
         n = batch.num_seqs
         b = self.bucket(n)
         assert b is not None, "a step the decode graphs do not cover (the caller checks `supports` first)"
         self._validate(batch)
         self.replays += 1
-        logits = self._call(self._padded(batch, b))[:n]
+        out = self._call(self._padded(batch, b))
+        if prenorm is not None:
+            assert out.hidden is not None, "hiddens from graphs captured without them"
+            prenorm.append(out.hidden[:n])
+        logits = out.logits[:n]
         return logits if batch.logits_index is None else logits[batch.logits_index]
 
     def _validate(self, batch: ForwardBatch) -> None:

@@ -76,10 +76,13 @@ def run_mtp_layer(
     hidden: torch.Tensor,
     cu_seqlens: torch.Tensor,
     batch: ForwardBatch | None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """MTP layer `index` on packed (next token, h) pairs; returns its pre-norm output [T, hidden]."""
+    """MTP layer `index` on packed (next token, h) pairs; returns its pre-norm output [T, hidden]. `positions`:
+    each pair's absolute position, when the caller has them (a captured step: computing them reads the host)."""
     layer: MTPLayer = layers[index]
     embed = layers[0].embed_tokens
-    positions = token_positions(cu_seqlens, None if batch is None else batch.prefix_lens)
+    if positions is None:
+        positions = token_positions(cu_seqlens, None if batch is None else batch.prefix_lens)
     x = layer.fuse(embed(next_ids), hidden.to(embed.weight.dtype), positions)
     return layer(x, cu_seqlens, batch)

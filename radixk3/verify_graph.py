@@ -25,7 +25,7 @@ from torch import Tensor
 
 from kernels.conv1d_pool import conv1d_verify_padded
 from kernels.kda_pool import kda_verify_padded
-from radixk3.decode_graph import _CACHES, DecodeGraphs, PaddedDecodeBackend, Scratch
+from radixk3.decode_graph import _CACHES, DecodeGraphs, GraphOutput, PaddedDecodeBackend, Scratch
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
 from radixk3.spec_window import SpecWindow
@@ -102,7 +102,8 @@ class PaddedVerifyBackend(PaddedDecodeBackend):
                                s.window_rows).flatten(0, 1)
 
 
-def padded_verify_logits(model: KimiForCausalLM, cache_key: int, step: PaddedVerify) -> Tensor:
+def padded_verify_logits(model: KimiForCausalLM, cache_key: int, step: PaddedVerify,
+                         with_hidden: bool = False) -> GraphOutput:
     """The verify forward of `step`'s B windows -> fp32 logits [B*W, V] at every window position."""
     n = step.input_ids.shape[0]
     b = step.state_slots.shape[0]
@@ -111,7 +112,7 @@ def padded_verify_logits(model: KimiForCausalLM, cache_key: int, step: PaddedVer
                          step.kv_rows, 1, step.kv_slots,
                          attn_backend=PaddedVerifyBackend(cache_key, step))  # type: ignore[arg-type]
     hidden = model._prenorm_hidden(step.input_ids, cu, batch)
-    return model.lm_head(model.model.norm(hidden)).float()
+    return GraphOutput(model.lm_head(model.model.norm(hidden)).float(), hidden if with_hidden else None)
 
 
 class VerifyGraphs(DecodeGraphs):
@@ -121,14 +122,14 @@ class VerifyGraphs(DecodeGraphs):
     kind = "verify"
 
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, scratch: Scratch, buckets: Sequence[int],
-                 window: SpecWindow, scratch_row: int) -> None:
-        super().__init__(model, cache, scratch, buckets)
+                 window: SpecWindow, scratch_row: int, with_hidden: bool = False) -> None:
+        super().__init__(model, cache, scratch, buckets, with_hidden)
         _WINDOWS[self.key] = window
         self.width = window.width
         self.scratch_row = scratch_row
 
-    def _forward(self, step: PaddedVerify) -> Tensor:  # type: ignore[override]
-        return padded_verify_logits(self.model, self.key, step)
+    def _forward(self, step: PaddedVerify) -> GraphOutput:  # type: ignore[override]
+        return padded_verify_logits(self.model, self.key, step, self.with_hidden)
 
     def _scratch_step(self, b: int, kv_len: int) -> PaddedVerify:  # type: ignore[override]
         dev, s, n = self.device, self.scratch, b * self.width
@@ -144,9 +145,9 @@ class VerifyGraphs(DecodeGraphs):
                 and self.bucket(batch.num_seqs) is not None
                 and int((batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).max()) <= self.width)
 
-    def run(self, batch: ForwardBatch) -> Tensor:
+    def run(self, batch: ForwardBatch, prenorm: list[Tensor] | None = None) -> Tensor:
         """Logits [T, V] fp32 for the packed window tokens (then `batch.logits_index` of them), as the eager
-        `model.forward_batch(batch, cache).float()` gives them."""
+        `model.forward_batch(batch, cache, prenorm=prenorm).float()` gives them."""
         n = batch.num_seqs
         b = self.bucket(n)
         assert b is not None and batch.spec is not None, "a step the verify graphs do not cover"
@@ -155,7 +156,11 @@ class VerifyGraphs(DecodeGraphs):
         lens = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
         seq = torch.repeat_interleave(torch.arange(n, device=lens.device), lens, output_size=batch.input_ids.numel())
         flat = seq * self.width + torch.arange(batch.input_ids.numel(), device=lens.device) - batch.cu_seqlens[seq]
-        logits = self._call(self._padded_verify(batch, b, lens, flat))[flat]
+        out = self._call(self._padded_verify(batch, b, lens, flat))
+        if prenorm is not None:
+            assert out.hidden is not None, "hiddens from graphs captured without them"
+            prenorm.append(out.hidden[flat])
+        logits = out.logits[flat]
         return logits if batch.logits_index is None else logits[batch.logits_index]
 
     def _padded_verify(self, batch: ForwardBatch, b: int, lens: Tensor, flat: Tensor) -> PaddedVerify:

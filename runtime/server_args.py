@@ -105,9 +105,9 @@ class ServerArgs:
         "run decode steps eagerly, not through the compiled decode step (torch.compile of the whole decode "
         "forward: inductor's C++ on CPU, CUDA graphs on CUDA, compiled at startup once per batch-size bucket); "
         f"SGLang's --disable-cuda-graph. {COMPILE_ENV}=0 / 1 in the environment overrides it")})
-    enable_compiled_verify: bool = field(default=False, metadata={"help": (
-        "with the compiled decode step and n-gram speculation, compile the verify step too (off by default: on "
-        "CPU it measured slower than the eager verify so far, README: Performance)")})
+    disable_compiled_verify: bool = field(default=False, metadata={"help": (
+        "with the compiled decode step and speculation (n-gram, MTP), run the verify step (and MTP's draft and "
+        "catch-up steps) eagerly rather than compiled per batch-size bucket")})
     compile_max_bs: int = field(default=32, metadata={"help": (
         "the largest decode batch the compiled step covers (buckets 1, 2, 4, ... up to it, a smaller batch "
         "padded to its bucket; larger ones run eagerly); SGLang's --cuda-graph-max-bs")})

@@ -27,6 +27,8 @@ from torch import Tensor
 from kernels.sampling_tensors import SamplingTensors
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
+from radixk3.mtp import MTPOutput
+from radixk3.mtp_graph import MTPGraphs
 from runtime.spec.drafts import choose, draft_windows, window_layout
 from runtime.worker.pool_buffer import PoolBuffer
 
@@ -52,6 +54,7 @@ class MTPProposer:
         # target hidden per row (-1: none pending).
         self.pending_pos = torch.full((num_rows,), -1, dtype=torch.int64, device=dev)
         self.pending_h = torch.zeros(num_rows, cfg.hidden_size, dtype=dtype, device=dev)
+        self.graphs: MTPGraphs | None = None  # the captured draft and catch-up steps (the worker's, when compiled)
 
     def _defer(self, batch: ForwardBatch, hidden: Tensor, next_last: Tensor, rows: Tensor
                ) -> tuple[ForwardBatch, Tensor, Tensor]:
@@ -141,29 +144,37 @@ class MTPProposer:
         chain = self.last_out.new_zeros(lens.numel(), width, self.last_out.shape[-1])
         chain[:, 0] = self.last_out[0, rows]
         written = [0] * self.num_layers  # per layer: the last chain step whose position it has written
+        # The drafting windows' logits for draft j (those of window rows lens > j, in order).
+        logits = self.model.mtp_logits(0, chain[lens > 1, 0]).float()
         for j in range(1, width):
             drafting = (lens > j).nonzero().squeeze(1)
-            logits = self.model.mtp_logits((j - 1) % self.num_layers, chain[drafting, j - 1]).float()
             d, q = choose(logits, None if probs is None else params.take(starts[drafting] + j - 1))
             ids[starts[drafting] + j] = d
             if probs is not None:
                 probs[drafting, j - 1] = q
             on = drafting[lens[drafting] > j + 1]
             if not on.numel():
-                continue
+                break  # every later draft's window is narrower
             # Step j: layer m at position L-1+j on (d_j, chain[j-1]), after catching its KV up over the steps
             # since it last wrote (inputs: the token after each position and the chain one position back).
             m = j % self.num_layers
-            steps = torch.arange(written[m] + 1, j + 1, device=ids.device)
-            c = steps.numel()
-            tok = ids[(starts[on][:, None] + steps).reshape(-1)]
-            hid = chain[on][:, steps - 1].reshape(-1, chain.shape[-1])
-            cu = torch.arange(0, (on.numel() + 1) * c, c, device=ids.device)
-            mode = ForwardMode.DECODE if c == 1 else ForwardMode.EXTEND
-            step = ForwardBatch.from_table(mode, tok, cu, batch.prefix_lens[on] + written[m], batch.state_slots[on],
-                                           batch.block_table[on], batch.page_size)
-            out = self.model.forward_mtp_batch(m, step, hid, self.cache).hidden
-            chain[on, j] = out[cu[1:] - 1].to(chain.dtype)
+            out = None
+            if self.graphs is not None and written[m] == j - 1:  # no catching up: one position per window
+                out = self.graphs.draft(m, ids[starts[on] + j], chain[on, j - 1], batch.prefix_lens[on] + j - 1,
+                                        batch.block_table[on], batch.page_size)
+            if out is None:
+                steps = torch.arange(written[m] + 1, j + 1, device=ids.device)
+                c = steps.numel()
+                tok = ids[(starts[on][:, None] + steps).reshape(-1)]
+                hid = chain[on][:, steps - 1].reshape(-1, chain.shape[-1])
+                cu = torch.arange(0, (on.numel() + 1) * c, c, device=ids.device)
+                mode = ForwardMode.DECODE if c == 1 else ForwardMode.EXTEND
+                step = ForwardBatch.from_table(mode, tok, cu, batch.prefix_lens[on] + written[m],
+                                               batch.state_slots[on], batch.block_table[on], batch.page_size)
+                full = self.model.forward_mtp_batch(m, step, hid, self.cache)
+                out = MTPOutput(full.hidden[cu[1:] - 1], full.logits)
+            chain[on, j] = out.hidden.to(chain.dtype)
+            logits = out.logits.float()  # draft j + 1's, from layer m at this step
             written[m] = j
         return probs
 
@@ -172,9 +183,34 @@ class MTPProposer:
 
     def after_verify(self, batch: ForwardBatch, hidden: Tensor, num_tokens: Tensor, last: Tensor,
                      rows: Tensor) -> None:
+        if self.graphs is not None and self.num_layers == 1 and self._catch_up(batch, hidden, num_tokens, last, rows):
+            return
         seq, pos, _ = window_layout(batch.cu_seqlens)
         keep = pos < num_tokens[seq]
         cu = torch.nn.functional.pad(num_tokens.cumsum(0), (1, 0))
         sub = ForwardBatch.from_table(ForwardMode.EXTEND, batch.input_ids[keep], cu, batch.prefix_lens,
                                       batch.state_slots, batch.block_table, batch.page_size)
         self._run(sub, hidden[keep], last, rows)
+
+    def _catch_up(self, batch: ForwardBatch, hidden: Tensor, num_tokens: Tensor, last: Tensor, rows: Tensor) -> bool:
+        """`after_verify` through the captured catch-up step (one MTP layer, no pending chunk position): the
+        windows padded to [n, W]; False where the graphs do not cover the step (the caller runs it eagerly)."""
+        assert self.graphs is not None
+        if bool((self.pending_pos[rows] >= 0).any()):
+            return False
+        seq, pos, _ = window_layout(batch.cu_seqlens)
+        n, w = batch.num_seqs, self.graphs.width
+        next_ids = torch.zeros(n, w, dtype=torch.int64, device=last.device)
+        # The token after window position j: window token j + 1, or (at the last committed one) `last`.
+        inner = pos > 0
+        next_ids[seq[inner], pos[inner] - 1] = batch.input_ids[inner]
+        next_ids[torch.arange(n, device=last.device), num_tokens - 1] = last
+        padded = hidden.new_zeros(n, w, hidden.shape[-1])
+        padded[seq, pos] = hidden
+        out = self.graphs.catch_up(next_ids, padded, batch.prefix_lens, num_tokens, batch.block_table,
+                                   batch.page_size)
+        if out is None:
+            return False
+        self.last_out[0, rows] = out[torch.arange(n, device=out.device), num_tokens - 1].to(self.last_out.dtype)
+        self.last_pos[rows] = batch.prefix_lens + num_tokens - 1
+        return True

@@ -21,6 +21,7 @@ from radixk3.config import preset
 from radixk3.decode_graph import DecodeGraphs, Scratch
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM, build_model
+from radixk3.mtp_graph import MTPGraphs
 from radixk3.parallel import is_collective_failure, parallel_state
 from radixk3.spec_window import SpecWindow, WindowRows, check_committed_states
 from radixk3.verify_graph import VerifyGraphs
@@ -30,6 +31,7 @@ from runtime.disagg.protocol import META_SLOT_BYTES, ChunkSend, RankAgent, SendC
 from runtime.messages import StepPlan, StepResult
 from runtime.pool_layout import CopyCommand, pool_budget, pool_layout, serving_dtype
 from runtime.server_args import ServerArgs
+from runtime.spec.mtp import MTPProposer
 from runtime.spec.proposers import build_proposer, lockstep_proposer
 from runtime.worker.image_embedder import ImageEmbedder
 from runtime.worker.page_table import WorkerPageTable
@@ -40,8 +42,9 @@ from runtime.worker.transfer_agent import TransferAgent, make_agent
 
 log = logging.getLogger(__name__)
 
-# The speculative algorithms whose steps the compiled graphs cover: their proposers read no target hiddens.
-COMPILED_SPECULATION = (None, "ngram")
+# The speculative algorithms whose steps the compiled graphs cover: n-gram (no proposer in the worker) and MTP
+# (its graphs return the target's pre-norm hiddens, and its own steps are captured: `mtp_graph.py`).
+COMPILED_SPECULATION = (None, "ngram", "mtp")
 
 
 def load_worker_model(args: ServerArgs) -> KimiForCausalLM:
@@ -130,22 +133,28 @@ class ModelWorker:
         self.verify_graphs: VerifyGraphs | None = None
         if compiled:  # paid here, at startup, once per batch-size bucket
             scratch = Scratch(self.buffer.scratch_state_slot, self.buffer.scratch_kv_row)  # type: ignore[arg-type]
-            graphs = DecodeGraphs(self.model, self.cache, scratch, args.compile_buckets)
+            hidden = self.proposer is not None and self.proposer.needs_hidden
+            graphs = DecodeGraphs(self.model, self.cache, scratch, args.compile_buckets, with_hidden=hidden)
             try:
                 graphs.capture()
                 self.graphs = graphs
-                if self.window is not None and args.enable_compiled_verify:
+                if self.window is not None and not args.disable_compiled_verify:
                     verify = VerifyGraphs(self.model, self.cache, scratch, args.compile_buckets, self.window,
-                                          self.window_scratch_row)
+                                          self.window_scratch_row, with_hidden=hidden)
                     verify.capture()
                     self.verify_graphs = verify
+                    if isinstance(self.proposer, MTPProposer):
+                        mtp = MTPGraphs(self.model, self.proposer.cache, scratch.kv_row, args.compile_buckets,
+                                        self.window.width)
+                        mtp.capture()
+                        self.proposer.graphs = mtp
             except Exception:  # a model part the compiler cannot capture: serve, eagerly, and say why
                 log.warning("the compiled decode step failed to build; decode runs eagerly", exc_info=True)
 
     def _compiles(self, args: ServerArgs) -> bool:
         """The compiled decode step covers one rank's plain decode: not a TP group or DP attention (collectives),
-        not speculative decoding with a proposer that reads the target's hiddens (MTP, DSpark: their steps run
-        eagerly; n-gram's decode and verify steps are compiled, `verify_graph.py`), not
+        not speculative decoding with a draft model or DSpark (their proposers' steps run eagerly; n-gram's and
+        MTP's decode and verify steps are compiled, `verify_graph.py`, and MTP's own, `mtp_graph.py`), not
         packed routed experts (a step dequantises the experts it routes to: shapes that depend on the routes), not
         `--quantization` (its experts read their routes on the host: a capture would fail after its compile time)."""
         state = parallel_state()
@@ -394,13 +403,14 @@ class ModelWorker:
     def _forward(self, batch: ForwardBatch, prenorm: list[torch.Tensor] | None) -> torch.Tensor:
         """The target's step; the pre-norm hiddens (or a DSpark proposer's aux states: the target's states after
         its `aux_layer_ids`, concatenated) are asked for only when a proposer reads them."""
-        if prenorm is None:
-            if self.graphs is not None and self.graphs.supports(batch):
-                return self.graphs.run(batch)
-            if self.verify_graphs is not None and self.verify_graphs.supports(batch):
-                return self.verify_graphs.run(batch)
-            return self.model.forward_batch(batch, self.cache).float()
         ids = self.proposer.aux_layer_ids if self.proposer is not None else ()
+        if not ids:  # the graphs give the pre-norm hiddens when captured with them (`with_hidden`)
+            if self.graphs is not None and self.graphs.supports(batch):
+                return self.graphs.run(batch, prenorm)
+            if self.verify_graphs is not None and self.verify_graphs.supports(batch):
+                return self.verify_graphs.run(batch, prenorm)
+        if prenorm is None:
+            return self.model.forward_batch(batch, self.cache).float()
         if ids:
             aux = dict.fromkeys(ids, torch.empty(0))
             logits = self.model.forward_batch(batch, self.cache, aux=aux).float()

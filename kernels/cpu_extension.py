@@ -1,0 +1,39 @@
+"""Building the C++/OpenMP CPU ops (`*_cpu.cpp` beside their torch references) with torch's extension loader:
+compiled once per machine on first use (a few seconds; torch caches the library under its extensions directory
+and rebuilds when the source changes), loaded through ctypes (plain C entry points, no Python module)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def _ensure_ninja() -> None:
+    """torch's loader runs `ninja` from PATH: the `ninja` package's binary serves when the system has none."""
+    if shutil.which("ninja") is None:
+        import ninja  # type: ignore[import-untyped]
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def load_cpu_library(name: str, source: Path, cflags: list[str]) -> ctypes.CDLL | None:
+    """Build (or find cached) and load `source` as library `name`; None on a machine that is not x86 or cannot
+    build it (no compiler, no ninja): the caller's torch path serves."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        _ensure_ninja()
+        path = load(name=name, sources=[str(source)], is_python_module=False,
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"])
+    except Exception as exc:
+        log.warning("%s unavailable, the torch path serves: %s", name, exc)
+        return None
+    return ctypes.CDLL(str(path))
