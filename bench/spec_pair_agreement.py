@@ -52,19 +52,24 @@ def dspark_first_drafts(target: KimiForCausalLM, drafter: DSparkModel, ids: torc
 
 
 @torch.inference_mode()
+def mtp_agreement(target: KimiForCausalLM, ids: torch.Tensor) -> float:
+    """The MTP layer's top-1 agreement with the target on `ids` (see `Agreement.mtp_top1`)."""
+    t_arg = target(ids).argmax(-1)
+    h = target.prenorm_hidden(ids, torch.tensor([0, ids.numel()]))
+    mtp = target.forward_mtp(0, ids[1:], h[:-1]).logits.argmax(-1)  # position t predicts t+2
+    return float((mtp[:-1] == t_arg[1:-1]).float().mean())
+
+
+@torch.inference_mode()
 def agreement(target: KimiForCausalLM, draft: KimiForCausalLM, ids: torch.Tensor,
               drafter: DSparkModel | None = None) -> Agreement:
-    cu = torch.tensor([0, ids.numel()])
     t_arg = target(ids).argmax(-1)
-    h = target.prenorm_hidden(ids, cu)
-    mtp = target.forward_mtp(0, ids[1:], h[:-1]).logits.argmax(-1)  # position t predicts t+2
     d_arg = draft(ids).argmax(-1)
     dspark = None
     if drafter is not None:
         anchors = torch.arange(1, ids.numel())
         dspark = float((dspark_first_drafts(target, drafter, ids, anchors) == t_arg[anchors]).float().mean())
-    return Agreement(float((mtp[:-1] == t_arg[1:-1]).float().mean()), float((d_arg == t_arg).float().mean()),
-                     dspark)
+    return Agreement(mtp_agreement(target, ids), float((d_arg == t_arg).float().mean()), dspark)
 
 
 @torch.inference_mode()

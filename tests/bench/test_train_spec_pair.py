@@ -5,6 +5,7 @@ with its MTP layer, two runs give identical bytes, and a second call reuses the 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -16,10 +17,11 @@ from bench.train_spec_pair import (
     ensure_spec_pair,
     file_sha256,
     k3_config,
+    retrain_mtp,
     served_target,
     write_builtin,
 )
-from radixk3.checkpoint import load_model
+from radixk3.checkpoint import load_model, write_checkpoint
 from radixk3.dspark import target_aux_states
 from radixk3.dspark_checkpoint import load_dspark
 
@@ -91,6 +93,20 @@ def test_write_builtin_then_the_pair_on_it(tmp_path: Path, monkeypatch) -> None:
     stamp = (pair.draft / "model.safetensors").stat().st_mtime_ns
     assert ensure_spec_pair(recipe=TINY, target=out) == pair
     assert (pair.draft / "model.safetensors").stat().st_mtime_ns == stamp
+
+    # `--retrain-mtp` (stage 2 alone, on the committed target) writes the very bytes `--write-builtin` wrote.
+    again = shutil.copytree(out, tmp_path / "again")
+    spoilt = load_model(again)
+    with torch.no_grad():
+        for p in spoilt.model.mtp_layers.parameters():
+            p.zero_()
+    write_checkpoint(spoilt, again)  # an MTP layer the retraining must replace
+    assert (again / "model.safetensors").read_bytes() != (out / "model.safetensors").read_bytes()
+    retrain_mtp(TINY, again, log=False)
+    assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    redone = json.loads((again / "recipe.json").read_text())
+    assert redone["mtp_retrained_by"] == "python bench/train_spec_pair.py --retrain-mtp"
+    assert redone["agreement"] == report["agreement"] and redone["final_loss"] == report["final_loss"]
 
 
 def test_dspark_agreement_drafts_as_the_drafter_does(tmp_path: Path) -> None:
