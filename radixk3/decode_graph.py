@@ -5,10 +5,11 @@ logits) compiled once per batch-size bucket and replayed, as SGLang's CUDA-graph
   are padding: they read and write only the pool's scratch state slot and scratch KV row (`Scratch`, kept
   outside the scheduler's slots) and their logits are dropped. Shapes are static per bucket except the length of
   the KV row table (dynamic on CPU; padded to a power of two on CUDA, where each length records its own graph).
-- The graph covers the common decode step only: one token per sequence, no radix-tree checkpoints, no proposer
-  hiddens, one rank (no collectives). Everything else runs eagerly (`DecodeGraphs.supports`). Sampling (grammar
-  masks, biases) stays outside the graph, so constrained requests still replay it. The slot checks that read
-  tensors back to the host (the eager backend's `_validate`) run once per step before the call.
+- The graph covers the common decode step only: one token per sequence, no radix-tree checkpoints, one rank (no
+  collectives); with `with_hidden` it also returns the pre-norm final hiddens (the MTP proposer reads them).
+  Everything else runs eagerly (`DecodeGraphs.supports`). Sampling (grammar masks, biases) stays outside the
+  graph, so constrained requests still replay it. The slot checks that read tensors back to the host (the eager
+  backend's `_validate`) run once per step before the call.
 - The pool ops (short conv, KDA, MLA store + attention) are opaque custom ops inside the graph (see `_CACHES`);
   inductor compiles and fuses everything around them (projections, norms, gates, the MoE, the logits).
 - CPU: inductor (C++ codegen). CUDA: the same compiled step with CUDA graphs (mode "reduce-overhead").

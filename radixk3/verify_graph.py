@@ -1,6 +1,6 @@
 """The captured verify step of speculative decoding: the target's forward over every sequence's draft window
 (its last sampled token and k drafts) compiled once per (batch-size bucket, window width), as the decode step is
-(`decode_graph.py`), for the proposers that read no target hiddens (n-gram, draft model).
+(`decode_graph.py`), for n-gram and MTP speculation (with `with_hidden`, the pre-norm hiddens MTP reads).
 
 - Shapes: B windows of W = k + 1 tokens each, B the smallest bucket >= the step's sequences. A window shorter
   than W (a constrained request drafts nothing, a proposer found fewer drafts) is padded at its end: causal, so
