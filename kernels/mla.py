@@ -134,7 +134,8 @@ def mla_decode_padded(
 
     q_nope [N, H, Dn], q_pe [N, H, Dr], latent [L, R+Dr]; kv_rows [N, S] names sequence i's cached rows (its
     first kv_lens[i] entries; the rest are any valid row, masked out). The absorbed form, as `mla_attention`'s
-    decode groups: the same products in the same order, padded to S instead of to each group's longest."""
+    decode groups: the same products in the same order, padded to S instead of to each group's longest. In fp32 on
+    CPU the middle (scores, softmax, weighted sum) is one C++ op instead (`mla_decode_cpu`: within rounding)."""
     n, h, dn = q_nope.shape
     r = kv_b_weight.shape[-1]
     w_uk, w_uv = _split_kv_b(kv_b_weight, h, dn)

@@ -53,6 +53,9 @@ def mla_decode_latent_cpu(q: Tensor, latent: Tensor, kv_rows: Tensor, kv_lens: T
     lib = _library()
     assert lib is not None, "call available() and fusable() first"
     n, h, e = q.shape
+    if latent.shape[-1] != e or not 0 < r <= e or kv_rows.shape[0] != n or kv_lens.shape != (n,):
+        raise ValueError(f"MLA decode shapes: q {tuple(q.shape)}, latent {tuple(latent.shape)}, r {r}, "
+                         f"kv_rows {tuple(kv_rows.shape)}, kv_lens {tuple(kv_lens.shape)}")
     q = q.contiguous()
     rows = kv_rows.to(torch.int64).contiguous()
     lens = kv_lens.to(torch.int64).contiguous()

@@ -63,7 +63,7 @@ class PaddedDecode(NamedTuple):
 # the graph they are calls on activations only; the pools are state outside it, as a KV cache is to a CUDA graph
 # (fixed addresses, written in place).
 _CACHES: dict[int, HybridCache] = {}
-
+_NEXT_KEY = itertools.count()
 
 
 def compile_options(cuda: bool) -> dict[str, object]:
@@ -72,7 +72,6 @@ def compile_options(cuda: bool) -> dict[str, object]:
     baked in), and checking them cost ~90 us a call on CPU, a tenth of a batch-1 MTP draft step."""
     return {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} | (
         {"triton.cudagraphs": True} if cuda else {})
-_NEXT_KEY = itertools.count()
 
 
 # Outputs are contiguous, as their fake (shape) functions say.

@@ -1,22 +1,23 @@
-"""The captured steps of the MTP proposer (`runtime/spec/mtp.py`): one MTP layer over padded rows, compiled once
-per (layer, row bucket) and replayed, as the decode step is (`decode_graph.py`).
+"""The captured steps of the MTP proposer (`runtime/spec/mtp.py`) for a model with one MTP layer: the layer over
+padded rows, compiled once per row bucket and replayed, as the decode step is (`decode_graph.py`). (With more MTP
+layers the chain's steps catch layers up over several positions: the proposer runs them eagerly.)
 
-- Draft step: one step of the draft chain for B windows (those still drafting, padded to a bucket): layer m on
+- Draft step: one step of the draft chain for B windows (those still drafting, padded to a bucket): the layer on
   (d_j, the chain's previous output) at position L-1+j, its latent stored at that position's KV slot; returns
   the layer's outputs and their logits (the next drafts').
-- Catch-up: after a verify step, layer 0 over every position of B windows of W tokens (B*W rows, as the verify
+- Catch-up: after a verify step, the layer over every position of B windows of W tokens (B*W rows, as the verify
   graph packs them) with the target's hiddens there; a position past its window's committed tokens stores its
   latent in the scratch KV row, and its output is dropped.
 Each row is one query over its own cached rows (`mla_decode_padded`, decode's absorbed form, through the decode
 graph's pool op). Positions enter an MTP layer only through its input fusion (position 0's embedding is zeroed):
 a row's position is its KV length - 1, so a padding row (length 1) sits at 0, a real one never does.
-The eager proposer stays the oracle: `tests/runtime/test_mtp_graph.py` checks the compiled steps' outputs and
-latents against the eager ones, and greedy tokens with MTP speculation, compiled against eager.
+The eager MTP layer stays the oracle: `tests/radixk3/test_mtp_graph.py` checks both steps' outputs and stored
+latents against it (padded rows, windows of several lengths), and `tests/runtime/test_verify_graph.py` greedy tokens
+and accepted drafts with MTP speculation, compiled against eager.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -66,34 +67,33 @@ def padded_mtp_step(model: KimiForCausalLM, cache_key: int, index: int, step: Pa
 
 
 class MTPGraphs:
-    """The compiled MTP steps of one model over its MTP cache: draft steps per (layer, bucket), catch-up steps of
-    layer 0 per bucket of windows `width` tokens wide."""
+    """The compiled MTP steps of a model with one MTP layer over its MTP cache: draft steps per bucket, catch-up
+    steps per bucket of windows `width` tokens wide."""
 
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, scratch_kv_row: int, buckets: Sequence[int],
                  width: int) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"batch-size buckets must be >= 1, got {list(buckets)}")
+        if model.config.num_nextn_predict_layers != 1:
+            raise ValueError("the compiled MTP steps cover a model with one MTP layer")
         self.model, self.cache, self.scratch_kv_row, self.width = model, cache, scratch_kv_row, width
         self.key = next(_NEXT_KEY)
         _CACHES[self.key] = cache
         self.device = model.device
         self.cuda = self.device.type == "cuda"
         self.buckets = sorted(set(buckets))
-        self.num_layers = model.config.num_nextn_predict_layers
         self.mode = "reduce-overhead" if self.cuda else "default"
-        # One code object for every (layer, kind, bucket), and the dynamic KV length.
-        kinds = self.num_layers + 1
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
-                                                    2 * len(self.buckets) * kinds)
-        self._draft = [self._compiled(m, True) for m in range(self.num_layers)]
-        self._catch_up = self._compiled(0, False)
+        # One code object for both kinds and every bucket, and the dynamic KV length.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(self.buckets))
+        self._draft = self._compiled(True)
+        self._catch_up = self._compiled(False)
         self.report = CaptureReport(self.mode, {})
         self.replays = 0  # steps served (tests check that a path ran through the graphs)
 
-    def _compiled(self, index: int, with_logits: bool) -> Callable[[PaddedMTP], MTPOutput]:
-        # The layer and the flag are closure constants (guarded by value), never graph inputs.
+    def _compiled(self, with_logits: bool) -> Callable[[PaddedMTP], MTPOutput]:
+        # The flag is a closure constant (guarded by value), never a graph input.
         def step(rows: PaddedMTP) -> MTPOutput:
-            return padded_mtp_step(self.model, self.key, index, rows, with_logits)
+            return padded_mtp_step(self.model, self.key, 0, rows, with_logits)
 
         return torch.compile(step, fullgraph=True, options=compile_options(self.cuda))
 
@@ -103,7 +103,7 @@ class MTPGraphs:
         for b in self.buckets:
             start = time.perf_counter()
             for _ in range(2):  # compile, then replay once (on CUDA the first replays record the graph)
-                for fn, rows in itertools.chain(((f, b) for f in self._draft), [(self._catch_up, b * self.width)]):
+                for fn, rows in ((self._draft, b), (self._catch_up, b * self.width)):
                     self._call(fn, self._scratch_rows(rows))
             self.report.seconds[b] = time.perf_counter() - start
             log.info("mtp graphs: batch %d compiled in %.1f s (%s)", b, self.report.seconds[b], self.mode)
@@ -144,9 +144,9 @@ class MTPGraphs:
     def _pad(self, x: Tensor, r: int, fill: float) -> Tensor:
         return torch.cat([x, x.new_full((r - x.shape[0], *x.shape[1:]), fill)]) if r > x.shape[0] else x
 
-    def draft(self, index: int, next_ids: Tensor, hidden: Tensor, positions: Tensor, block_table: Tensor,
+    def draft(self, next_ids: Tensor, hidden: Tensor, positions: Tensor, block_table: Tensor,
               page_size: int) -> MTPOutput | None:
-        """One chain step of layer `index` for n windows: (next_ids [n], hidden [n, H]) at `positions` [n] of
+        """One chain step for n windows: (next_ids [n], hidden [n, H]) at `positions` [n] of
         sequences with pages `block_table` [n, P] -> outputs [n, H] and logits [n, V]; None if no bucket fits."""
         n = next_ids.shape[0]
         b = self.bucket(n)
@@ -157,17 +157,17 @@ class MTPGraphs:
         step = PaddedMTP(self._pad(next_ids, b, 0), self._pad(hidden, b, 0), self._pad(slots, b, kv),
                          self._pad(rows, b, kv), self._pad(lens, b, 1))
         self.replays += 1
-        out = self._call(self._draft[index], step)
+        out = self._call(self._draft, step)
         return MTPOutput(out.hidden[:n], out.logits[:n])
 
     def catch_up(self, next_ids: Tensor, hidden: Tensor, prefix_lens: Tensor, num_tokens: Tensor,
                  block_table: Tensor, page_size: int) -> Tensor | None:
-        """Layer 0 over n windows' committed positions: `next_ids` and `hidden` [n, W(, H)] per window position
+        """The layer over n windows' committed positions: `next_ids` and `hidden` [n, W(, H)] per window position
         (past num_tokens[i]: anything), the window of sequence i at positions prefix_lens[i] + j -> the outputs
         [n, W, H] (past num_tokens[i]: dropped by the caller); None if no bucket fits."""
         n, w = next_ids.shape
         b = self.bucket(n)
-        if b is None or w != self.width:
+        if b is None:
             return None
         offsets = torch.arange(w, device=self.device)[None, :]
         # Past its committed tokens a window's rows repeat its last committed position (whose pages exist).

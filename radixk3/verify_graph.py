@@ -11,7 +11,7 @@
 - The pool and draft-window ops are opaque custom ops (as decode's): the short conv and the KDA layers run their
   window from the live state without writing it (`conv1d_verify_padded`, `kda_verify_padded`) and fill the draft
   window (inputs for ReplaySSM, or per-position snapshots) exactly as the eager backend does.
-The eager verify stays the oracle: `tests/runtime/test_verify_graph.py` checks greedy tokens with n-gram
+The eager verify stays the oracle: `tests/runtime/test_verify_graph.py` checks greedy tokens with n-gram and MTP
 speculation, compiled against eager.
 """
 

@@ -54,7 +54,8 @@ class MTPProposer:
         # target hidden per row (-1: none pending).
         self.pending_pos = torch.full((num_rows,), -1, dtype=torch.int64, device=dev)
         self.pending_h = torch.zeros(num_rows, cfg.hidden_size, dtype=dtype, device=dev)
-        self.graphs: MTPGraphs | None = None  # the captured draft and catch-up steps (the worker's, when compiled)
+        # The captured draft and catch-up steps (the worker's, when compiled; one MTP layer only).
+        self.graphs: MTPGraphs | None = None
 
     def _defer(self, batch: ForwardBatch, hidden: Tensor, next_last: Tensor, rows: Tensor
                ) -> tuple[ForwardBatch, Tensor, Tensor]:
@@ -159,8 +160,8 @@ class MTPProposer:
             # since it last wrote (inputs: the token after each position and the chain one position back).
             m = j % self.num_layers
             out = None
-            if self.graphs is not None and written[m] == j - 1:  # no catching up: one position per window
-                out = self.graphs.draft(m, ids[starts[on] + j], chain[on, j - 1], batch.prefix_lens[on] + j - 1,
+            if self.graphs is not None:  # one MTP layer: no catching up, one position per window
+                out = self.graphs.draft(ids[starts[on] + j], chain[on, j - 1], batch.prefix_lens[on] + j - 1,
                                         batch.block_table[on], batch.page_size)
             if out is None:
                 steps = torch.arange(written[m] + 1, j + 1, device=ids.device)
@@ -183,7 +184,7 @@ class MTPProposer:
 
     def after_verify(self, batch: ForwardBatch, hidden: Tensor, num_tokens: Tensor, last: Tensor,
                      rows: Tensor) -> None:
-        if self.graphs is not None and self.num_layers == 1 and self._catch_up(batch, hidden, num_tokens, last, rows):
+        if self.graphs is not None and self._catch_up(batch, hidden, num_tokens, last, rows):
             return
         seq, pos, _ = window_layout(batch.cu_seqlens)
         keep = pos < num_tokens[seq]
@@ -196,10 +197,10 @@ class MTPProposer:
         """`after_verify` through the captured catch-up step (one MTP layer, no pending chunk position): the
         windows padded to [n, W]; False where the graphs do not cover the step (the caller runs it eagerly)."""
         assert self.graphs is not None
-        if bool((self.pending_pos[rows] >= 0).any()):
+        n, w = batch.num_seqs, self.graphs.width
+        if self.graphs.bucket(n) is None or bool((self.pending_pos[rows] >= 0).any()):
             return False
         seq, pos, _ = window_layout(batch.cu_seqlens)
-        n, w = batch.num_seqs, self.graphs.width
         next_ids = torch.zeros(n, w, dtype=torch.int64, device=last.device)
         # The token after window position j: window token j + 1, or (at the last committed one) `last`.
         inner = pos > 0

@@ -138,18 +138,27 @@ class ModelWorker:
             try:
                 graphs.capture()
                 self.graphs = graphs
-                if self.window is not None and not args.disable_compiled_verify:
-                    verify = VerifyGraphs(self.model, self.cache, scratch, args.compile_buckets, self.window,
-                                          self.window_scratch_row, with_hidden=hidden)
-                    verify.capture()
-                    self.verify_graphs = verify
-                    if isinstance(self.proposer, MTPProposer):
-                        mtp = MTPGraphs(self.model, self.proposer.cache, scratch.kv_row, args.compile_buckets,
-                                        self.window.width)
-                        mtp.capture()
-                        self.proposer.graphs = mtp
             except Exception:  # a model part the compiler cannot capture: serve, eagerly, and say why
                 log.warning("the compiled decode step failed to build; decode runs eagerly", exc_info=True)
+            if self.graphs is not None and self.window is not None and not args.disable_compiled_verify:
+                self._capture_speculation(args, scratch, hidden)
+
+    def _capture_speculation(self, args: ServerArgs, scratch: Scratch, hidden: bool) -> None:
+        """The compiled verify step and (MTP with one layer) the MTP layer's steps; what fails to build runs
+        eagerly."""
+        assert self.window is not None
+        try:
+            verify = VerifyGraphs(self.model, self.cache, scratch, args.compile_buckets, self.window,
+                                  self.window_scratch_row, with_hidden=hidden)
+            verify.capture()
+            self.verify_graphs = verify
+            if isinstance(self.proposer, MTPProposer) and self.model.config.num_nextn_predict_layers == 1:
+                mtp = MTPGraphs(self.model, self.proposer.cache, scratch.kv_row, args.compile_buckets,
+                                self.window.width)
+                mtp.capture()
+                self.proposer.graphs = mtp
+        except Exception:
+            log.warning("the compiled verify (or MTP) steps failed to build; they run eagerly", exc_info=True)
 
     def _compiles(self, args: ServerArgs) -> bool:
         """The compiled decode step covers one rank's plain decode: not a TP group or DP attention (collectives),
@@ -169,8 +178,14 @@ class ModelWorker:
 
     @property
     def compile_seconds(self) -> dict[int, float]:
-        """Seconds the compiled decode step took to build, per batch-size bucket (empty: eager decode)."""
-        return dict(self.graphs.report.seconds) if self.graphs is not None else {}
+        """Seconds the compiled steps (decode, and verify and MTP's when built) took to build, per batch-size
+        bucket (empty: eager decode)."""
+        out: dict[int, float] = {}
+        mtp = getattr(self.proposer, "graphs", None)
+        for graphs in (self.graphs, self.verify_graphs, mtp):
+            for b, sec in (graphs.report.seconds.items() if graphs is not None else ()):
+                out[b] = out.get(b, 0.0) + sec
+        return out
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.array(a, dtype=np.int64)).to(self.model.device)

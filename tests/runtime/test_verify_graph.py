@@ -33,13 +33,14 @@ class Run(NamedTuple):
 
 
 def _eager_then_compiled(monkeypatch: pytest.MonkeyPatch, model: KimiForCausalLM, prompts: list[list[int]],
-                         algorithm: str) -> dict[str, Run]:
-    """The prompts through an eager engine ("0") and a compiled one ("1"), k = 3, one request at a time."""
+                         algorithm: str, rows: int) -> dict[str, Run]:
+    """The prompts through an eager engine ("0") and a compiled one ("1"), k = 3, up to `rows` requests at once
+    (buckets 1, 2, 4, ... up to `rows`)."""
     runs = {}
     for compiled in ("0", "1"):
         monkeypatch.setenv(COMPILE_ENV, compiled)
         eng = LocalEngine(ServerArgs(speculative_algorithm=algorithm, speculative_num_draft_tokens=3,
-                                     max_running_requests=1, compile_max_bs=1, debug_spec_state=True), model,
+                                     max_running_requests=rows, compile_max_bs=rows, debug_spec_state=True), model,
                           check=True)
         outputs = eng.generate(prompts, GREEDY)
         eng.scheduler.check_integrity()
@@ -53,7 +54,7 @@ def _eager_then_compiled(monkeypatch: pytest.MonkeyPatch, model: KimiForCausalLM
 def test_compiled_speculation_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _trained()
     prompts = _prompts(model.config.vocab_size)[3:14]
-    runs = _eager_then_compiled(monkeypatch, model, prompts, "ngram")
+    runs = _eager_then_compiled(monkeypatch, model, prompts, "ngram", 1)
     assert runs["1"].outputs == runs["0"].outputs == [greedy_reference(model, p, MAX_NEW) for p in prompts]
     m = runs["1"].metrics
     assert m.accepted_tokens > m.draft_tokens / 3, "the trained target accepts most drafts"
@@ -63,11 +64,12 @@ def test_compiled_mtp_speculation_equals_eager(monkeypatch: pytest.MonkeyPatch) 
     """MTP speculation (k = 3) with every step compiled (decode and verify with the target's hiddens, the MTP
     draft and catch-up steps, `radixk3/mtp_graph.py`) gives the eager engine's greedy tokens, which are the no-cache
     loop's, and drafts what the eager proposer drafts: the same tokens are accepted. The target is the built-in
-    k3-gsm8k (fp32), whose trained MTP layer's drafts are often accepted, on gsm8k questions."""
+    k3-gsm8k (fp32), whose trained MTP layer's drafts are often accepted, on gsm8k questions, one at a time (padding
+    and several windows per step: `tests/radixk3/test_mtp_graph.py`)."""
     model = load_model(BUILTIN_MODEL_DIR, dtype=torch.float32)
     tok = load_tokenizer()
     prompts = [tok.encode(one_example(e, False)) for e in read_jsonl(DATA / "test.jsonl")[:4]]
-    runs = _eager_then_compiled(monkeypatch, model, prompts, "mtp")
+    runs = _eager_then_compiled(monkeypatch, model, prompts, "mtp", 1)
     assert runs["1"].outputs == runs["0"].outputs == [greedy_reference(model, p, MAX_NEW) for p in prompts]
     graphs = runs["1"].worker.proposer.graphs  # type: ignore[union-attr]
     assert graphs is not None and runs["0"].worker.proposer.graphs is None  # type: ignore[union-attr]
