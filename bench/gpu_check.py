@@ -13,6 +13,8 @@ H100 or H200; the README's GPU section gives the exact run):
   prompt set, on CUDA.
 - compiled_decode_cuda: decode with the compiled step (CUDA graphs) and with `disable_compile`, both == no-cache
   (SKIP while ServerArgs has no such field).
+- compiled_mtp_cuda: MTP speculation on the built-in k3-gsm8k with every step compiled (decode, verify and the MTP
+  layer's steps under CUDA graphs) and with `disable_compile`: both == no-cache, the same drafts accepted.
 - throughput_48b: output tok/s of a kimi-linear-48b-shaped random model (its first 4 layers, bf16) at batch 1, 32
   and 128.
 - fla_chunk_kda: our KDA prefill against fla's chunk_kda on CUDA (SKIP if fla does not import).
@@ -57,6 +59,7 @@ import torch  # noqa: E402
 from bench.gpu_engine_checks import (  # noqa: E402
     Outcome,
     compiled_decode,
+    compiled_mtp,
     few_layers,
     fla_chunk_kda,
     greedy_equals_no_cache,
@@ -273,6 +276,10 @@ def compiled_decode_cuda() -> Outcome:
     return compiled_decode("cuda")
 
 
+def compiled_mtp_cuda() -> Outcome:
+    return compiled_mtp("cuda")
+
+
 def throughput_48b() -> Outcome:
     cfg = few_layers(preset("kimi-linear-48b"))
     return output_throughput("cuda", cfg, batches=(1, 32, 128), prompt_len=16, new_tokens=128, mem_bytes=8 << 30)
@@ -293,7 +300,8 @@ class Check(NamedTuple):
 
 def cuda_checks() -> list[Check]:
     checks: list[Callable[[], Outcome]] = [backend_choice, *(_kernel_check(n) for n in KERNEL_CHECKS),
-                                           greedy_no_cache_cuda, compiled_decode_cuda, throughput_48b,
+                                           greedy_no_cache_cuda, compiled_decode_cuda, compiled_mtp_cuda,
+                                           throughput_48b,
                                            fla_chunk_kda_cuda, cpu_ranks_on_gpu_machine, cuda_tp2, dp_attention_nccl,
                                            mem_fraction_cuda, row_fallback_cuda, quant_cuda]
     return [Check(c.__name__, c) for c in checks]
@@ -308,6 +316,7 @@ def cpu_checks() -> list[Check]:
     return kernels + [
         Check("greedy_no_cache", functools.partial(greedy_equals_no_cache, "cpu", 1, 2)),
         Check("compiled_decode", functools.partial(compiled_decode, "cpu", 1, 2)),
+        Check("compiled_mtp", functools.partial(compiled_mtp, "cpu", 2, 8)),
         Check("throughput", functools.partial(output_throughput, "cpu", few_layers(tiny, 1), (1, 3), 8, 4, MEM)),
         Check("fla_chunk_kda", functools.partial(fla_chunk_kda, "cpu", [("k3-tiny", tiny)], (20,))),
     ]

@@ -128,6 +128,46 @@ def compiled_decode(device: str, per_wave: int | None = None, new_tokens: int = 
     return Outcome("PASS", f"compiled and eager decode on {device}: both == no-cache forward", figures)
 
 
+def compiled_mtp(device: str, questions: int = 4, new_tokens: int = 24) -> Outcome:
+    """MTP speculation (k = 3) on the built-in k3-gsm8k (fp32), gsm8k questions all at once, with every step
+    compiled (decode, verify and the MTP layer's steps; CUDA graphs on CUDA) and with `disable_compile`: both give
+    the no-cache greedy tokens and accept the same drafts. Figures: accepted drafts, verify steps, each engine's
+    seconds (the compiled one's after its compilation)."""
+    from bench.gsm8k import DATA, one_example, read_jsonl
+    from radixk3.builtin_model import BUILTIN_MODEL_DIR
+    from radixk3.checkpoint import load_model
+    from radixk3.tokenizer import load_tokenizer
+
+    model = load_model(BUILTIN_MODEL_DIR, device=device, dtype=torch.float32)
+    tok = load_tokenizer()
+    prompts = [tok.encode(one_example(e, False)) for e in read_jsonl(DATA / "test.jsonl")[:questions]]
+    want = [no_cache_greedy(model, p, new_tokens) for p in prompts]
+    figures: dict[str, Any] = {}
+    accepted = {}
+    for disable in (False, True):
+        eng = LocalEngine(ServerArgs(device=device, mem_bytes=64 << 20, max_running_requests=questions,
+                                     speculative_algorithm="mtp", speculative_num_draft_tokens=3,
+                                     **{COMPILE_FIELD: disable}), model, check=True)
+        kind = "eager" if disable else "compiled"
+        if not disable and getattr(eng.worker.proposer, "graphs", None) is None:
+            return Outcome("FAIL", "the compiled engine built no MTP graphs (see its log)")
+        t0 = time.perf_counter()
+        got = eng.generate(prompts, GREEDY | {"max_new_tokens": new_tokens})
+        figures[f"{kind}_engine_s"] = round(time.perf_counter() - t0, 3)
+        bad = [j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+        if bad:
+            return Outcome("FAIL", f"{kind} MTP on {device}: prompt {bad[0]}: {got[bad[0]]} != no-cache "
+                                   f"{want[bad[0]]}", figures)
+        m = eng.scheduler.metrics
+        accepted[kind] = m.accepted_tokens
+        figures |= {f"{kind}_accepted_tokens": m.accepted_tokens, f"{kind}_verify_steps": m.verify_steps}
+    if accepted["compiled"] != accepted["eager"]:
+        return Outcome("FAIL", f"compiled MTP accepted {accepted['compiled']} drafts, eager {accepted['eager']}",
+                       figures)
+    return Outcome("PASS", f"compiled and eager MTP speculation on {device}: both == no-cache forward, the same "
+                           "drafts accepted", figures)
+
+
 def few_layers(cfg: ModelConfig, kda_per_mla: int = 3) -> ModelConfig:
     """`cfg` cut to its first MLA period (kda_per_mla KDA layers, then an MLA one; the first one's MLP dense as
     first_k_dense_replace says), as the real model starts."""

@@ -35,15 +35,16 @@ def test_gpu_check_skips_without_cuda() -> None:
     assert list(summary["checks"]) == names and summary["failed"] == []
     assert all(c["status"] == "SKIP" and "no CUDA device" in c["reason"] for c in summary["checks"].values())
     assert {"kernel_kda_prefill", "kernel_mla_paged", "kernel_sampling_grammar_mask", "greedy_no_cache_cuda",
-            "compiled_decode_cuda", "throughput_48b", "fla_chunk_kda_cuda"} <= set(names)
+            "compiled_decode_cuda", "compiled_mtp_cuda", "throughput_48b", "fla_chunk_kda_cuda"} <= set(names)
 
 
 def test_cpu_runnable_checks_pass() -> None:
     """What may SKIP on CPU: bf16 expert kernels (the interpreter's bf16 dot) and fla (CUDA only). The compiled
-    decode step is left to its own tests here (compiling on this CPU takes minutes): its check only says SKIP
-    while ServerArgs has no disable_compile field."""
+    decode step and the compiled MTP steps are left to their own tests here (compiling on this CPU takes minutes:
+    tests/runtime/test_decode_graph.py, test_verify_graph.py): the decode check only says SKIP while ServerArgs has
+    no disable_compile field."""
     may_skip = {"kernel_moe_bf16", "fla_chunk_kda"}
-    checks = [c for c in gpu_check.cpu_checks() if c.name != "compiled_decode"]
+    checks = [c for c in gpu_check.cpu_checks() if c.name not in ("compiled_decode", "compiled_mtp")]
     results = gpu_check.run_checks(checks, cuda=True)
     for name, r in results.items():
         assert r["status"] == "PASS" or (r["status"] == "SKIP" and name in may_skip), (name, r)
