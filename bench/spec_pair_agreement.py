@@ -52,9 +52,10 @@ def dspark_first_drafts(target: KimiForCausalLM, drafter: DSparkModel, ids: torc
 
 
 @torch.inference_mode()
-def mtp_agreement(target: KimiForCausalLM, ids: torch.Tensor) -> float:
-    """The MTP layer's top-1 agreement with the target on `ids` (see `Agreement.mtp_top1`)."""
-    t_arg = target(ids).argmax(-1)
+def mtp_agreement(target: KimiForCausalLM, ids: torch.Tensor, t_arg: torch.Tensor | None = None) -> float:
+    """The MTP layer's top-1 agreement with the target on `ids` (see `Agreement.mtp_top1`); `t_arg`: the target's
+    argmax at every position of `ids`, when the caller has it."""
+    t_arg = target(ids).argmax(-1) if t_arg is None else t_arg
     h = target.prenorm_hidden(ids, torch.tensor([0, ids.numel()]))
     mtp = target.forward_mtp(0, ids[1:], h[:-1]).logits.argmax(-1)  # position t predicts t+2
     return float((mtp[:-1] == t_arg[1:-1]).float().mean())
@@ -69,7 +70,7 @@ def agreement(target: KimiForCausalLM, draft: KimiForCausalLM, ids: torch.Tensor
     if drafter is not None:
         anchors = torch.arange(1, ids.numel())
         dspark = float((dspark_first_drafts(target, drafter, ids, anchors) == t_arg[anchors]).float().mean())
-    return Agreement(mtp_agreement(target, ids), float((d_arg == t_arg).float().mean()), dspark)
+    return Agreement(mtp_agreement(target, ids, t_arg), float((d_arg == t_arg).float().mean()), dspark)
 
 
 @torch.inference_mode()

@@ -19,7 +19,8 @@ Artifacts are written into a temporary directory and renamed into place (a kille
 Training differentiates the model's own no-cache forward (`_prenorm_hidden`); nothing in the serving path changes.
 
     python bench/train_spec_pair.py [--rebuild] [--steps-scale X]   # the pair on the built-in target: agreements
-    python bench/train_spec_pair.py --write-builtin                  # retrain the built-in target (~25 CPU min)
+    python bench/train_spec_pair.py --write-builtin                  # retrain the built-in target (~33 CPU min)
+    python bench/train_spec_pair.py --retrain-mtp                    # only its MTP layer, on it (~12 CPU min)
 """
 
 from __future__ import annotations
@@ -398,6 +399,19 @@ def measure(pair: SpecPair) -> dict[str, Any]:
         for e, r in zip(test[:2], sample_replies(target, tok, test[:2]), strict=True)]}
 
 
+def write_served(model: KimiForCausalLM, out: Path) -> Path:
+    """`model` as the built-in checkpoint (bf16, the fp32 gates kept fp32, as when served) with the built-in
+    tokenizer's files (transformers' too: `bench_serving` and lm-eval load the folder /model_info names), into a
+    fresh temporary folder beside `out` that the caller renames into place. Returns the folder."""
+    served = build_model(model.config.replace(dtype="bfloat16"))
+    served.load_state_dict(model.state_dict())
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_checkpoint(served, tmp)
+    write_hf_tokenizer(tmp)
+    return tmp
+
+
 def write_builtin(recipe: Recipe, out: Path = BUILTIN, data_path: Path | None = None, log: bool = True) -> Path:
     """Train the target (stages 1-2), write it in bf16 into `out` (replacing it), train the draft and DSpark
     against it as served (into the cache, where the bench finds them), and write `out/recipe.json`: the recipe,
@@ -406,12 +420,7 @@ def write_builtin(recipe: Recipe, out: Path = BUILTIN, data_path: Path | None = 
     t0 = time.perf_counter()
     (data, about), data_sec = timed(training_data, recipe, data_path, log)
     model, stages = train_target_stages(recipe, data, log)
-    served = build_model(recipe.target.replace(dtype="bfloat16"))
-    served.load_state_dict(model.state_dict())  # rounded to bf16 (the fp32 gates stay fp32, as when served)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    write_checkpoint(served, tmp)
-    write_hf_tokenizer(tmp)  # transformers' files too: `bench_serving` and lm-eval load the folder /model_info names
+    tmp = write_served(model, out)
     load_model(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
@@ -442,12 +451,7 @@ def retrain_mtp(recipe: Recipe, out: Path = BUILTIN, data_path: Path | None = No
     init = as_served(build_model(recipe.target, seed=recipe.seed))
     target.model.mtp_layers.load_state_dict(init.model.mtp_layers.state_dict())
     m_loss, m_sec = timed(train_mtp, target, data, recipe.mtp_stage, recipe.seed, "mtp" if log else "")
-    served = build_model(recipe.target.replace(dtype="bfloat16"))
-    served.load_state_dict(target.state_dict())
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    write_checkpoint(served, tmp)
-    write_hf_tokenizer(tmp)
+    tmp = write_served(target, out)
     written = served_target(tmp)
     for (name, a), b in zip(before.state_dict().items(), written.state_dict().values(), strict=True):
         if ".mtp_layers." not in name and not torch.equal(a, b):

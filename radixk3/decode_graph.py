@@ -19,12 +19,13 @@ against the eager step's.
 
 from __future__ import annotations
 
+import abc
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -167,33 +168,41 @@ class CaptureReport:
     seconds: dict[int, float]
 
 
-class DecodeGraphs:
-    """The compiled decode step of one model over one cache, per batch-size bucket."""
+def row_table(block_table: Tensor, page_size: int, kv_lens: Tensor, width: int) -> Tensor:
+    """[R, width] KV rows: row r's first kv_lens[r] positions through its pages `block_table` [R, P], then its
+    last position repeated (any valid row: masked out)."""
+    pos = torch.minimum(torch.arange(width, device=block_table.device)[None, :], kv_lens[:, None] - 1)
+    return block_table.gather(1, pos // page_size) * page_size + pos % page_size
 
-    kind = "decode"
 
-    def __init__(self, model: KimiForCausalLM, cache: HybridCache, scratch: Scratch, buckets: Sequence[int],
-                 with_hidden: bool = False) -> None:
-        """`with_hidden`: the graphs also return the pre-norm final hiddens (`run`'s `prenorm`), for the MTP
-        proposer."""
+def pad_rows(x: Tensor, rows: int, fill: float) -> Tensor:
+    """x [n, ...] padded to `rows` rows of `fill`."""
+    return torch.cat([x, x.new_full((rows - x.shape[0], *x.shape[1:]), fill)]) if rows > x.shape[0] else x
+
+
+class CapturedSteps(abc.ABC):
+    """What every set of captured steps shares: its cache, reached by key from inside the graphs (`_CACHES`), its
+    batch-size buckets, the compile options, how a step is replayed (its rows static, its KV length dynamic) and
+    how wide a KV row table is."""
+
+    def __init__(self, model: KimiForCausalLM, cache: HybridCache, buckets: Sequence[int],
+                 graphs_per_bucket: int) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"batch-size buckets must be >= 1, got {list(buckets)}")
-        self.model, self.cache, self.scratch = model, cache, scratch
+        self.model, self.cache = model, cache
         self.key = next(_NEXT_KEY)
         _CACHES[self.key] = cache
         self.device = model.device
         self.cuda = self.device.type == "cuda"
         self.buckets = sorted(set(buckets))
-        self.with_hidden = with_hidden
-        self.mode = "reduce-overhead" if self.cuda else "default"
-        # One code object, one recompile per bucket: leave room for every bucket (and the dynamic KV length).
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets))
-        self._fn = torch.compile(self._forward, fullgraph=True, options=compile_options(self.cuda))
+        self.mode = "reduce-overhead" if self.cuda else "default"  # a label: `compile_options` sets it up
+        # One code object per step function, one recompile per bucket (and the dynamic KV length): room for all.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                    graphs_per_bucket * len(self.buckets))
         self.report = CaptureReport(self.mode, {})
         self.replays = 0  # steps served (tests check that a path ran through the graphs)
 
-    def _forward(self, step: PaddedDecode) -> GraphOutput:
-        return padded_decode_logits(self.model, self.key, step, self.with_hidden)
+    kind = "captured"
 
     @torch.inference_mode()
     def capture(self) -> CaptureReport:
@@ -203,35 +212,67 @@ class DecodeGraphs:
         for b in self.buckets:
             start = time.perf_counter()
             for _ in range(2):  # compile, then replay once (on CUDA the first replays record the graph)
-                self._call(self._scratch_step(b, 2))
+                self._run_scratch(b)
             self.report.seconds[b] = time.perf_counter() - start
             log.info("%s graph: batch %d compiled in %.1f s (%s)", self.kind, b, self.report.seconds[b], self.mode)
         return self.report
 
-    def _scratch_step(self, b: int, kv_len: int) -> PaddedDecode:
-        dev, s = self.device, self.scratch
-        full = torch.full((b,), 0, dtype=torch.int64, device=dev)
-        return PaddedDecode(full, full + s.state_slot, full + s.kv_row,
-                            torch.full((b, self._kv_width(kv_len)), s.kv_row, dtype=torch.int64, device=dev),
-                            torch.full((b,), kv_len, dtype=torch.int64, device=dev))
+    @abc.abstractmethod
+    def _run_scratch(self, b: int) -> None:
+        """Every step function of bucket `b` once, on scratch rows."""
 
-    def _kv_width(self, longest: int) -> int:
+    def compiled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return torch.compile(fn, fullgraph=True, options=compile_options(self.cuda))
+
+    @torch.inference_mode()
+    def replay(self, fn: Callable[[Any], Any], step: Any, rows: Tensor, kv_rows: Tensor) -> Any:  # noqa: ANN401
+        """fn(step), `rows` (a per-row input) static, `kv_rows`' length dynamic."""
+        torch._dynamo.mark_static(rows, 0)
+        torch._dynamo.mark_dynamic(kv_rows, 1)
+        if self.cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        return fn(step)
+
+    def kv_width(self, longest: int) -> int:
         # CUDA graphs record one graph per shape: powers of two keep them few. Inductor's kernels take the
         # length as an argument; small steps of 16 only spare it odd sizes.
         if self.cuda:
             return 1 << max(longest - 1, 1).bit_length()
         return -(-longest // 16) * 16
 
-    @torch.inference_mode()
-    def _call(self, step: PaddedDecode) -> GraphOutput:
-        torch._dynamo.mark_static(step.input_ids, 0)
-        torch._dynamo.mark_dynamic(step.kv_rows, 1)
-        if self.cuda:
-            torch.compiler.cudagraph_mark_step_begin()
-        return self._fn(step)
-
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
+
+
+class DecodeGraphs(CapturedSteps):
+    """The compiled decode step of one model over one cache, per batch-size bucket."""
+
+    kind = "decode"
+
+    def __init__(self, model: KimiForCausalLM, cache: HybridCache, scratch: Scratch, buckets: Sequence[int],
+                 with_hidden: bool = False) -> None:
+        """`with_hidden`: the graphs also return the pre-norm final hiddens (`run`'s `prenorm`), for the MTP
+        proposer."""
+        super().__init__(model, cache, buckets, 2)
+        self.scratch = scratch
+        self.with_hidden = with_hidden
+        self._fn = self.compiled(self._forward)
+
+    def _forward(self, step: PaddedDecode) -> GraphOutput:
+        return padded_decode_logits(self.model, self.key, step, self.with_hidden)
+
+    def _run_scratch(self, b: int) -> None:
+        self._call(self._scratch_step(b, 2))
+
+    def _scratch_step(self, b: int, kv_len: int) -> PaddedDecode:
+        dev, s = self.device, self.scratch
+        full = torch.full((b,), 0, dtype=torch.int64, device=dev)
+        return PaddedDecode(full, full + s.state_slot, full + s.kv_row,
+                            torch.full((b, self.kv_width(kv_len)), s.kv_row, dtype=torch.int64, device=dev),
+                            torch.full((b,), kv_len, dtype=torch.int64, device=dev))
+
+    def _call(self, step: PaddedDecode) -> GraphOutput:
+        return self.replay(self._fn, step, step.input_ids, step.kv_rows)
 
     def supports(self, batch: ForwardBatch) -> bool:
         """A plain decode step that fits a bucket (checkpoints and verify windows run eagerly)."""
@@ -263,16 +304,8 @@ class DecodeGraphs:
 
     def _padded(self, batch: ForwardBatch, b: int) -> PaddedDecode:
         """The real rows' tensors, padded to bucket `b` with rows on the scratch slots."""
-        n, dev, s = batch.num_seqs, self.device, self.scratch
-        kv_lens = batch.seq_lens
-        width = self._kv_width(int(kv_lens.max()))
-        pos = torch.minimum(torch.arange(width, device=dev)[None, :], kv_lens[:, None] - 1)  # [n, S]
-        ps = batch.page_size
-        rows = batch.block_table.gather(1, pos // ps) * ps + pos % ps
-        pad = b - n
-
-        def padded(x: Tensor, fill: int) -> Tensor:
-            return torch.cat([x, x.new_full((pad, *x.shape[1:]), fill)]) if pad else x
-
-        return PaddedDecode(padded(batch.input_ids, 0), padded(batch.state_slots, s.state_slot),
-                            padded(batch.kv_slots, s.kv_row), padded(rows, s.kv_row), padded(kv_lens, 1))
+        s, kv_lens = self.scratch, batch.seq_lens
+        rows = row_table(batch.block_table, batch.page_size, kv_lens, self.kv_width(int(kv_lens.max())))
+        return PaddedDecode(pad_rows(batch.input_ids, b, 0), pad_rows(batch.state_slots, b, s.state_slot),
+                            pad_rows(batch.kv_slots, b, s.kv_row), pad_rows(rows, b, s.kv_row),
+                            pad_rows(kv_lens, b, 1))

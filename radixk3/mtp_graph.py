@@ -18,27 +18,16 @@ and accepted drafts with MTP speculation, compiled against eager.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from radixk3.decode_graph import (
-    _CACHES,
-    _NEXT_KEY,
-    CaptureReport,
-    PaddedDecode,
-    PaddedDecodeBackend,
-    compile_options,
-)
+from radixk3.decode_graph import CapturedSteps, PaddedDecode, PaddedDecodeBackend, pad_rows, row_table
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
 from radixk3.mtp import MTPOutput, run_mtp_layer
-
-log = logging.getLogger(__name__)
 
 
 class PaddedMTP(NamedTuple):
@@ -66,83 +55,48 @@ def padded_mtp_step(model: KimiForCausalLM, cache_key: int, index: int, step: Pa
     return MTPOutput(out, logits)
 
 
-class MTPGraphs:
+class MTPGraphs(CapturedSteps):
     """The compiled MTP steps of a model with one MTP layer over its MTP cache: draft steps per bucket, catch-up
     steps per bucket of windows `width` tokens wide."""
 
+    kind = "mtp"
+
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, scratch_kv_row: int, buckets: Sequence[int],
                  width: int) -> None:
-        if not buckets or min(buckets) < 1:
-            raise ValueError(f"batch-size buckets must be >= 1, got {list(buckets)}")
         if model.config.num_nextn_predict_layers != 1:
             raise ValueError("the compiled MTP steps cover a model with one MTP layer")
-        self.model, self.cache, self.scratch_kv_row, self.width = model, cache, scratch_kv_row, width
-        self.key = next(_NEXT_KEY)
-        _CACHES[self.key] = cache
-        self.device = model.device
-        self.cuda = self.device.type == "cuda"
-        self.buckets = sorted(set(buckets))
-        self.mode = "reduce-overhead" if self.cuda else "default"
-        # One code object for both kinds and every bucket, and the dynamic KV length.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(self.buckets))
+        super().__init__(model, cache, buckets, 4)  # one code object: both kinds share it
+        self.scratch_kv_row, self.width = scratch_kv_row, width
         self._draft = self._compiled(True)
         self._catch_up = self._compiled(False)
-        self.report = CaptureReport(self.mode, {})
-        self.replays = 0  # steps served (tests check that a path ran through the graphs)
 
     def _compiled(self, with_logits: bool) -> Callable[[PaddedMTP], MTPOutput]:
         # The flag is a closure constant (guarded by value), never a graph input.
         def step(rows: PaddedMTP) -> MTPOutput:
             return padded_mtp_step(self.model, self.key, 0, rows, with_logits)
 
-        return torch.compile(step, fullgraph=True, options=compile_options(self.cuda))
+        return self.compiled(step)
 
-    @torch.inference_mode()
-    def capture(self) -> CaptureReport:
-        """Compile every (kind, bucket) now, on rows that touch only the scratch KV row."""
-        for b in self.buckets:
-            start = time.perf_counter()
-            for _ in range(2):  # compile, then replay once (on CUDA the first replays record the graph)
-                for fn, rows in ((self._draft, b), (self._catch_up, b * self.width)):
-                    self._call(fn, self._scratch_rows(rows))
-            self.report.seconds[b] = time.perf_counter() - start
-            log.info("mtp graphs: batch %d compiled in %.1f s (%s)", b, self.report.seconds[b], self.mode)
-        return self.report
+    def _run_scratch(self, b: int) -> None:
+        """Both kinds: rows that touch only the scratch KV row."""
+        self._call(self._draft, self._scratch_rows(b))
+        self._call(self._catch_up, self._scratch_rows(b * self.width))
 
     def _scratch_rows(self, r: int) -> PaddedMTP:
         dev, row = self.device, self.scratch_kv_row
         ids = torch.zeros(r, dtype=torch.int64, device=dev)
         hidden = torch.zeros(r, self.model.config.hidden_size, dtype=self.model.lm_head.weight.dtype, device=dev)
-        return PaddedMTP(ids, hidden, ids + row, torch.full((r, self._kv_width(2)), row, dtype=torch.int64,
-                                                             device=dev), ids + 2)
+        return PaddedMTP(ids, hidden, ids + row, torch.full((r, self.kv_width(2)), row, dtype=torch.int64,
+                                                            device=dev), ids + 2)
 
-    def _kv_width(self, longest: int) -> int:
-        if self.cuda:  # as DecodeGraphs: one CUDA graph per power of two
-            return 1 << max(longest - 1, 1).bit_length()
-        return -(-longest // 16) * 16
-
-    @torch.inference_mode()
     def _call(self, fn: Callable[[PaddedMTP], MTPOutput], rows: PaddedMTP) -> MTPOutput:
-        torch._dynamo.mark_static(rows.next_ids, 0)
-        torch._dynamo.mark_dynamic(rows.kv_rows, 1)
-        if self.cuda:
-            torch.compiler.cudagraph_mark_step_begin()
-        return fn(rows)
-
-    def bucket(self, n: int) -> int | None:
-        return next((b for b in self.buckets if b >= n), None)
+        return self.replay(fn, rows, rows.next_ids, rows.kv_rows)
 
     def _kv(self, block_table: Tensor, page_size: int, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """KV slot, row table [R, S] and length of rows at `positions` [R] of sequences `block_table` [R, P]."""
         lens = positions + 1
-        pos = torch.minimum(torch.arange(self._kv_width(int(lens.max())), device=self.device)[None, :],
-                            positions[:, None])
-        rows = block_table.gather(1, pos // page_size) * page_size + pos % page_size
-        slots = rows.gather(1, positions[:, None]).squeeze(1)
-        return slots, rows, lens
-
-    def _pad(self, x: Tensor, r: int, fill: float) -> Tensor:
-        return torch.cat([x, x.new_full((r - x.shape[0], *x.shape[1:]), fill)]) if r > x.shape[0] else x
+        rows = row_table(block_table, page_size, lens, self.kv_width(int(lens.max())))
+        return rows.gather(1, positions[:, None]).squeeze(1), rows, lens
 
     def draft(self, next_ids: Tensor, hidden: Tensor, positions: Tensor, block_table: Tensor,
               page_size: int) -> MTPOutput | None:
@@ -154,8 +108,8 @@ class MTPGraphs:
             return None
         slots, rows, lens = self._kv(block_table, page_size, positions)
         kv = self.scratch_kv_row
-        step = PaddedMTP(self._pad(next_ids, b, 0), self._pad(hidden, b, 0), self._pad(slots, b, kv),
-                         self._pad(rows, b, kv), self._pad(lens, b, 1))
+        step = PaddedMTP(pad_rows(next_ids, b, 0), pad_rows(hidden, b, 0), pad_rows(slots, b, kv),
+                         pad_rows(rows, b, kv), pad_rows(lens, b, 1))
         self.replays += 1
         out = self._call(self._draft, step)
         return MTPOutput(out.hidden[:n], out.logits[:n])
@@ -177,7 +131,7 @@ class MTPGraphs:
         committed = (offsets < num_tokens[:, None]).reshape(-1)
         slots = torch.where(committed, slots, kv)  # the rest of the window: never written (its slots may be free)
         r = b * w
-        step = PaddedMTP(self._pad(next_ids.reshape(-1), r, 0), self._pad(hidden.reshape(n * w, -1), r, 0),
-                         self._pad(slots, r, kv), self._pad(rows, r, kv), self._pad(lens, r, 1))
+        step = PaddedMTP(pad_rows(next_ids.reshape(-1), r, 0), pad_rows(hidden.reshape(n * w, -1), r, 0),
+                         pad_rows(slots, r, kv), pad_rows(rows, r, kv), pad_rows(lens, r, 1))
         self.replays += 1
         return self._call(self._catch_up, step).hidden[: n * w].view(n, w, -1)

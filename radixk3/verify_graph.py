@@ -25,7 +25,7 @@ from torch import Tensor
 
 from kernels.conv1d_pool import conv1d_verify_padded
 from kernels.kda_pool import kda_verify_padded
-from radixk3.decode_graph import _CACHES, DecodeGraphs, GraphOutput, PaddedDecodeBackend, Scratch
+from radixk3.decode_graph import _CACHES, DecodeGraphs, GraphOutput, PaddedDecodeBackend, Scratch, pad_rows, row_table
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
 from radixk3.spec_window import SpecWindow
@@ -135,7 +135,7 @@ class VerifyGraphs(DecodeGraphs):
         dev, s, n = self.device, self.scratch, b * self.width
         full = torch.zeros(n, dtype=torch.int64, device=dev)
         return PaddedVerify(full, full[:b] + s.state_slot, full[:b] + self.scratch_row, full + s.kv_row,
-                            torch.full((n, self._kv_width(kv_len)), s.kv_row, dtype=torch.int64, device=dev),
+                            torch.full((n, self.kv_width(kv_len)), s.kv_row, dtype=torch.int64, device=dev),
                             full + kv_len)
 
     def supports(self, batch: ForwardBatch) -> bool:
@@ -170,12 +170,9 @@ class VerifyGraphs(DecodeGraphs):
         assert spec is not None
         kv_lens = torch.ones(b * w, dtype=torch.int64, device=dev)
         kv_lens[flat] = batch.prefix_lens.repeat_interleave(lens) + flat % w + 1
-        width = self._kv_width(int(batch.seq_lens.max()))
-        ps = batch.page_size
         seq_of = torch.arange(b * w, device=dev) // w
         table = batch.block_table[seq_of.clamp(max=n - 1)]  # rows of padding windows are masked below
-        pos = torch.minimum(torch.arange(width, device=dev)[None, :], kv_lens[:, None] - 1)  # [b*W, S]
-        rows = table.gather(1, pos // ps) * ps + pos % ps
+        rows = row_table(table, batch.page_size, kv_lens, self.kv_width(int(batch.seq_lens.max())))
         real = torch.zeros(b * w, dtype=torch.bool, device=dev)
         real[flat] = True
         rows = torch.where(real[:, None], rows, s.kv_row)
@@ -183,9 +180,5 @@ class VerifyGraphs(DecodeGraphs):
         ids[flat] = batch.input_ids
         kv_slots = torch.full((b * w,), s.kv_row, dtype=torch.int64, device=dev)
         kv_slots[flat] = batch.kv_slots
-
-        def padded(x: Tensor, fill: int) -> Tensor:
-            return torch.cat([x, x.new_full((b - n,), fill)]) if b > n else x
-
-        return PaddedVerify(ids, padded(batch.state_slots, s.state_slot), padded(spec.rows, self.scratch_row),
+        return PaddedVerify(ids, pad_rows(batch.state_slots, b, s.state_slot), pad_rows(spec.rows, b, self.scratch_row),
                             kv_slots, rows, kv_lens)
