@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels import conv1d_decode_cpu as fused_conv
 from kernels.backend import kernel_backend
-from kernels.conv1d import conv_from_history, conv_history, conv_window, history_states
+from kernels.conv1d import apply_activation, conv_from_history, conv_history, conv_window, history_states
 from kernels.pool_slots import gather_slots, scatter_slots
 from kernels.spec_layout import WindowLayout, pad, unpad, window_layout
 from kernels.state_checkpoints import StateCheckpoints, check_num_tokens, check_slots
@@ -82,6 +83,8 @@ def conv1d_decode(
         from kernels.conv1d_triton import conv1d_decode_triton
 
         return conv1d_decode_triton(x, weight, conv_pool, state_slots, activation)
+    if fused_conv.available() and fused_conv.fusable(x, conv_pool):  # the same bits, each state touched once
+        return apply_activation(fused_conv.conv1d_decode_cpu(x, weight, conv_pool, state_slots), activation).to(x.dtype)
     window = torch.cat([gather_slots(conv_pool, state_slots).to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [N, C, W]
     y = conv_window(window, weight, activation)
     scatter_slots(conv_pool, state_slots, window[..., 1:])

@@ -50,23 +50,52 @@ inline float interleaved_sum(const float* first, int64_t stride, int64_t size) {
   return part[0];
 }
 
-// out[v] = sum over k of p[k * V + v] (p row-major [K, V]), in torch's order.
-void column_sums(const float* p, int64_t K, int64_t V, int64_t lanes, float* out) {
+// multi_row_sum for the columns [0, C) of p (row-major [K, V]) at once: cascade_sum's additions, column by column in
+// the same order, written as loops over columns so that the compiler vectorises them (acc: 4 * C floats of scratch).
+void cascade_columns(const float* p, int64_t K, int64_t V, int64_t C, float* acc, float* out) {
+  constexpr int64_t levels = 4;
+  const int64_t power = std::max<int64_t>(4, ceil_log2(K) / levels);
+  const int64_t step = int64_t(1) << power;
+  const int64_t mask = step - 1;
+  std::fill(acc, acc + levels * C, 0.f);
+  int64_t i = 0;
+  while (i + step <= K) {
+    for (int64_t j = 0; j < step; ++j, ++i)
+      for (int64_t v = 0; v < C; ++v) acc[v] += p[i * V + v];
+    for (int64_t l = 1; l < levels; ++l) {
+      float* lower = acc + (l - 1) * C;
+      float* upper = acc + l * C;
+      for (int64_t v = 0; v < C; ++v) {
+        upper[v] += lower[v];
+        lower[v] = 0.f;
+      }
+      if ((i & (mask << (l * power))) != 0) break;
+    }
+  }
+  for (; i < K; ++i)
+    for (int64_t v = 0; v < C; ++v) acc[v] += p[i * V + v];
+  for (int64_t l = 1; l < levels; ++l)
+    for (int64_t v = 0; v < C; ++v) acc[v] += acc[l * C + v];
+  std::copy(acc, acc + C, out);
+}
+
+// out[v] = sum over k of p[k * V + v] (p row-major [K, V]), in torch's order (acc: 4 * V floats of scratch).
+void column_sums(const float* p, int64_t K, int64_t V, int64_t lanes, float* acc, float* out) {
   const int64_t cascaded = V / (4 * lanes) * (4 * lanes);
-  for (int64_t v = 0; v < cascaded; ++v) out[v] = cascade_sum(p + v, V, K);
+  cascade_columns(p, K, V, cascaded, acc, out);
   for (int64_t v = cascaded; v < V; ++v) out[v] = interleaved_sum(p + v, V, K);
 }
 
 // One head of one sequence: decay and update the [K, V] state s in place, write S^T (q scale) to o.
 void step(float* s, int64_t K, int64_t V, const float* e, const float* k, const float* bk, const float* v,
-          const float* qs, float* o, int64_t lanes, float* prod, float* sums) {
+          const float* qs, float* o, int64_t lanes, float* prod, float* sums, float* acc) {
   // S = diag(exp g) S, and the products of S^T k
   for (int64_t i = 0; i < K; ++i)
     for (int64_t j = 0; j < V; ++j) {
       s[i * V + j] *= e[i];
       prod[i * V + j] = k[i] * s[i * V + j];
     }
-  column_sums(prod, K, V, lanes, sums);
+  column_sums(prod, K, V, lanes, acc, sums);
   for (int64_t j = 0; j < V; ++j) sums[j] = v[j] - sums[j];
   // S += (beta k) (v - S^T k)^T, and the products of S^T (q scale)
   for (int64_t i = 0; i < K; ++i)
@@ -74,7 +103,7 @@ void step(float* s, int64_t K, int64_t V, const float* e, const float* k, const 
       s[i * V + j] = std::fma(bk[i], sums[j], s[i * V + j]);
       prod[i * V + j] = qs[i] * s[i * V + j];
     }
-  column_sums(prod, K, V, lanes, o);
+  column_sums(prod, K, V, lanes, acc, o);
 }
 
 }  // namespace
@@ -91,7 +120,7 @@ extern "C" void radixk3_kda_decode(float* pool, int64_t slot_stride, const int64
     for (int64_t m = 0; m < n && !repeated[n]; ++m) repeated[n] = slots[m] == slots[n];
 #pragma omp parallel
   {
-    std::vector<float> prod(K * V), sums(V), copy(K * V);
+    std::vector<float> prod(K * V), sums(V), copy(K * V), acc(4 * V);
     for (int pass = 0; pass < 2; ++pass) {  // the first rows of their slots, then the repeats (after a barrier)
 #pragma omp for schedule(static)
       for (int64_t row = 0; row < N * H; ++row) {
@@ -100,7 +129,7 @@ extern "C" void radixk3_kda_decode(float* pool, int64_t slot_stride, const int64
         float* s = pool + slots[n] * slot_stride + h * K * V;
         if (pass == 1) s = std::copy(s, s + K * V, copy.data()) - K * V;
         step(s, K, V, decay + row * K, k + row * K, beta_k + row * K, v + row * V, q_scaled + row * K,
-             out + row * V, lanes, prod.data(), sums.data());
+             out + row * V, lanes, prod.data(), sums.data(), acc.data());
       }
     }
   }
@@ -117,7 +146,7 @@ extern "C" void radixk3_kda_verify(const float* pool, int64_t slot_stride, const
                                    const int64_t* snap_rows, int64_t lanes) {
 #pragma omp parallel
   {
-    std::vector<float> prod(K * V), sums(V), s(K * V);
+    std::vector<float> prod(K * V), sums(V), s(K * V), acc(4 * V);
 #pragma omp for schedule(static)
     for (int64_t nh = 0; nh < N * H; ++nh) {
       const int64_t n = nh / H, h = nh % H;
@@ -126,7 +155,7 @@ extern "C" void radixk3_kda_verify(const float* pool, int64_t slot_stride, const
       for (int64_t t = 0; t < W; ++t) {
         const int64_t row = (n * W + t) * H + h;
         step(s.data(), K, V, decay + row * K, k + row * K, beta_k + row * K, v + row * V, q_scaled + row * K,
-             out + row * V, lanes, prod.data(), sums.data());
+             out + row * V, lanes, prod.data(), sums.data(), acc.data());
         if (snap != nullptr)
           std::copy(s.begin(), s.end(), snap + snap_rows[n] * snap_row_stride + t * snap_pos_stride + h * K * V);
       }

@@ -11,6 +11,7 @@ import traceback
 import numpy as np
 import torch
 
+from kernels import conv1d_decode_cpu as fused_conv
 from kernels import kda_decode_cpu as fused_kda
 from kernels.sampling import LogitBias, TokenMask
 from kernels.sampling_tensors import SamplingTensors
@@ -104,7 +105,8 @@ class ModelWorker:
             latent=[self.buffer.kv(i) for i in range(cfg.num_mla_layers)],
         )
         if self.model.device.type == "cpu" and cfg.num_kda_layers:
-            fused_kda.available()  # build (or find built) the fused KDA decode now, not in the first step
+            fused_kda.available()  # build (or find built) the fused KDA and conv decodes now, not in the first step
+            fused_conv.available()
         self.tables = WorkerPageTable(self.model.device, rows=max(args.max_running_requests, 1))
         self.sampler = WorkerSampler()
         self.window: SpecWindow | None = None

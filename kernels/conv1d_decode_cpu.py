@@ -1,0 +1,63 @@
+"""The short-conv decode step fused in place on CPU: a C++/OpenMP op (`conv1d_decode_cpu.cpp`, built by torch's
+extension loader) that reads each sequence's pool-resident conv state once, convolves it with the new input and
+shifts it in place, where the torch path gathers the states, concatenates the new inputs, sums the taps over the
+copies and scatters the shifted windows back (five small ops, each a pass over every state).
+
+It computes exactly what the torch path of `conv1d_pool.conv1d_decode` computes before the activation, bit for bit
+(each tap's product rounded, the taps added from zero oldest first), so the torch path stays the oracle
+(`tests/kernels/test_conv1d_decode_cpu.py`). fp32 only (a bf16 pool keeps the torch path); x86 only, and only where
+a compiler builds it: elsewhere `available()` is False. `RADIXK3_FUSED_CONV=0` keeps the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from kernels.cpu_extension import load_cpu_library
+
+ENV_VAR = "RADIXK3_FUSED_CONV"
+_SOURCE = Path(__file__).with_name("conv1d_decode_cpu.cpp")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """Build (or find cached) and load the op once per process; None where it cannot run here."""
+    lib = load_cpu_library("radixk3_conv1d_decode_cpu", _SOURCE, ["-ffp-contract=off"])
+    if lib is None:
+        return None
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.radixk3_conv_decode.restype = None
+    lib.radixk3_conv_decode.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr]
+    return lib
+
+
+def available() -> bool:
+    """Whether `conv1d_decode_cpu` runs here (built on the first call; `RADIXK3_FUSED_CONV=0` turns it off)."""
+    return os.environ.get(ENV_VAR, "1").strip() != "0" and _library() is not None
+
+
+def fusable(x: Tensor, pool: Tensor) -> bool:
+    """Inputs the op takes: fp32 on CPU, each slot's [C, W-1] states contiguous (the slot stride is free)."""
+    c, keep = pool.shape[-2:]
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and pool.dtype == torch.float32
+            and pool.stride(-1) == 1 and pool.stride(-2) == keep)
+
+
+def conv1d_decode_cpu(x: Tensor, weight: Tensor, pool: Tensor, slots: Tensor) -> Tensor:
+    """One token per sequence, x [N, C], weight [C, W]: each slot's conv state `pool` [slots, C, W-1] shifted by
+    its token in place -> y [N, C] fp32 before the activation. Slots in range (checked by the caller)."""
+    lib = _library()
+    assert lib is not None, "call available() and fusable() first"  # conv1d_pool checked both, once per call
+    n, c = x.shape
+    x, w = x.contiguous(), weight.float().contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    y = torch.empty(n, c, dtype=torch.float32)
+    lib.radixk3_conv_decode(pool.data_ptr(), pool.stride(0), slots.data_ptr(), n, c, w.shape[-1], x.data_ptr(),
+                            w.data_ptr(), y.data_ptr())
+    return y

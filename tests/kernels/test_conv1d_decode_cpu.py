@@ -1,0 +1,87 @@
+"""The fused in-place short-conv decode on CPU (`kernels.conv1d_decode_cpu`) against the torch path it replaces
+(its oracle, `RADIXK3_FUSED_CONV=0`): the same bits, in the outputs and in every state of the pool, over kernel
+widths 2 to 4, batch sizes 1 to 33, with and without the activation, a pool whose slots lie further apart than a
+slot (the pool buffer's per-layer views), and rows sharing one scratch slot (the decode graph's padding)."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+from torch import Tensor
+
+from kernels import conv1d_decode_cpu as fused
+from kernels.conv1d_pool import conv1d_decode
+
+SLOTS = 40
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+pytestmark = pytest.mark.skipif(not X86, reason="the fused op is built on x86 only")
+
+
+def test_builds_here() -> None:
+    """On x86 with a compiler (CI included) the op must build: a silent fallback would leave it untested."""
+    assert fused.available()
+
+
+def _pool(c: int, keep: int, gen: torch.Generator) -> Tensor:
+    """A [SLOTS, c, keep] fp32 view whose slots lie 5 floats more than a slot apart; the gaps hold NaN."""
+    slot = c * keep
+    flat = torch.full((SLOTS * (slot + 5),), float("nan"))
+    pool = flat.as_strided((SLOTS, c, keep), (slot + 5, keep, 1))
+    pool.copy_(torch.randn(SLOTS, c, keep, generator=gen))
+    return pool
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, x: Tensor, weight: Tensor, pool: Tensor, slots: Tensor,
+          activation: str | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(fused y, fused pool, torch y, torch pool) from the same pool and inputs."""
+    ref = pool.clone()
+    monkeypatch.setenv(fused.ENV_VAR, "0")
+    y_ref = conv1d_decode(x, weight, ref, slots, activation=activation, validate=False)
+    monkeypatch.setenv(fused.ENV_VAR, "1")
+    assert fused.available() and fused.fusable(x, pool)
+    y = conv1d_decode(x, weight, pool, slots, activation=activation, validate=False)
+    return y, pool, y_ref, ref
+
+
+@pytest.mark.parametrize(("c", "width"), [(1536, 4), (96, 3), (33, 2), (4096, 4)])
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_fused_decode_is_the_torch_step(monkeypatch: pytest.MonkeyPatch, c: int, width: int,
+                                        activation: str | None) -> None:
+    gen = torch.Generator().manual_seed(c + width)
+    weight = torch.randn(c, width, generator=gen)
+    for n in (1, 5, 33):
+        pool = _pool(c, width - 1, gen)
+        slots = torch.randperm(SLOTS, generator=gen)[:n]
+        for _ in range(width + 1):  # more steps than the window: every saved input is one the op shifted in
+            x = torch.randn(n, c, generator=gen)
+            y, got, y_ref, want = _both(monkeypatch, x, weight, pool, slots, activation)
+            assert torch.equal(y, y_ref), (n, (y - y_ref).abs().max())
+            assert torch.equal(got, want)  # every slot: the untouched ones too
+            pool = got
+
+
+def test_rows_sharing_a_scratch_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Padding rows all name one scratch slot: the real rows are exact, the scratch slot takes the first padding
+    row's shift only, and the other slots are untouched."""
+    c, width, scratch = 1536, 4, SLOTS - 1
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(c, width, generator=gen)
+    pool = _pool(c, width - 1, gen)
+    slots = torch.tensor([5, 0, 17, scratch, scratch, scratch])
+    x = torch.randn(len(slots), c, generator=gen)
+    before = pool.clone()
+    y, got, y_ref, want = _both(monkeypatch, x, weight, pool, slots, "silu")
+    assert torch.equal(y[:3], y_ref[:3]) and bool(y.isfinite().all())
+    assert torch.equal(got[:scratch], want[:scratch])
+    monkeypatch.setenv(fused.ENV_VAR, "0")
+    first = before.clone()
+    y_first = conv1d_decode(x[:4], weight, first, slots[:4], validate=False)  # the real rows, the first padding row
+    assert torch.equal(y[3], y_first[3]) and torch.equal(got[scratch], first[scratch])
+
+
+def test_bf16_keeps_the_torch_path() -> None:
+    pool = torch.zeros(4, 8, 3, dtype=torch.bfloat16)
+    assert not fused.fusable(torch.zeros(1, 8, dtype=torch.bfloat16), pool)
+    assert not fused.fusable(torch.zeros(1, 8), pool)
