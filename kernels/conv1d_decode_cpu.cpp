@@ -52,3 +52,27 @@ extern "C" void radixk3_conv_decode(float* pool, int64_t slot_stride, const int6
     }
   }
 }
+
+// A speculative window (conv1d_pool.conv1d_verify_padded): x, y [N, L, C]; position t of sequence n convolves
+// its slot's saved inputs and the window's inputs up to t, as decode would have, and nothing is written back.
+extern "C" void radixk3_conv_verify(const float* pool, int64_t slot_stride, const int64_t* slots, int64_t N,
+                                   int64_t L, int64_t C, int64_t W, const float* x, const float* w, float* y) {
+  const int64_t keep = W - 1;
+#pragma omp parallel for schedule(static) if (N * L > 1)
+  for (int64_t nt = 0; nt < N * L; ++nt) {
+    const int64_t n = nt / L, t = nt % L;
+    const float* s = pool + slots[n] * slot_stride;
+    const float* xn = x + n * L * C;
+    float* yt = y + nt * C;
+    for (int64_t c = 0; c < C; ++c) {
+      const float* wc = w + c * W;
+      float acc = 0.f;
+      // tap j reads full[t + j] of the history (saved inputs, then the window's): saved while t + j < keep
+      for (int64_t j = 0; j < W; ++j) {
+        const int64_t p = t + j;
+        acc += wc[j] * (p < keep ? s[c * keep + p] : xn[(p - keep) * C + c]);
+      }
+      yt[c] = acc;
+    }
+  }
+}

@@ -3,10 +3,12 @@ extension loader) that reads each sequence's pool-resident conv state once, conv
 shifts it in place, where the torch path gathers the states, concatenates the new inputs, sums the taps over the
 copies and scatters the shifted windows back (five small ops, each a pass over every state).
 
-It computes exactly what the torch path of `conv1d_pool.conv1d_decode` computes before the activation, bit for bit
-(each tap's product rounded, the taps added from zero oldest first), so the torch path stays the oracle
-(`tests/kernels/test_conv1d_decode_cpu.py`). fp32 only (a bf16 pool keeps the torch path); x86 only, and only where
-a compiler builds it: elsewhere `available()` is False. `RADIXK3_FUSED_CONV=0` keeps the torch path.
+A verify window's positions (`conv1d_verify_cpu`, without snapshots) run the same way from the saved inputs and
+write nothing back. Both compute exactly what the torch paths of `conv1d_pool.conv1d_decode` and
+`conv1d_verify_padded` compute before the activation, bit for bit (each tap's product rounded, the taps added from
+zero oldest first), so the torch paths stay the oracle (`tests/kernels/test_conv1d_decode_cpu.py`). fp32 only (a
+bf16 pool keeps the torch path); x86 only, and only where a compiler builds it: elsewhere `available()` is False.
+`RADIXK3_FUSED_CONV=0` keeps the torch path.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def _library() -> ctypes.CDLL | None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.radixk3_conv_decode.restype = None
     lib.radixk3_conv_decode.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr]
+    lib.radixk3_conv_verify.restype = None
+    lib.radixk3_conv_verify.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr]
     return lib
 
 
@@ -60,4 +64,19 @@ def conv1d_decode_cpu(x: Tensor, weight: Tensor, pool: Tensor, slots: Tensor) ->
     y = torch.empty(n, c, dtype=torch.float32)
     lib.radixk3_conv_decode(pool.data_ptr(), pool.stride(0), slots.data_ptr(), n, c, w.shape[-1], x.data_ptr(),
                             w.data_ptr(), y.data_ptr())
+    return y
+
+
+def conv1d_verify_cpu(x: Tensor, weight: Tensor, pool: Tensor, slots: Tensor) -> Tensor:
+    """Speculative windows x [N, L, C] (zero-padded), weight [C, W]: each position convolved from its slot's conv
+    state `pool` [slots, C, W-1] and the window's inputs before it, nothing written back -> y [N, L, C] fp32
+    before the activation, bit for bit `conv1d_pool.conv1d_verify_padded`'s."""
+    lib = _library()
+    assert lib is not None, "call available() and fusable() first"
+    n, length, c = x.shape
+    x, w = x.contiguous(), weight.float().contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    y = torch.empty(n, length, c, dtype=torch.float32)
+    lib.radixk3_conv_verify(pool.data_ptr(), pool.stride(0), slots.data_ptr(), n, length, c, w.shape[-1],
+                            x.data_ptr(), w.data_ptr(), y.data_ptr())
     return y

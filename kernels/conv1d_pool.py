@@ -146,6 +146,8 @@ def conv1d_verify_padded(
 ) -> Tensor:
     """`conv1d_verify` over zero-padded windows x [N, L, C] -> y [N, L, C] (padded positions: dropped by the
     caller). Every position's [C, width] window is reduced as decode reduces its one window."""
+    if snapshots is None and fused_conv.available() and fused_conv.fusable(x, conv_pool):  # the same bits
+        return apply_activation(fused_conv.conv1d_verify_cpu(x, weight, conv_pool, state_slots), activation).to(x.dtype)
     width = weight.shape[-1]
     n, length, c = x.shape
     hist = gather_slots(conv_pool, state_slots).to(x.dtype)  # [N, C, W-1]

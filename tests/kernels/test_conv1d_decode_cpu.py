@@ -1,7 +1,8 @@
 """The fused in-place short-conv decode on CPU (`kernels.conv1d_decode_cpu`) against the torch path it replaces
 (its oracle, `RADIXK3_FUSED_CONV=0`): the same bits, in the outputs and in every state of the pool, over kernel
 widths 2 to 4, batch sizes 1 to 33, with and without the activation, a pool whose slots lie further apart than a
-slot (the pool buffer's per-layer views), and rows sharing one scratch slot (the decode graph's padding)."""
+slot (the pool buffer's per-layer views), rows sharing one scratch slot (the decode graph's padding), and the verify
+windows of speculation."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from torch import Tensor
 
 from kernels import conv1d_decode_cpu as fused
-from kernels.conv1d_pool import conv1d_decode
+from kernels.conv1d_pool import conv1d_decode, conv1d_verify_padded
 
 SLOTS = 40
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -85,3 +86,21 @@ def test_bf16_keeps_the_torch_path() -> None:
     pool = torch.zeros(4, 8, 3, dtype=torch.bfloat16)
     assert not fused.fusable(torch.zeros(1, 8, dtype=torch.bfloat16), pool)
     assert not fused.fusable(torch.zeros(1, 8), pool)
+
+
+@pytest.mark.parametrize(("c", "width", "length"), [(1536, 4, 4), (96, 3, 1), (33, 2, 6), (40, 4, 2)])
+def test_fused_verify_is_the_torch_window(monkeypatch: pytest.MonkeyPatch, c: int, width: int, length: int) -> None:
+    """Windows of `length` positions (one padded with zeros after its first position): the same bits as the torch
+    path, positions before and past the saved inputs, and the pool untouched."""
+    gen = torch.Generator().manual_seed(c * width + length)
+    weight = torch.randn(c, width, generator=gen)
+    pool = _pool(c, width - 1, gen)
+    slots = torch.tensor([7, 0, 21])
+    x = torch.randn(len(slots), length, c, generator=gen)
+    x[1, 1:] = 0
+    before = pool.clone()
+    monkeypatch.setenv(fused.ENV_VAR, "0")
+    want = conv1d_verify_padded(x, weight, pool, slots)
+    monkeypatch.setenv(fused.ENV_VAR, "1")
+    got = conv1d_verify_padded(x, weight, pool, slots)
+    assert torch.equal(got, want) and torch.equal(pool, before)
