@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import conv1d_decode_cpu as fused_conv
+from kernels import conv1d_cpu as fused_conv
 from kernels.backend import kernel_backend
 from kernels.conv1d import apply_activation, conv_from_history, conv_history, conv_window, history_states
 from kernels.pool_slots import gather_slots, scatter_slots
@@ -54,7 +54,10 @@ def conv1d_prefill(
         )
     width = weight.shape[-1]
     hist, row, bounds = conv_history(x, cu_seqlens, _initial(conv_pool, state_slots, has_initial_state), width)
-    y = conv_from_history(hist, row, weight, activation).to(x.dtype)
+    if fused_conv.available() and fused_conv.fusable(x, conv_pool):  # the same bits, each input read in place
+        y = apply_activation(fused_conv.conv_from_history_cpu(hist, row, weight), activation).to(x.dtype)
+    else:
+        y = conv_from_history(hist, row, weight, activation).to(x.dtype)
     # the W-1 history rows of sequence s start at bounds[s] + s*(W-1); after p tokens they are shifted by p
     b = torch.tensor(bounds, dtype=torch.int64, device=x.device)
     first = b[:-1] + torch.arange(n, device=x.device) * (width - 1)
@@ -84,7 +87,7 @@ def conv1d_decode(
 
         return conv1d_decode_triton(x, weight, conv_pool, state_slots, activation)
     if fused_conv.available() and fused_conv.fusable(x, conv_pool):  # the same bits, each state touched once
-        return apply_activation(fused_conv.conv1d_decode_cpu(x, weight, conv_pool, state_slots), activation).to(x.dtype)
+        return apply_activation(fused_conv.conv1d_cpu(x, weight, conv_pool, state_slots), activation).to(x.dtype)
     window = torch.cat([gather_slots(conv_pool, state_slots).to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [N, C, W]
     y = conv_window(window, weight, activation)
     scatter_slots(conv_pool, state_slots, window[..., 1:])

@@ -11,7 +11,7 @@ import traceback
 import numpy as np
 import torch
 
-from kernels import conv1d_decode_cpu as fused_conv
+from kernels import conv1d_cpu as fused_conv
 from kernels import kda_decode_cpu as fused_kda
 from kernels.sampling import LogitBias, TokenMask
 from kernels.sampling_tensors import SamplingTensors

@@ -1,8 +1,8 @@
-"""The fused in-place short-conv decode on CPU (`kernels.conv1d_decode_cpu`) against the torch path it replaces
-(its oracle, `RADIXK3_FUSED_CONV=0`): the same bits, in the outputs and in every state of the pool, over kernel
+"""The short conv's CPU ops (`kernels.conv1d_cpu`) against the torch paths they replace (their oracles,
+`RADIXK3_FUSED_CONV=0`). Decode: the same bits, in the outputs and in every state of the pool, over kernel
 widths 2 to 4, batch sizes 1 to 33, with and without the activation, a pool whose slots lie further apart than a
-slot (the pool buffer's per-layer views), rows sharing one scratch slot (the decode graph's padding), and the verify
-windows of speculation."""
+slot (the pool buffer's per-layer views), rows sharing one scratch slot (the decode graph's padding). The verify
+windows of speculation and a varlen prefill with initial states and checkpoints: the same bits too."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from kernels import conv1d_decode_cpu as fused
-from kernels.conv1d_pool import conv1d_decode, conv1d_verify_padded
+from kernels import conv1d_cpu as fused
+from kernels.conv1d_pool import conv1d_decode, conv1d_prefill, conv1d_verify_padded
+from kernels.state_checkpoints import StateCheckpoints
 
 SLOTS = 40
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -104,3 +105,26 @@ def test_fused_verify_is_the_torch_window(monkeypatch: pytest.MonkeyPatch, c: in
     monkeypatch.setenv(fused.ENV_VAR, "1")
     got = conv1d_verify_padded(x, weight, pool, slots)
     assert torch.equal(got, want) and torch.equal(pool, before)
+
+
+@pytest.mark.parametrize(("c", "width"), [(1536, 4), (33, 3), (8, 2)])
+def test_fused_prefill_is_the_torch_path(monkeypatch: pytest.MonkeyPatch, c: int, width: int) -> None:
+    """Sequences of 1, 2, 70 and 5 tokens (shorter and longer than the window), one without an initial state,
+    checkpoints inside two of them: the same outputs, final states and checkpoint states, bit for bit."""
+    gen = torch.Generator().manual_seed(c + width)
+    weight = torch.randn(c, width, generator=gen)
+    lens = [1, 2, 70, 5]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    x = torch.randn(int(cu[-1]), c, generator=gen)
+    slots = torch.tensor([3, 11, 0, 25])
+    has = torch.tensor([True, False, True, True])
+    ck = StateCheckpoints(torch.tensor([2, 2, 3]), torch.tensor([1, 64, 4]), torch.tensor([30, 31, 32]))
+    pool = _pool(c, width - 1, gen)
+    outs = []
+    for fused_on in ("0", "1"):
+        monkeypatch.setenv(fused.ENV_VAR, fused_on)
+        p = pool.clone()
+        y = conv1d_prefill(x, weight, p, state_slots=slots, cu_seqlens=cu, has_initial_state=has, checkpoints=ck)
+        outs.append((y, p))
+    (y_ref, want), (y, got) = outs
+    assert torch.equal(y, y_ref) and torch.equal(got, want)

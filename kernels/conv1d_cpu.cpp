@@ -1,8 +1,8 @@
-// The short-conv decode step fused in place on CPU (see conv1d_decode_cpu.py): each channel's W-1 saved inputs are
-// read once from the pool, convolved with the new input, and shifted by it in place.
+// The KDA short conv on CPU (see conv1d_cpu.py): decode (each channel's W-1 saved inputs read once from the pool,
+// convolved with the new input, and shifted by it in place), verify windows and prefill.
 //
-// Bit for bit the torch path of conv1d_pool.conv1d_decode before its activation: built with -ffp-contract=off so
-// each tap's product rounds before it is added, and the taps add from zero, oldest first, as conv1d.conv_window.
+// Bit for bit the torch paths before their activation: built with -ffp-contract=off so each tap's product rounds
+// before it is added, and the taps add from zero, oldest first, as conv1d.conv_window and conv_from_history.
 #include <cstdint>
 #include <vector>
 
@@ -72,6 +72,23 @@ extern "C" void radixk3_conv_verify(const float* pool, int64_t slot_stride, cons
         const int64_t p = t + j;
         acc += wc[j] * (p < keep ? s[c * keep + p] : xn[(p - keep) * C + c]);
       }
+      yt[c] = acc;
+    }
+  }
+}
+
+// A prefill (conv1d.conv_from_history): hist [R, C] holds each sequence's W-1 state rows, then its tokens; token
+// t's window is rows row[t] - (W-1) .. row[t]. y [T, C] before the activation; rows split between threads.
+extern "C" void radixk3_conv_prefill(const float* hist, const int64_t* row, int64_t T, int64_t C, int64_t W,
+                                    const float* w, float* y) {
+#pragma omp parallel for schedule(static) if (T * C >= 16384)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* first = hist + (row[t] - (W - 1)) * C;
+    float* yt = y + t * C;
+    for (int64_t c = 0; c < C; ++c) {
+      const float* wc = w + c * W;
+      float acc = 0.f;
+      for (int64_t j = 0; j < W; ++j) acc += wc[j] * first[j * C + c];
       yt[c] = acc;
     }
   }
