@@ -26,7 +26,7 @@ _SOURCE = Path(__file__).with_name("mla_decode_cpu.cpp")
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = load_cpu_library("radixk3_mla_decode_cpu", _SOURCE, [])
+    lib = load_cpu_library("radixk3_mla_decode_cpu", _SOURCE, ["-fno-math-errno"])  # glibc's vector expf
     if lib is None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64

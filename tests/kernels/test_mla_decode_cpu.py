@@ -2,8 +2,8 @@
 (`mla_decode_padded` with `RADIXK3_FUSED_MLA=0`, its oracle): within fp32 rounding (2e-6 relative to the
 output's scale: the sums run in another order), over one to 33 query rows, row tables padded past each row's
 length with any valid row (as the decode graph pads them), a pool whose rows lie further apart than a row (the
-pool buffer's per-layer views, the gaps NaN: never read), and head shapes of kimi-linear and the tiny presets. A
-bf16 step keeps the torch path."""
+pool buffer's per-layer views, the gaps NaN: never read), and head shapes of kimi-linear and the tiny presets; a
+row alone and in a batch gets the same bits. A bf16 step keeps the torch path."""
 
 from __future__ import annotations
 
@@ -51,6 +51,22 @@ def test_fused_equals_the_torch_path(monkeypatch: pytest.MonkeyPatch, h: int, dn
     want = mla_decode_padded(q_nope, q_pe, pool, w, rows, lens, scale=0.1)
     assert got.shape == want.shape == (n, h, dv)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize(("h", "r", "dr"), [(8, 128, 32), (2, 64, 16), (4, 512, 64)])
+def test_a_row_gets_the_same_bits_alone_or_in_a_batch(h: int, r: int, dr: int) -> None:
+    """The op splits a batch by rows and a single row by heads; every head's sums run in the same order either
+    way, so a request's attention does not depend on what it is batched with."""
+    gen = torch.Generator().manual_seed(h + r)
+    n = 5
+    pool = _pool(r + dr, gen)
+    q = torch.randn(n, h, r + dr, generator=gen)
+    lens = torch.tensor([1, 17, 150, 33, 160])
+    rows = torch.randint(0, ROWS, (n, int(lens.max())), generator=gen)
+    together = fused.mla_decode_latent_cpu(q, pool, rows, lens, r, 0.1)
+    alone = torch.cat([fused.mla_decode_latent_cpu(q[i : i + 1], pool, rows[i : i + 1], lens[i : i + 1], r, 0.1)
+                       for i in range(n)])
+    assert torch.equal(together, alone)
 
 
 def test_bf16_keeps_the_torch_path() -> None:
