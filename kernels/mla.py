@@ -45,6 +45,15 @@ def length_groups(q_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
     return groups
 
 
+def _absorbed_is_cheaper(q: int, k: int, h: int, dn: int, dv: int, r: int, dr: int) -> bool:
+    """Multiply-adds of one sequence's attention, q queries over k cached tokens: the expanded form decompresses
+    K and V (k h (dn + dv) r) and attends per head over dn + dr and dv channels; the absorbed form projects the
+    queries and outputs (q h (dn + dv) r) and attends over the latent, r + dr and r channels."""
+    expanded = k * h * (dn + dv) * r + q * k * h * (dn + dr + dv)
+    absorbed = q * h * (dn + dv) * r + q * k * h * (2 * r + dr)
+    return absorbed < expanded
+
+
 def mla_attention(
     q_nope: Tensor,
     q_pe: Tensor,
@@ -91,9 +100,10 @@ def mla_attention(
         k_rows = k_pos if kv_rows is None else kv_rows[k_pos]
         lat = latent.index_select(0, k_rows.reshape(-1)).view(len(group), km, -1).to(q_nope.dtype)
         c = lat[..., :r]
-        # One query per sequence (decode rows riding in a prefill step): the absorbed form, as in a decode
-        # step; the expanded one would materialise K and V over each whole context for a single query.
-        group_absorbed = absorbed or qm == 1
+        # Few queries over a long context (decode rows riding in a prefill step, a prompt's own tokens after a
+        # cached prefix): the absorbed form when it multiplies less, as in a decode step; the expanded one
+        # decompresses K and V over each whole context, whatever its queries.
+        group_absorbed = absorbed or qm == 1 or _absorbed_is_cheaper(qm, km, h, dn, w_uv.shape[1], r, q_pe.shape[-1])
         if group_absorbed and not absorbed:
             qg = torch.cat([torch.einsum("gjhd,hdr->gjhr", q_nope[q_rows], w_uk), q_pe[q_rows]], dim=-1)
         else:

@@ -32,7 +32,9 @@ def dense(
     "q_lens,kv_lens",
     [([5, 1, 7], [5, 9, 7]), ([1, 1, 1], [1, 30, 12]), ([4], [4]),
      # lengths far apart: several padded groups, in an order unlike the input's
-     ([1, 3, 1, 150, 2, 1], [200, 3, 1, 150, 7, 90])],
+     ([1, 3, 1, 150, 2, 1], [200, 3, 1, 150, 7, 90]),
+     # a few new tokens after a long cached prefix (the absorbed form), many after a short one (expanded)
+     ([4, 66], [300, 90])],
 )
 def test_expanded_absorbed_dense_agree(q_lens: list[int], kv_lens: list[int]) -> None:
     gen = torch.Generator().manual_seed(sum(kv_lens))
@@ -94,3 +96,27 @@ def test_single_queries_take_the_absorbed_form_in_an_expanded_call(monkeypatch: 
     assert seen.count(expand) == 1  # the chunk's group only
     absd = mla_attention(q_nope, q_pe, latent, w, absorbed=True, **kw)
     torch.testing.assert_close(exp, absd, rtol=0, atol=1e-5)
+
+
+def test_few_queries_over_a_long_prefix_take_the_absorbed_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt's own tokens after a long cached prefix (a burst's followers): the absorbed form multiplies less
+    than decompressing K and V over the whole prefix, so no K/V is expanded for them; a whole prompt still is."""
+    expand = "gsr,hdr->gshd"
+    seen: list[str] = []
+    einsum = torch.einsum
+
+    def spy(eq: str, *ops: torch.Tensor) -> torch.Tensor:
+        seen.append(eq)
+        return einsum(eq, *ops)
+
+    monkeypatch.setattr(torch, "einsum", spy)
+    gen = torch.Generator().manual_seed(4)
+    for q_len, kv_len, expanded in ((4, 600, 0), (200, 200, 1)):
+        seen.clear()
+        q_nope, q_pe = torch.randn(q_len, H, DN, generator=gen), torch.randn(q_len, H, DR, generator=gen)
+        latent = torch.randn(kv_len, R + DR, generator=gen)
+        w = torch.randn(H * (DN + DV), R, generator=gen) / R**0.5
+        kw = dict(cu_q=torch.tensor([0, q_len]), cu_kv=torch.tensor([0, kv_len]), scale=0.3)
+        got = mla_attention(q_nope, q_pe, latent, w, absorbed=False, **kw)
+        assert seen.count(expand) == expanded
+        torch.testing.assert_close(got, dense(q_nope, q_pe, latent, w, 0.3), rtol=0, atol=1e-5)
