@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from kernels import moe_gemm_cpu as fused_gemm
 from kernels.backend import kernel_backend
 from kernels.glu import GLU, SILU
 from kernels.moe_route import MoERoute, group_by_expert
@@ -94,7 +95,8 @@ def captured_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: G
     Few pairs (T*k < E, batch-1 decode): each token's k chosen experts only, in products and sums. Otherwise the
     grouped path itself, as one opaque op (`radixk3::routed_experts`): it reads the per-expert counts inside, where
     the compiler does not look, so each chosen (token, expert) pair runs once and each expert's weights are read
-    once, with the eager step's bits."""
+    once, with the eager step's bits; on CPU in fp32 the op runs the grouped expert GEMM op instead (`moe_gemm_cpu`:
+    the same products within fp32 rounding, not the same bits)."""
     t, k = route.experts.shape
     num_experts, inter = w13.shape[0], w2.shape[-1]
     if t * k < num_experts:
@@ -110,8 +112,32 @@ def captured_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: G
 @torch.library.custom_op("radixk3::routed_experts", mutates_args=())
 def routed_experts(x: Tensor, weights: Tensor, experts: Tensor, w13: Tensor, w2: Tensor, act_kind: str,
                    beta: float | None, linear_beta: float | None) -> Tensor:
-    """The grouped path (`_grouped_experts`) behind an op boundary, for captured steps."""
-    return _grouped_experts(x, MoERoute(weights, experts), w13, w2, GLU(act_kind, beta, linear_beta))
+    """The grouped path behind an op boundary, for captured steps: on CPU in fp32 the grouped expert GEMM op's
+    while each expert has few rows (a decode step), else `_grouped_experts`."""
+    route, act = MoERoute(weights, experts), GLU(act_kind, beta, linear_beta)
+    if fused_gemm.available() and fused_gemm.fusable(x, w13, w2):
+        out = _grouped_fused(x, route, w13, w2, act)
+        if out is not None:
+            return out
+    return _grouped_experts(x, route, w13, w2, act)
+
+
+def _grouped_fused(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU) -> Tensor | None:
+    """The grouped path with both GEMMs in the grouped expert GEMM op (`moe_gemm_cpu`; the pairs of an expert
+    summed into their tokens as `_grouped_by` sums them); None where an expert has too many rows for it."""
+    t, d = x.shape
+    k = route.experts.shape[1]
+    groups = group_by_expert(route, w13.shape[0])
+    if int(groups.counts.max()) > fused_gemm.MAX_ROWS_PER_EXPERT:
+        return None
+    tok = groups.order // k
+    gu = fused_gemm.grouped_gemm(x[tok], groups.counts, w13)
+    inter = w2.shape[-1]
+    ys = fused_gemm.grouped_gemm(act(gu[:, :inter], gu[:, inter:]), groups.counts, w2)
+    ys *= route.weights.reshape(-1)[groups.order, None].float()
+    out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
+    out.index_add_(0, tok, ys)
+    return out.to(x.dtype)
 
 
 @routed_experts.register_fake

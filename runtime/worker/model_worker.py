@@ -13,6 +13,7 @@ import torch
 
 from kernels import conv1d_cpu as fused_conv
 from kernels import kda_decode_cpu as fused_kda
+from kernels import moe_gemm_cpu as fused_moe
 from kernels.sampling import LogitBias, TokenMask
 from kernels.sampling_tensors import SamplingTensors
 from kernels.spec_layout import pad, window_layout
@@ -105,8 +106,9 @@ class ModelWorker:
             latent=[self.buffer.kv(i) for i in range(cfg.num_mla_layers)],
         )
         if self.model.device.type == "cpu" and cfg.num_kda_layers:
-            fused_kda.available()  # build (or find built) the fused KDA and conv decodes now, not in the first step
+            fused_kda.available()  # build (or find built) the CPU ops now, not in the first step
             fused_conv.available()
+            fused_moe.available()
         self.tables = WorkerPageTable(self.model.device, rows=max(args.max_running_requests, 1))
         self.sampler = WorkerSampler()
         self.window: SpecWindow | None = None

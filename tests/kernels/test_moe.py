@@ -162,10 +162,13 @@ def test_one_token_path_gives_the_grouped_bits(act: GLU) -> None:
 
 
 @pytest.mark.parametrize("t", [1, 2, 21])  # T*k < E: the chosen experts' form; otherwise every expert, weighted
-def test_captured_experts_equal_grouped(t: int) -> None:
-    """The compiled step's MoE form (no host read of the routes) against the grouped path, run eagerly."""
+def test_captured_experts_equal_grouped(monkeypatch: pytest.MonkeyPatch, t: int) -> None:
+    """The compiled step's MoE form (no host read of the routes) against the grouped path, run eagerly (the torch
+    path behind the op boundary: the CPU grouped GEMM op has its own oracle in test_moe_gemm_cpu.py)."""
+    from kernels import moe_gemm_cpu
     from kernels.moe import captured_experts
 
+    monkeypatch.setenv(moe_gemm_cpu.ENV_VAR, "0")
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(t, D, generator=gen)
     w13, w2 = torch.randn(E, 2 * INTER, D, generator=gen) / 5, torch.randn(E, D, INTER, generator=gen) / 5
@@ -178,9 +181,12 @@ def test_captured_experts_equal_grouped(t: int) -> None:
         assert torch.equal(got, want)
 
 
-def test_compiled_moe_has_the_eager_bits() -> None:
+def test_compiled_moe_has_the_eager_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """A compiled step's MoE (batch 8, top-3 of E: every pair routed once, through `radixk3::routed_experts`)
-    gives the eager step's bits, in one graph."""
+    gives the eager step's bits, in one graph (its torch path: the CPU grouped GEMM op sums in its own order)."""
+    from kernels import moe_gemm_cpu
+
+    monkeypatch.setenv(moe_gemm_cpu.ENV_VAR, "0")
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(8, D, generator=gen)
     w13, w2 = torch.randn(E, 2 * INTER, D, generator=gen) / 5, torch.randn(E, D, INTER, generator=gen) / 5

@@ -1,0 +1,99 @@
+// The routed experts' GEMMs for a decode step on CPU (see moe_gemm_cpu.py): few rows per expert, so each expert's
+// weights are streamed from memory once, row by row, and every weight row is multiplied by all of its expert's
+// token rows while it is in registers. A decode step reads all its chosen experts' weights to touch a handful of
+// rows each: that read is the cost, where a GEMM library's packing and blocking are made for many rows.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+// The 16 lanes' sum as a tree of vector adds (a scalar chain of 16 would cost more than the dot product's loop).
+inline float hsum(v16 v) {
+  v8 lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  const v8 s8 = lo + hi;
+  v4 a, b;
+  std::memcpy(&a, &s8, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + sizeof a, sizeof b);
+  const v4 s4 = a + b;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// y[i * ldy + r] = dot(w[r], x[i]) for weight rows r < RB and token rows i < NB (each row K floats). Every output
+// is summed in the same order (16 lanes over K, then the lanes, then the tail), whatever RB and NB.
+template <int RB, int NB>
+void block(const float* w, int64_t K, const float* x, float* y, int64_t ldy) {
+  v16 acc[RB][NB] = {};
+  int64_t d = 0;
+  for (; d + 16 <= K; d += 16) {
+    v16 xv[NB];
+    for (int i = 0; i < NB; ++i) xv[i] = load(x + i * K + d);
+    for (int r = 0; r < RB; ++r) {
+      const v16 wv = load(w + r * K + d);
+      for (int i = 0; i < NB; ++i) acc[r][i] += wv * xv[i];
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < NB; ++i) {
+      float s = hsum(acc[r][i]);
+      for (int64_t t = d; t < K; ++t) s += w[r * K + t] * x[i * K + t];
+      y[i * ldy + r] = s;
+    }
+}
+
+template <int RB>
+void rows(const float* w, int64_t K, const float* x, int64_t m, float* y, int64_t ldy) {
+  for (int64_t i = 0; i < m; i += 4) {
+    switch (std::min<int64_t>(4, m - i)) {
+      case 1: block<RB, 1>(w, K, x + i * K, y + i * ldy, ldy); break;
+      case 2: block<RB, 2>(w, K, x + i * K, y + i * ldy, ldy); break;
+      case 3: block<RB, 3>(w, K, x + i * K, y + i * ldy, ldy); break;
+      default: block<RB, 4>(w, K, x + i * K, y + i * ldy, ldy); break;
+    }
+  }
+}
+
+constexpr int64_t kRowsPerTask = 32;  // weight rows per task: small enough to share an expert between threads
+
+}  // namespace
+
+// x: [P, K] token rows grouped by expert (counts[e] rows of expert e, expert after expert); w: [E, N, K];
+// y: [P, N] with y[p] = w[e(p)] x[p]. All fp32, row-major, contiguous.
+extern "C" void radixk3_grouped_gemm(const float* x, const int64_t* counts, int64_t E, const float* w, int64_t N,
+                                    int64_t K, float* y) {
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + counts[e];
+  std::vector<int64_t> task_expert, task_row;
+  for (int64_t e = 0; e < E; ++e)
+    if (counts[e] > 0)
+      for (int64_t r = 0; r < N; r += kRowsPerTask) {
+        task_expert.push_back(e);
+        task_row.push_back(r);
+      }
+  const int64_t tasks = static_cast<int64_t>(task_expert.size());
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t e = task_expert[t], r0 = task_row[t], r1 = std::min(N, r0 + kRowsPerTask);
+    const float* xe = x + start[e] * K;
+    float* ye = y + start[e] * N;
+    const int64_t m = counts[e];
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) rows<4>(w + (e * N + r) * K, K, xe, m, ye + r, N);
+    for (; r + 2 <= r1; r += 2) rows<2>(w + (e * N + r) * K, K, xe, m, ye + r, N);
+    for (; r < r1; ++r) rows<1>(w + (e * N + r) * K, K, xe, m, ye + r, N);
+  }
+}
