@@ -41,15 +41,6 @@ def _initial_states(pool: Tensor, slots: Tensor, has_initial_state: Tensor | Non
     return torch.where(has_initial_state.view(-1, 1, 1, 1).bool(), s, torch.zeros((), device=s.device))
 
 
-def torch_chunk_size(tokens: int, sequences: int) -> int:
-    """The torch path's chunk for a prefill step of `tokens` over `sequences`: a chunk's intra terms cost
-    O(chunk x K) per token and a short sequence's last chunk is padded to a whole chunk, so short prompts (a
-    burst's own tokens after a shared prefix, a batch of chat turns) take 16-token chunks and long ones 32
-    (measured on one KDA layer, 8 heads x 64, 2 CPU threads: 31 x 70 tokens 29 / 44 / 56 ms at 16 / 32 / 64;
-    1 x 870 tokens 15 / 12 / 16 ms; 1 x 2048 33 / 29 / 28 ms)."""
-    return 16 if tokens <= 128 * max(sequences, 1) else 32
-
-
 def kda_prefill(
     q: Tensor,
     k: Tensor,
@@ -64,14 +55,13 @@ def kda_prefill(
     checkpoints: StateCheckpoints | None = None,
     scale: float | None = None,
     commit: bool = True,
-    chunk_size: int | None = None,
+    chunk_size: int = 64,
     validate: bool = True,
 ) -> Tensor:
     """Chunked KDA over packed sequences (inputs as `kda.kda_chunked`) with states in `state_pool`.
 
     Sequence i starts from state_pool[state_slots[i]] (zeros where has_initial_state[i] is False; None = all
     True) and, if `commit`, ends there. Checkpoints are written to their slots. Returns o [T, H, V].
-    `chunk_size` None: the torch path's by the step's shape (`torch_chunk_size`).
     `validate=False` skips `check_slots` (a host read of the slots): for callers that ran it once per step."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     n = 1 if cu_seqlens is None else len(cu_seqlens) - 1
@@ -87,7 +77,6 @@ def kda_prefill(
         )
     bounds = seq_bounds(cu_seqlens, q.shape[0])
     states = _initial_states(state_pool, state_slots, has_initial_state)
-    chunk_size = torch_chunk_size(q.shape[0], n) if chunk_size is None else chunk_size
     plan = plan_chunks(bounds, chunk_size, checkpoints.pairs() if checkpoints is not None else None, q.device)
     o, ck_states = chunk_scan(q, k, v, g, beta, states, plan, scale)
     if checkpoints is not None and len(checkpoints.slot):
