@@ -61,9 +61,11 @@ from runtime.server_args import ServerArgs
 from runtime.sockets import LINGER_MS, die_with_parent, disconnected, make_socket
 from runtime.topology import Topology, rank_label
 
-# How long an idle scheduler waits for more arrivals after the first before it plans (a TTFT cost paid only
-# when the engine was idle).
-ARRIVAL_WINDOW_MS = 5
+# An idle scheduler woken by an arrival keeps gathering while more arrive, until ARRIVAL_GAP_MS pass without one
+# (a TTFT cost paid only when the engine was idle) or ARRIVAL_CAP_MS after the first: a burst sent over longer than
+# one gap (32 prompts from a busy client on 2 cores took over 5 ms) is still planned together.
+ARRIVAL_GAP_MS = 5
+ARRIVAL_CAP_MS = 50
 PEER_WAIT_MS = 1  # P/D: how long a scheduler with nothing to do but wait for the other side sleeps between looks
 
 
@@ -207,19 +209,22 @@ class _Server:
 
     def _gather(self) -> None:
         """Read what has come. Woken from idle, gather the rest of a burst (a batch's requests arrive a few
-        hundred microseconds apart) for up to ARRIVAL_WINDOW_MS before planning, so that they see each other
-        and share their prefix (in-batch sharing)."""
+        hundred microseconds apart) until ARRIVAL_GAP_MS pass without an arrival (ARRIVAL_CAP_MS at most) before
+        planning, so that they see each other and share their prefix (in-batch sharing)."""
         idle = not self.loop.busy
         # P/D: a scheduler with nothing to do but wait for the other side looks every PEER_WAIT_MS, not in a spin.
         peer_wait = isinstance(self.sched, Scheduler) and self.sched.waiting_on_peer
         timeout = None if idle else PEER_WAIT_MS if peer_wait else 0
         window_end: float | None = None
+        cap: float | None = None
         while events := dict(self.poller.poll(timeout)):
             self._take(events)
             if self.inbox not in events:
                 continue
-            if idle and window_end is None:
-                window_end = time.monotonic() + ARRIVAL_WINDOW_MS / 1000
+            if idle:
+                now = time.monotonic()
+                cap = now + ARRIVAL_CAP_MS / 1000 if cap is None else cap
+                window_end = min(cap, now + ARRIVAL_GAP_MS / 1000)
             timeout = max(0, int((window_end - time.monotonic()) * 1000)) if window_end is not None else 0
         if self.loop.busy:
             self._beat()
