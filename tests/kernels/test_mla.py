@@ -73,10 +73,12 @@ def test_length_groups_cover_every_sequence_and_bound_padding() -> None:
         assert len(g) == 1 or padded <= _PAD_WASTE * sum(q_lens[i] * kv_lens[i] for i in g) + _PAD_SLACK
 
 
-def test_single_queries_take_the_absorbed_form_in_an_expanded_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode rows riding in a prefill step are computed as in a decode step: no K/V is expanded over their
-    contexts (the expansion is the prefill form's einsum over a group's latent rows)."""
-    expand = "gsr,hdr->gshd"
+# The prefill form's expansion of K/V over a group's latent rows (the einsum no absorbed group runs).
+EXPAND = "gsr,hdr->gshd"
+
+
+def _einsum_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The equations of every torch.einsum call from now on."""
     seen: list[str] = []
     einsum = torch.einsum
 
@@ -85,6 +87,13 @@ def test_single_queries_take_the_absorbed_form_in_an_expanded_call(monkeypatch: 
         return einsum(eq, *ops)
 
     monkeypatch.setattr(torch, "einsum", spy)
+    return seen
+
+
+def test_single_queries_take_the_absorbed_form_in_an_expanded_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode rows riding in a prefill step are computed as in a decode step: no K/V is expanded over their
+    contexts (the expansion is the prefill form's einsum over a group's latent rows)."""
+    seen = _einsum_calls(monkeypatch)
     gen = torch.Generator().manual_seed(3)
     q_lens, kv_lens = [40, 1, 1], [300, 250, 20]  # a prefill chunk and two decode rows, in separate groups
     t, lkv = sum(q_lens), sum(kv_lens)
@@ -93,7 +102,7 @@ def test_single_queries_take_the_absorbed_form_in_an_expanded_call(monkeypatch: 
     w = torch.randn(H * (DN + DV), R, generator=gen) / R**0.5
     kw = dict(cu_q=torch.tensor([0, 40, 41, 42]), cu_kv=torch.tensor([0, 300, 550, 570]), scale=0.3)
     exp = mla_attention(q_nope, q_pe, latent, w, absorbed=False, **kw)
-    assert seen.count(expand) == 1  # the chunk's group only
+    assert seen.count(EXPAND) == 1  # the chunk's group only
     absd = mla_attention(q_nope, q_pe, latent, w, absorbed=True, **kw)
     torch.testing.assert_close(exp, absd, rtol=0, atol=1e-5)
 
@@ -101,15 +110,7 @@ def test_single_queries_take_the_absorbed_form_in_an_expanded_call(monkeypatch: 
 def test_few_queries_over_a_long_prefix_take_the_absorbed_form(monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt's own tokens after a long cached prefix (a burst's followers): the absorbed form multiplies less
     than decompressing K and V over the whole prefix, so no K/V is expanded for them; a whole prompt still is."""
-    expand = "gsr,hdr->gshd"
-    seen: list[str] = []
-    einsum = torch.einsum
-
-    def spy(eq: str, *ops: torch.Tensor) -> torch.Tensor:
-        seen.append(eq)
-        return einsum(eq, *ops)
-
-    monkeypatch.setattr(torch, "einsum", spy)
+    seen = _einsum_calls(monkeypatch)
     gen = torch.Generator().manual_seed(4)
     for q_len, kv_len, expanded in ((4, 600, 0), (200, 200, 1)):
         seen.clear()
@@ -118,5 +119,5 @@ def test_few_queries_over_a_long_prefix_take_the_absorbed_form(monkeypatch: pyte
         w = torch.randn(H * (DN + DV), R, generator=gen) / R**0.5
         kw = dict(cu_q=torch.tensor([0, q_len]), cu_kv=torch.tensor([0, kv_len]), scale=0.3)
         got = mla_attention(q_nope, q_pe, latent, w, absorbed=False, **kw)
-        assert seen.count(expand) == expanded
+        assert seen.count(EXPAND) == expanded
         torch.testing.assert_close(got, dense(q_nope, q_pe, latent, w, 0.3), rtol=0, atol=1e-5)
