@@ -66,6 +66,8 @@ from runtime.topology import Topology, rank_label
 # one gap (32 prompts from a busy client on 2 cores took over 5 ms) is still planned together.
 ARRIVAL_GAP_MS = 5
 ARRIVAL_CAP_MS = 50
+# How long a rank's disconnect waits for the reason it may have sent before exiting (a collective's failure).
+RANK_FAILED_GRACE_MS = 200
 PEER_WAIT_MS = 1  # P/D: how long a scheduler with nothing to do but wait for the other side sleeps between looks
 
 
@@ -113,6 +115,11 @@ class _Ranks:
     def check(self, events: dict[zmq.Socket, int]) -> None:
         for r, w in enumerate(self.watches):
             if w in events and disconnected(w):
+                # A rank that failed said why before it exited (RankFailed, on the results socket), and the two
+                # sockets' events come in either order: its reason first, when it comes within the grace.
+                deadline = time.monotonic() + RANK_FAILED_GRACE_MS / 1000
+                while (left := deadline - time.monotonic()) > 0 and self.results.poll(int(left * 1000) + 1):
+                    self.read_results()  # raises RankLost with the reason if it came
                 raise RankLost(f"{rank_label(self.replica, r)} went away (its process or node died)")
 
     def send(self, plan: StepPlan) -> None:
