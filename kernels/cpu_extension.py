@@ -5,6 +5,7 @@ and rebuilds when the source changes), loaded through ctypes (plain C entry poin
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import platform
@@ -22,6 +23,15 @@ def _ensure_ninja() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+def _headers_flag(source: Path) -> str:
+    """A define naming the contents of the headers beside `source`: torch's loader decides to rebuild from the
+    sources and the build flags only, so a changed header changes a flag."""
+    digest = hashlib.sha256()
+    for header in sorted(source.parent.glob("*.h")):
+        digest.update(header.name.encode() + header.read_bytes())
+    return f"-DRADIXK3_HEADERS={digest.hexdigest()[:16]}"
+
+
 def load_cpu_library(name: str, source: Path, cflags: list[str]) -> ctypes.CDLL | None:
     """Build (or find cached) and load `source` as library `name`; None on a machine that is not x86 or cannot
     build it (no compiler, no ninja): the caller's torch path serves."""
@@ -32,7 +42,8 @@ def load_cpu_library(name: str, source: Path, cflags: list[str]) -> ctypes.CDLL 
 
         _ensure_ninja()
         path = load(name=name, sources=[str(source)], is_python_module=False,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"])
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", _headers_flag(source), *cflags],
+                    extra_ldflags=["-fopenmp"])
     except Exception as exc:
         log.warning("%s unavailable, the torch path serves: %s", name, exc)
         return None

@@ -7,31 +7,13 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-
-inline v16 load(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-// The 16 lanes' sum as a tree of vector adds (a scalar chain of 16 would cost more than the dot product's loop).
-inline float hsum(v16 v) {
-  v8 lo, hi;
-  std::memcpy(&lo, &v, sizeof lo);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-  const v8 s8 = lo + hi;
-  v4 a, b;
-  std::memcpy(&a, &s8, sizeof a);
-  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + sizeof a, sizeof b);
-  const v4 s4 = a + b;
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
+using radixk3_vec::hsum;
+using radixk3_vec::load;
+using radixk3_vec::v16;
 
 // y[i * ldy + r] = dot(w[r], x[i]) for weight rows r < RB and token rows i < NB (each row K floats). Every output
 // is summed in the same order (16 lanes over K, then the lanes, then the tail), whatever RB and NB.
