@@ -2,8 +2,10 @@
 
 Each sequence is cut into chunks of `chunk_size` tokens from its start, plus extra cuts where a caller wants the
 state (checkpoints), so a checkpoint is always a chunk end and needs no special maths. Chunks are padded with
-zero tokens (k = v = 0, g = 0, beta = 0), which is exact: they leave the state untouched. The intra-chunk terms
-are in `kda_intra`.
+zero tokens (k = v = 0, g = 0, beta = 0), which is exact: they leave the state untouched. A rank whose chunks
+are all short (a sequence's tail, a short prompt) is padded only to the next 16 x 2^k tokens: the chunk
+boundaries stay where they were, and the padding rows only ever add exact zeros, so its outputs and states are
+the same bits as at the full width, at a fraction of the work. The intra-chunk terms are in `kda_intra`.
 """
 
 from __future__ import annotations
@@ -25,11 +27,21 @@ class ChunkPlan(NamedTuple):
     chunk_seq: Tensor  # [NC] int64 sequence of each chunk
     rank_offsets: list[int]  # chunks of rank r are [rank_offsets[r], rank_offsets[r + 1])
     rank_full: list[bool]  # rank r holds every sequence, in order (the scan can skip its gather)
+    rank_width: list[int]  # rank r's chunks are padded to this many tokens (<= chunk_size)
     emit_local: list[Tensor]  # per rank: rows (within the rank's chunks) whose end is a checkpoint
     emit_ids: list[Tensor]  # per rank: the checkpoint ids written from those rows
     initial_seq: Tensor  # checkpoints at position 0: their sequence ...
     initial_ids: Tensor  # ... and checkpoint id (the initial state itself)
     chunk_size: int
+
+
+def padded_width(longest: int, chunk_size: int) -> int:
+    """Tokens a rank whose longest chunk has `longest` tokens is padded to: the next 16 x 2^k, at most
+    `chunk_size`. Never below 16: the triangular inverse works in 16-row blocks, so any width from 16 up
+    rounds every real row the same way."""
+    if chunk_size <= SUB:
+        return chunk_size
+    return min(chunk_size, SUB << ((max(longest, 1) - 1) // SUB).bit_length())
 
 
 def plan_chunks(
@@ -61,6 +73,7 @@ def plan_chunks(
     seqs: list[int] = []
     offsets = [0]
     full: list[bool] = []
+    widths: list[int] = []
     where: dict[tuple[int, int], tuple[int, int]] = {}  # (seq, end offset) -> (rank, row in rank)
     for r in range(ranks):
         row = 0
@@ -74,6 +87,7 @@ def plan_chunks(
                 row += 1
         offsets.append(len(starts))
         full.append(row == n)
+        widths.append(padded_width(max(lens[offsets[-2] :]), chunk_size))
     emit_local: list[list[int]] = [[] for _ in range(ranks)]
     emit_ids: list[list[int]] = [[] for _ in range(ranks)]
     init_seq: list[int] = []
@@ -99,6 +113,7 @@ def plan_chunks(
         chunk_seq=as_long(seqs),
         rank_offsets=offsets,
         rank_full=full,
+        rank_width=widths,
         emit_local=[as_long(x) for x in emit_local],
         emit_ids=[as_long(x) for x in emit_ids],
         initial_seq=as_long(init_seq),
@@ -108,13 +123,17 @@ def plan_chunks(
 
 
 def _rank_groups(plan: ChunkPlan, group: int) -> list[tuple[int, int]]:
-    """Consecutive ranks [r0, r1) holding about `group` chunks (at least one rank each)."""
+    """Consecutive ranks [r0, r1) of one padded width holding about `group` chunks (at least one rank each)."""
     out: list[tuple[int, int]] = []
     ranks = len(plan.rank_offsets) - 1
     r0 = 0
     while r0 < ranks:
         r1 = r0 + 1
-        while r1 < ranks and plan.rank_offsets[r1 + 1] - plan.rank_offsets[r0] <= group:
+        while (
+            r1 < ranks
+            and plan.rank_width[r1] == plan.rank_width[r0]
+            and plan.rank_offsets[r1 + 1] - plan.rank_offsets[r0] <= group
+        ):
             r1 += 1
         out.append((r0, r1))
         r0 = r1
@@ -153,7 +172,7 @@ def chunk_scan(
     group = max(1, _INTRA_BUDGET // (h * c * max(kdim, vdim)))
     for r0, r1 in _rank_groups(plan, group):
         base, end = plan.rank_offsets[r0], plan.rank_offsets[r1]
-        idx = plan.token_index[base:end]
+        idx = plan.token_index[base:end, : plan.rank_width[r0]]
         pad = idx == t_total
         rows = idx.masked_fill(pad, 0)
         # [n, H, C, ...]; padding rows zeroed (k = v = g = beta = 0 leaves the state alone)
@@ -162,7 +181,7 @@ def chunk_scan(
             for x in inputs
         )
         terms = intra_terms(qc * scale, kc, vc, gc, bc)
-        out = torch.empty(end - base, h, c, vdim, dtype=torch.float32, device=q.device)
+        out = torch.empty(end - base, h, idx.shape[1], vdim, dtype=torch.float32, device=q.device)
         for r in range(r0, r1):
             lo, hi = plan.rank_offsets[r] - base, plan.rank_offsets[r + 1] - base
             seqs = plan.chunk_seq[lo + base : hi + base]

@@ -173,21 +173,50 @@ def _solve(a_qk: Tensor, a_kk: Tensor, k: Tensor, v: Tensor, beta: Tensor, eg: T
 
 
 def intra_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> IntraTerms:
-    """q (already scaled), k, g [G, H, C, K], v [G, H, C, V], beta [G, H, C]."""
+    """q (already scaled), k, g [G, H, C, K], v [G, H, C, V], beta [G, H, C]. Each (chunk, head) takes its form
+    from its own decays alone, so its bits never depend on what else is in the group (other sequences, other
+    heads, how wide the padding is)."""
     c = q.shape[-2]
     # float64 (differences of it lose nothing to cancellation), as a matmul (torch's cumsum is slow here)
     cum = torch.ones(c, c, dtype=torch.float64, device=g.device).tril() @ g.double()
+    easy = ((cum.amax(2) - cum.amin(2)) <= RANGE_FP32).all(-1)  # [G, H]
+    if bool(easy.all()):
+        return _factored_terms(q, k, v, beta, cum)
+    if not bool(easy.any()):
+        return _general_terms(q, k, v, g, beta, cum)
+    # Mixed: each kind of row on its own, as [rows, 1, C, .], then put back in place.
+    rq, rk, rv, rg, rb, rc = (x.flatten(0, 1).unsqueeze(1) for x in (q, k, v, g, beta, cum))
+    ez = easy.flatten()
+    parts = [
+        (ez, _factored_terms(rq[ez], rk[ez], rv[ez], rb[ez], rc[ez])),
+        (~ez, _general_terms(rq[~ez], rk[~ez], rv[~ez], rg[~ez], rb[~ez], rc[~ez])),
+    ]
+    fields = []
+    for i in range(len(IntraTerms._fields)):
+        like = parts[0][1][i]
+        out = like.new_empty(easy.numel(), *like.shape[1:])
+        for mask, terms in parts:
+            out[mask] = terms[i]
+        fields.append(out.view(*easy.shape, *like.shape[2:]))
+    return IntraTerms(*fields)
+
+
+def _factored_terms(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, cum: Tensor) -> IntraTerms:
+    """The common case, every (chunk, head) factored in fp32: every exponential comes from the two factors
+    exp(+-(G - r)) and exp(r), each taken in float64 and rounded once."""
     hi, lo = cum.amax(2, keepdim=True), cum.amin(2, keepdim=True)
-    if bool(((hi - lo) <= RANGE_FP32).all()):
-        # The common case, every (chunk, head) factored in fp32: every exponential comes from the two factors
-        # exp(+-(G - r)) and exp(r), each taken in float64 and rounded once.
-        mid = (hi + lo) / 2
-        e = cum - mid
-        up, down, er = e.exp().float(), (-e).exp_().float(), mid.exp().float()
-        kc = (k * down).transpose(-1, -2)
-        a_qk, w, u = _solve((q * up) @ kc, (k * up) @ kc, k, v, beta, up * er)
-        last = up[:, :, -1:]
-        return IntraTerms(q * up * er, a_qk, w, u, k * (last * down), (last * er).squeeze(2))
+    mid = (hi + lo) / 2
+    e = cum - mid
+    up, down, er = e.exp().float(), (-e).exp_().float(), mid.exp().float()
+    kc = (k * down).transpose(-1, -2)
+    a_qk, w, u = _solve((q * up) @ kc, (k * up) @ kc, k, v, beta, up * er)
+    last = up[:, :, -1:]
+    return IntraTerms(q * up * er, a_qk, w, u, k * (last * down), (last * er).squeeze(2))
+
+
+def _general_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cum: Tensor) -> IntraTerms:
+    """Decays too fast for fp32 factors somewhere: each (chunk, head) by `_pairwise`'s tiers."""
+    c = q.shape[-2]
     flat = (x.flatten(0, 1) for x in (q, k, g, cum))
     a_qk, a_kk = (a.view(*q.shape[:-1], c) for a in _pairwise(*flat))
     eg = cum.exp().float()

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from kda_inputs import KDAInputs, fla_reference, kda_inputs
 
+import kernels.kda_chunk as kda_chunk
 import kernels.kda_intra as kda_intra
 from kernels.kda import kda_chunked, kda_decode_step, kda_gate, kda_recurrent, l2norm
 
@@ -69,6 +70,26 @@ def test_chunk_sizes(chunk_size: int) -> None:
     o, s = run(kda_chunked, x, chunk_size=chunk_size)
     close(o, o_rec)
     close(s, s_rec)
+
+
+def test_short_ranks_are_padded_less() -> None:
+    """A rank of short chunks (tails, short prompts) is padded to the next 16 x 2^k tokens, never below 16."""
+    plan = kda_chunk.plan_chunks([0, 66, 132, 133], 64, cuts=[(0, 5)], device=torch.device("cpu"))
+    # rank 0: 5, 66 and 1 tokens; rank 1: the tail 5..64 of sequence 0 and 64..66 of sequence 1
+    assert plan.rank_width == [64, 64, 16]
+    assert [kda_chunk.padded_width(n, 64) for n in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    assert kda_chunk.padded_width(3, 8) == 8
+
+
+@pytest.mark.parametrize("decay", ["model", "fast"])
+def test_short_ranks_give_the_full_width_bits(monkeypatch: pytest.MonkeyPatch, decay: str) -> None:
+    """Padding a short rank less changes no bit of outputs or states: every padding row only adds exact zeros,
+    and from 16 rows up the triangular inverse's blocks are the same."""
+    x = kda_inputs([66, 66, 2, 81, 17, 130, 1], h=2, kdim=64, vdim=64, seed=21, decay=decay)
+    trimmed = run(kda_chunked, x)
+    monkeypatch.setattr(kda_chunk, "padded_width", lambda longest, chunk_size: chunk_size)
+    full = run(kda_chunked, x)
+    assert torch.equal(trimmed[0], full[0]) and torch.equal(trimmed[1], full[1])
 
 
 def test_bad_chunk_size() -> None:
