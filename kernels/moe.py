@@ -17,6 +17,7 @@ from kernels import moe_gemm_cpu as fused_gemm
 from kernels.backend import kernel_backend
 from kernels.glu import GLU, SILU
 from kernels.moe_route import MoERoute, group_by_expert
+from kernels.opaque_op import opaque_op
 
 # (expert, rows [n, in]) -> rows [n, out]: one expert's GEMM (the dense weight's, or a weight-only quantised one's).
 ExpertGemm = Callable[[int, Tensor], Tensor]
@@ -109,7 +110,7 @@ def captured_experts(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: G
     return routed_experts(x, route.weights, route.experts, w13, w2, act.kind, act.beta, act.linear_beta)
 
 
-@torch.library.custom_op("radixk3::routed_experts", mutates_args=())
+@opaque_op("radixk3::routed_experts")
 def routed_experts(x: Tensor, weights: Tensor, experts: Tensor, w13: Tensor, w2: Tensor, act_kind: str,
                    beta: float | None, linear_beta: float | None) -> Tensor:
     """The grouped path behind an op boundary, for captured steps: on CPU in fp32 the grouped expert GEMM op's
@@ -140,7 +141,7 @@ def _grouped_fused(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU
     return out.to(x.dtype)
 
 
-@routed_experts.register_fake
+@torch.library.register_fake("radixk3::routed_experts")
 def _(x: Tensor, weights: Tensor, experts: Tensor, w13: Tensor, w2: Tensor, act_kind: str, beta: float | None,
       linear_beta: float | None) -> Tensor:
     return torch.empty_like(x)

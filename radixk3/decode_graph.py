@@ -34,6 +34,7 @@ from kernels.conv1d_pool import conv1d_decode
 from kernels.kda_pool import kda_decode
 from kernels.mla import mla_decode_padded
 from kernels.mla_paged import check_store_slots, mla_store
+from kernels.opaque_op import opaque_op
 from kernels.state_checkpoints import check_slots
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
@@ -76,31 +77,31 @@ def compile_options(cuda: bool) -> dict[str, object]:
 
 
 # Outputs are contiguous, as their fake (shape) functions say.
-@torch.library.custom_op("radixk3::pool_conv_decode", mutates_args=())
+@opaque_op("radixk3::pool_conv_decode")
 def pool_conv_decode(cache_key: int, layer: int, x: Tensor, weight: Tensor, slots: Tensor) -> Tensor:
     """`conv1d_decode` on KDA layer `layer`'s conv pool of cache `cache_key`, in place."""
     return conv1d_decode(x, weight, _CACHES[cache_key].conv[layer], slots, validate=False).contiguous()
 
 
-@pool_conv_decode.register_fake
+@torch.library.register_fake("radixk3::pool_conv_decode")
 def _(cache_key: int, layer: int, x: Tensor, weight: Tensor, slots: Tensor) -> Tensor:
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("radixk3::pool_kda_decode", mutates_args=())
+@opaque_op("radixk3::pool_kda_decode")
 def pool_kda_decode(cache_key: int, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                     slots: Tensor) -> Tensor:
     """`kda_decode` on KDA layer `layer`'s recurrent pool of cache `cache_key`, in place."""
     return kda_decode(q, k, v, g, beta, _CACHES[cache_key].recurrent[layer], slots, validate=False).contiguous()
 
 
-@pool_kda_decode.register_fake
+@torch.library.register_fake("radixk3::pool_kda_decode")
 def _(cache_key: int, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
       slots: Tensor) -> Tensor:
     return torch.empty_like(v)
 
 
-@torch.library.custom_op("radixk3::pool_mla_decode", mutates_args=())
+@opaque_op("radixk3::pool_mla_decode")
 def pool_mla_decode(cache_key: int, layer: int, q_nope: Tensor, q_pe: Tensor, latent: Tensor, kv_b_weight: Tensor,
                     kv_slots: Tensor, kv_rows: Tensor, kv_lens: Tensor, scale: float) -> Tensor:
     """Store the new latents in MLA layer `layer`'s buffer of cache `cache_key`, then attend over `kv_rows`."""
@@ -109,7 +110,7 @@ def pool_mla_decode(cache_key: int, layer: int, q_nope: Tensor, q_pe: Tensor, la
     return mla_decode_padded(q_nope, q_pe, buf, kv_b_weight, kv_rows, kv_lens, scale=scale).contiguous()
 
 
-@pool_mla_decode.register_fake
+@torch.library.register_fake("radixk3::pool_mla_decode")
 def _(cache_key: int, layer: int, q_nope: Tensor, q_pe: Tensor, latent: Tensor, kv_b_weight: Tensor,
       kv_slots: Tensor, kv_rows: Tensor, kv_lens: Tensor, scale: float) -> Tensor:
     n, h, dn = q_nope.shape

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from kernels.conv1d_pool import conv1d_verify_padded
 from kernels.kda_pool import kda_verify_padded
+from kernels.opaque_op import opaque_op
 from radixk3.decode_graph import _CACHES, DecodeGraphs, GraphOutput, PaddedDecodeBackend, Scratch, pad_rows, row_table
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
@@ -45,7 +46,7 @@ class PaddedVerify(NamedTuple):
     kv_lens: Tensor  # [B*W] int64, valid entries of kv_rows per token
 
 
-@torch.library.custom_op("radixk3::pool_conv_verify", mutates_args=())
+@opaque_op("radixk3::pool_conv_verify")
 def pool_conv_verify(cache_key: int, layer: int, x: Tensor, weight: Tensor, slots: Tensor, rows: Tensor) -> Tensor:
     """x [B, W, C]: save the window's conv inputs, then `conv1d_verify_padded` from the live conv state."""
     window = _WINDOWS[cache_key]
@@ -55,12 +56,12 @@ def pool_conv_verify(cache_key: int, layer: int, x: Tensor, weight: Tensor, slot
                                 snapshot_rows=rows).contiguous()
 
 
-@pool_conv_verify.register_fake
+@torch.library.register_fake("radixk3::pool_conv_verify")
 def _(cache_key: int, layer: int, x: Tensor, weight: Tensor, slots: Tensor, rows: Tensor) -> Tensor:
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("radixk3::pool_kda_verify", mutates_args=())
+@opaque_op("radixk3::pool_kda_verify")
 def pool_kda_verify(cache_key: int, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                     slots: Tensor, rows: Tensor) -> Tensor:
     """[B, W, ...] inputs: save them in the draft window, then `kda_verify_padded` from the live state."""
@@ -71,7 +72,7 @@ def pool_kda_verify(cache_key: int, layer: int, q: Tensor, k: Tensor, v: Tensor,
                              snapshot_rows=rows).contiguous()
 
 
-@pool_kda_verify.register_fake
+@torch.library.register_fake("radixk3::pool_kda_verify")
 def _(cache_key: int, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, slots: Tensor,
       rows: Tensor) -> Tensor:
     return torch.empty_like(v)
