@@ -53,22 +53,31 @@ def available() -> bool:
 
 def fusable(x: Tensor, pool: Tensor) -> bool:
     """Inputs the op takes: fp32 on CPU, each slot's [C, W-1] states contiguous (the slot stride is free)."""
-    c, keep = pool.shape[-2:]
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and pool.dtype == torch.float32
-            and pool.stride(-1) == 1 and pool.stride(-2) == keep)
+    return x.device.type == "cpu" and x.dtype == torch.float32 and pool_fusable(pool)
+
+
+def pool_fusable(pool: Tensor) -> bool:
+    """A conv pool the op takes: fp32 on CPU, each slot's [C, W-1] states contiguous."""
+    keep = pool.shape[-1]
+    return (pool.device.type == "cpu" and pool.dtype == torch.float32 and pool.stride(-1) == 1
+            and pool.stride(-2) == keep)
 
 
 def conv1d_cpu(x: Tensor, weight: Tensor, pool: Tensor, slots: Tensor) -> Tensor:
     """One token per sequence, x [N, C], weight [C, W]: each slot's conv state `pool` [slots, C, W-1] shifted by
     its token in place -> y [N, C] fp32 before the activation. Slots in range (checked by the caller)."""
+    return conv1d_cpu_prepared(x.contiguous(), weight.float().contiguous(), pool, slots.to(torch.int64).contiguous())
+
+
+def conv1d_cpu_prepared(x: Tensor, weight: Tensor, pool: Tensor, slots: Tensor) -> Tensor:
+    """`conv1d_cpu` on inputs already in the op's layout (x, weight contiguous fp32, slots contiguous int64), as a
+    captured step holds them: no per-call conversions (each a few microseconds in a cold interpreter)."""
     lib = _library()
     assert lib is not None, "call available() and fusable() first"  # conv1d_pool checked both, once per call
     n, c = x.shape
-    x, w = x.contiguous(), weight.float().contiguous()
-    slots = slots.to(torch.int64).contiguous()
     y = torch.empty(n, c, dtype=torch.float32)
-    lib.radixk3_conv_decode(pool.data_ptr(), pool.stride(0), slots.data_ptr(), n, c, w.shape[-1], x.data_ptr(),
-                            w.data_ptr(), y.data_ptr())
+    lib.radixk3_conv_decode(pool.data_ptr(), pool.stride(0), slots.data_ptr(), n, c, weight.shape[-1], x.data_ptr(),
+                            weight.data_ptr(), y.data_ptr())
     return y
 
 

@@ -130,6 +130,21 @@ def mla_attention(
     return out
 
 
+def _absorbed_queries(q_nope: Tensor, q_pe: Tensor, kv_b_weight: Tensor) -> tuple[Tensor, Tensor]:
+    """-> (the absorbed queries [N, H, R+Dr], W_UV [H, Dv, R])."""
+    w_uk, w_uv = _split_kv_b(kv_b_weight, q_nope.shape[1], q_nope.shape[2])
+    return torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe], dim=-1), w_uv
+
+
+def mla_decode_padded_cpu(q_nope: Tensor, q_pe: Tensor, latent: Tensor, kv_b_weight: Tensor, kv_rows: Tensor,
+                          kv_lens: Tensor, *, scale: float) -> Tensor:
+    """`mla_decode_padded`'s C++ path for a captured step, whose caller checked once that it fits (fp32 on CPU,
+    the op built) and holds kv_rows and kv_lens as contiguous int64: the same products, no per-call checks."""
+    q, w_uv = _absorbed_queries(q_nope, q_pe, kv_b_weight)
+    out = fused_mla.mla_decode_latent_cpu_prepared(q, latent, kv_rows, kv_lens, w_uv.shape[-1], scale)
+    return torch.einsum("nhr,hvr->nhv", out, w_uv)
+
+
 def mla_decode_padded(
     q_nope: Tensor,
     q_pe: Tensor,
@@ -146,10 +161,8 @@ def mla_decode_padded(
     first kv_lens[i] entries; the rest are any valid row, masked out). The absorbed form, as `mla_attention`'s
     decode groups: the same products in the same order, padded to S instead of to each group's longest. In fp32 on
     CPU the middle (scores, softmax, weighted sum) is one C++ op instead (`mla_decode_cpu`: within rounding)."""
-    n, h, dn = q_nope.shape
-    r = kv_b_weight.shape[-1]
-    w_uk, w_uv = _split_kv_b(kv_b_weight, h, dn)
-    q = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe], dim=-1)  # [N, H, R+Dr]
+    q, w_uv = _absorbed_queries(q_nope, q_pe, kv_b_weight)
+    r = w_uv.shape[-1]
     if fused_mla.available() and fused_mla.fusable(q, latent):  # no gathered copy, no padding
         return torch.einsum("nhr,hvr->nhv", fused_mla.mla_decode_latent_cpu(q, latent, kv_rows, kv_lens, r, scale),
                             w_uv)

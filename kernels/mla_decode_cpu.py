@@ -50,15 +50,21 @@ def mla_decode_latent_cpu(q: Tensor, latent: Tensor, kv_rows: Tensor, kv_lens: T
                           scale: float) -> Tensor:
     """q [N, H, E] (absorbed queries), latent [L, E] (the pool), kv_rows [N, S] (row i's first kv_lens[i] entries
     its cached rows) -> [N, H, r]: sum over row i's rows of softmax(q . latent * scale) * latent[:, :r]."""
-    lib = _library()
-    assert lib is not None, "call available() and fusable() first"
     n, h, e = q.shape
     if latent.shape[-1] != e or not 0 < r <= e or kv_rows.shape[0] != n or kv_lens.shape != (n,):
         raise ValueError(f"MLA decode shapes: q {tuple(q.shape)}, latent {tuple(latent.shape)}, r {r}, "
                          f"kv_rows {tuple(kv_rows.shape)}, kv_lens {tuple(kv_lens.shape)}")
-    q = q.contiguous()
-    rows = kv_rows.to(torch.int64).contiguous()
-    lens = kv_lens.to(torch.int64).contiguous()
+    return mla_decode_latent_cpu_prepared(q.contiguous(), latent, kv_rows.to(torch.int64).contiguous(),
+                                          kv_lens.to(torch.int64).contiguous(), r, scale)
+
+
+def mla_decode_latent_cpu_prepared(q: Tensor, latent: Tensor, rows: Tensor, lens: Tensor, r: int,
+                                   scale: float) -> Tensor:
+    """`mla_decode_latent_cpu` on inputs already checked and in the op's layout (q contiguous, rows and lens
+    contiguous int64), as a captured step holds them: no per-call checks or conversions."""
+    lib = _library()
+    assert lib is not None, "call available() and fusable() first"
+    n, h, e = q.shape
     out = torch.empty(n, h, r, dtype=torch.float32)
     lib.radixk3_mla_decode(q.data_ptr(), latent.data_ptr(), latent.stride(0), rows.data_ptr(), lens.data_ptr(),
                            n, h, e, r, rows.shape[1], scale, out.data_ptr())

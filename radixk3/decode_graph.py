@@ -28,15 +28,21 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import conv1d_cpu as fused_conv
+from kernels import kda_decode_cpu as fused_kda
+from kernels import mla_decode_cpu as fused_mla
+from kernels.backend import kernel_backend
 from kernels.conv1d_pool import conv1d_decode
 from kernels.kda_pool import kda_decode
-from kernels.mla import mla_decode_padded
+from kernels.mla import mla_decode_padded, mla_decode_padded_cpu
 from kernels.mla_paged import check_store_slots, mla_store
 from kernels.opaque_op import opaque_op
 from kernels.state_checkpoints import check_slots
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
+from radixk3.kda_attention import KDAAttention
 from radixk3.model import KimiForCausalLM
 
 log = logging.getLogger(__name__)
@@ -68,6 +74,34 @@ _CACHES: dict[int, HybridCache] = {}
 _NEXT_KEY = itertools.count()
 
 
+class FusedPools(NamedTuple):
+    """Which pool ops of a cache's captured steps call the C++ CPU ops directly, decided once when the steps are
+    built (each op's switch, `RADIXK3_FUSED_*=0`, is still read at every call): the generic entry points re-check
+    backend, dtypes and layouts and convert their inputs at every call, a few microseconds each in an interpreter
+    that a step's weight reads keep evicting from the caches (~80 us a conv call in a batch-1 step, ~13 of it the
+    op itself)."""
+
+    conv: bool
+    kda: bool
+    mla: bool
+
+    @staticmethod
+    def of(model: KimiForCausalLM, cache: HybridCache) -> FusedPools:
+        dev = model.device
+        cpu32 = dev.type == "cpu" and kernel_backend(dev) == "torch" and model.lm_head.weight.dtype == torch.float32
+        weights = [m.conv_weight() for m in model.modules() if isinstance(m, KDAAttention)]
+        conv = (cpu32 and fused_conv.available() and all(fused_conv.pool_fusable(p) for p in cache.conv)
+                and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights))
+        kda = cpu32 and fused_kda.available() and all(fused_kda.fusable(p, p.new_empty(0, dtype=torch.int64))
+                                                      for p in cache.recurrent)
+        mla = cpu32 and fused_mla.available() and all(
+            p.dtype == torch.float32 and p.stride(-1) == 1 for p in cache.latent)
+        return FusedPools(conv, kda, mla)
+
+
+_FUSED: dict[int, FusedPools] = {}
+
+
 def compile_options(cuda: bool) -> dict[str, object]:
     """torch.compile's options for a captured step: CUDA graphs on CUDA (mode "reduce-overhead"), and no guards
     on the model's modules: a serving model's modules never change (its weights are read at each call, never
@@ -80,7 +114,10 @@ def compile_options(cuda: bool) -> dict[str, object]:
 @opaque_op("radixk3::pool_conv_decode")
 def pool_conv_decode(cache_key: int, layer: int, x: Tensor, weight: Tensor, slots: Tensor) -> Tensor:
     """`conv1d_decode` on KDA layer `layer`'s conv pool of cache `cache_key`, in place."""
-    return conv1d_decode(x, weight, _CACHES[cache_key].conv[layer], slots, validate=False).contiguous()
+    pool = _CACHES[cache_key].conv[layer]
+    if _FUSED[cache_key].conv and fused_conv.available():  # the same op conv1d_decode picks, and the same SiLU
+        return F.silu(fused_conv.conv1d_cpu_prepared(x.contiguous(), weight, pool, slots))
+    return conv1d_decode(x, weight, pool, slots, validate=False).contiguous()
 
 
 @torch.library.register_fake("radixk3::pool_conv_decode")
@@ -92,7 +129,10 @@ def _(cache_key: int, layer: int, x: Tensor, weight: Tensor, slots: Tensor) -> T
 def pool_kda_decode(cache_key: int, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                     slots: Tensor) -> Tensor:
     """`kda_decode` on KDA layer `layer`'s recurrent pool of cache `cache_key`, in place."""
-    return kda_decode(q, k, v, g, beta, _CACHES[cache_key].recurrent[layer], slots, validate=False).contiguous()
+    pool = _CACHES[cache_key].recurrent[layer]
+    if _FUSED[cache_key].kda and fused_kda.available():  # kda_decode's op (no gate, beta or norm here)
+        return fused_kda.kda_decode_cpu(q, k, v, g, beta, pool, slots, q.shape[-1] ** -0.5)
+    return kda_decode(q, k, v, g, beta, pool, slots, validate=False).contiguous()
 
 
 @torch.library.register_fake("radixk3::pool_kda_decode")
@@ -106,6 +146,9 @@ def pool_mla_decode(cache_key: int, layer: int, q_nope: Tensor, q_pe: Tensor, la
                     kv_slots: Tensor, kv_rows: Tensor, kv_lens: Tensor, scale: float) -> Tensor:
     """Store the new latents in MLA layer `layer`'s buffer of cache `cache_key`, then attend over `kv_rows`."""
     buf = _CACHES[cache_key].latent[layer]
+    if _FUSED[cache_key].mla and fused_mla.available():  # mla_store's, then mla_decode_padded's op
+        buf.index_put_((kv_slots,), latent)
+        return mla_decode_padded_cpu(q_nope, q_pe, buf, kv_b_weight, kv_rows, kv_lens, scale=scale).contiguous()
     mla_store(buf, kv_slots, latent, validate=False)
     return mla_decode_padded(q_nope, q_pe, buf, kv_b_weight, kv_rows, kv_lens, scale=scale).contiguous()
 
@@ -193,6 +236,7 @@ class CapturedSteps(abc.ABC):
         self.model, self.cache = model, cache
         self.key = next(_NEXT_KEY)
         _CACHES[self.key] = cache
+        _FUSED[self.key] = FusedPools.of(model, cache)
         self.device = model.device
         self.cuda = self.device.type == "cuda"
         self.buckets = sorted(set(buckets))

@@ -11,8 +11,9 @@ import random
 import pytest
 import torch
 
+import radixk3.decode_graph as decode_graph
 from radixk3.config import preset
-from radixk3.decode_graph import DecodeGraphs, Scratch
+from radixk3.decode_graph import DecodeGraphs, FusedPools, Scratch
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import build_model
 from runtime.pool_layout import pool_layout
@@ -93,6 +94,38 @@ def test_compiled_decode_equals_eager(setup) -> None:  # noqa: ANN001
     assert bool((cache.recurrent[0][top] == 7.0).all())
     assert bool((cache.latent[0][: PAGES_PER_SEQ * PAGE] == 3.0).all())
     assert graphs.report.seconds[BUCKET] > 0
+
+
+def test_direct_pool_ops_are_the_generic_ones(setup) -> None:  # noqa: ANN001
+    """On CPU in fp32 the pool ops call the C++ ops directly (decided once per cache): the same bits as the
+    generic entry points they skip, in logits and in every state and KV row written."""
+    model, buf, cache, graphs = setup
+    direct = decode_graph._FUSED[graphs.key]
+    assert direct == FusedPools.of(model, cache)
+    if not any(direct):
+        pytest.skip("no C++ CPU ops built here")
+    prompts = _prompts(model.config.vocab_size)[:BUCKET]
+    top = buf.geometry.num_state_slots - 1
+    results = []
+    with torch.inference_mode():
+        for fused in (direct, FusedPools(False, False, False)):
+            decode_graph._FUSED[graphs.key] = fused
+            try:
+                before = buf.data.clone()
+                _generate(model, cache, None, prompts, top)  # the eager prefill and steps set the pools up
+                n = len(prompts)
+                table = torch.tensor([[(i + 1) * PAGES_PER_SEQ + p for p in range(PAGES_PER_SEQ)] for i in range(n)])
+                batch = ForwardBatch.from_table(ForwardMode.DECODE, torch.tensor([p[0] for p in prompts]),
+                                                torch.arange(n + 1),
+                                                torch.tensor([len(p) + MAX_NEW - 1 for p in prompts]),
+                                                torch.arange(top - 1, top - 1 - n, -1), table, PAGE)
+                logits = graphs.run(batch)
+                results.append((logits, buf.data.clone()))
+                buf.data.copy_(before)
+            finally:
+                decode_graph._FUSED[graphs.key] = direct
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
 
 
 def test_scratch_lies_outside_the_schedulers_pool() -> None:
