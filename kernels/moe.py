@@ -126,19 +126,8 @@ def routed_experts(x: Tensor, weights: Tensor, experts: Tensor, w13: Tensor, w2:
 def _grouped_fused(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU) -> Tensor | None:
     """The grouped path with both GEMMs in the grouped expert GEMM op (`moe_gemm_cpu`; the pairs of an expert
     summed into their tokens as `_grouped_by` sums them); None where an expert has too many rows for it."""
-    t, d = x.shape
-    k = route.experts.shape[1]
-    groups = group_by_expert(route, w13.shape[0])
-    if int(groups.counts.max()) > fused_gemm.MAX_ROWS_PER_EXPERT:
-        return None
-    tok = groups.order // k
-    gu = fused_gemm.grouped_gemm(x[tok], groups.counts, w13)
-    inter = w2.shape[-1]
-    ys = fused_gemm.grouped_gemm(act(gu[:, :inter], gu[:, inter:]), groups.counts, w2)
-    ys *= route.weights.reshape(-1)[groups.order, None].float()
-    out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
-    out.index_add_(0, tok, ys)
-    return out.to(x.dtype)
+    out = fused_gemm.routed_experts_cpu(x, route.experts, route.weights, w13, w2, act)
+    return None if out is None else out.to(x.dtype)
 
 
 @torch.library.register_fake("radixk3::routed_experts")

@@ -95,3 +95,63 @@ extern "C" void radixk3_grouped_gemm(const float* x, const int64_t* counts, int6
     for (; r < r1; ++r) rows<1>(w + (e * N + r) * K, K, xe, m, ye + r, N, ahead(r, 1));
   }
 }
+
+namespace {
+
+// Scratch rows kept between calls (a decode step's few hundred KB: no allocation, no page faults per call).
+thread_local std::vector<float> scratch;
+
+float* scratch_rows(int64_t floats) {
+  if (static_cast<int64_t>(scratch.size()) < floats) scratch.resize(floats);
+  return scratch.data();
+}
+
+}  // namespace
+
+// The routed experts' first half for T tokens of k experts each (experts [T, k] int64): the T*k (token, slot) pairs
+// grouped by expert, stably (order[p] = the pair at grouped position p, pair = t * k + j; counts [E]), as
+// torch.argsort(experts.flatten(), stable=True) and bincount give them. Returns the most rows of one expert; if
+// that exceeds max_rows nothing else is done, else gu [T*k, N] = each pair's token row times its expert's w [E, N, D].
+extern "C" int64_t radixk3_moe_up(const float* x, int64_t T, int64_t D, const int64_t* experts, int64_t k, int64_t E,
+                                  const float* w, int64_t N, int64_t max_rows, int64_t* order, int64_t* counts,
+                                  float* gu) {
+  const int64_t P = T * k;
+  std::fill(counts, counts + E, 0);
+  for (int64_t p = 0; p < P; ++p) ++counts[experts[p]];
+  int64_t most = 0;
+  std::vector<int64_t> next(E, 0);
+  for (int64_t e = 0; e < E; ++e) {
+    most = std::max(most, counts[e]);
+    if (e + 1 < E) next[e + 1] = next[e] + counts[e];
+  }
+  if (most > max_rows) return most;
+  for (int64_t p = 0; p < P; ++p) order[next[experts[p]]++] = p;
+  float* xs = scratch_rows(P * D);
+  for (int64_t p = 0; p < P; ++p) std::memcpy(xs + p * D, x + (order[p] / k) * D, D * sizeof(float));
+  radixk3_grouped_gemm(xs, counts, E, w, N, D, gu);
+  return most;
+}
+
+// The second half: ys = each grouped row of h [T*k, I] times its expert's w [E, D, I], then out [T, D] = for each
+// token, the sum of weights[pair] * ys over its pairs in grouped order (expert order), as the torch path's
+// index_add_ sums them. weights [T, k] fp32.
+extern "C" void radixk3_moe_down(const float* h, const int64_t* order, const int64_t* counts, int64_t T, int64_t k,
+                                 int64_t E, const float* w, int64_t D, int64_t I, const float* weights, float* out) {
+  const int64_t P = T * k;
+  float* ys = scratch_rows(P * D);
+  radixk3_grouped_gemm(h, counts, E, w, D, I, ys);
+  std::vector<int64_t> at(P);  // grouped position of each pair
+  for (int64_t p = 0; p < P; ++p) at[order[p]] = p;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int64_t> pos(at.begin() + t * k, at.begin() + (t + 1) * k);
+    std::sort(pos.begin(), pos.end());
+    float* o = out + t * D;
+    std::fill(o, o + D, 0.0f);
+    for (int64_t j = 0; j < k; ++j) {
+      const float wt = weights[order[pos[j]]];
+      const float* y = ys + pos[j] * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += wt * y[d];
+    }
+  }
+}
