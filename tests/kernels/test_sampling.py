@@ -130,3 +130,12 @@ def test_triton_picks_the_same_tokens_as_torch(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setenv(ENV_VAR, be)
         tokens.append(sample(logits, params(rows + extra), history + [[]] * len(extra)).tokens.tolist())
     assert tokens[0] == tokens[1]
+
+
+def test_all_greedy_rows_take_the_first_maximum() -> None:
+    """The all-greedy shortcut (no draw, no penalty) picks what the full path picks: the first of equal maxima."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, -1.0, 2.0], [-1.0, -2.0, 5.0, 5.0]])
+    greedy = params([row(temperature=0.0)] * 3)
+    assert sample(logits, greedy).tokens.tolist() == [1, 0, 2]
+    mixed = params([row(temperature=0.0)] * 2 + [row(temperature=0.0, repetition_penalty=1.0 + 1e-9)])
+    assert sample(logits, mixed, history=[[], [], [0]]).tokens.tolist() == [1, 0, 2]  # the full path
