@@ -176,8 +176,10 @@ def chunk_scan(
         pad = idx == t_total
         rows = idx.masked_fill(pad, 0)
         # [n, H, C, ...]; padding rows zeroed (k = v = g = beta = 0 leaves the state alone)
+        flat = rows.reshape(-1)  # index_select: a plain row copy, several times cheaper than advanced indexing
         qc, kc, vc, gc, bc = (
-            x[rows].masked_fill_(pad.view(*pad.shape, *[1] * (x.dim() - 1)), 0.0).transpose(1, 2).contiguous()
+            x.index_select(0, flat).view(*rows.shape, *x.shape[1:])
+            .masked_fill_(pad.view(*pad.shape, *[1] * (x.dim() - 1)), 0.0).transpose(1, 2).contiguous()
             for x in inputs
         )
         terms = intra_terms(qc * scale, kc, vc, gc, bc)
