@@ -52,8 +52,13 @@ def available() -> bool:
 
 
 def fusable(pool: Tensor, slots: Tensor) -> bool:
+    """A pool the op takes (`pool_fusable`), slots on CPU."""
+    return slots.device.type == "cpu" and pool_fusable(pool)
+
+
+def pool_fusable(pool: Tensor) -> bool:
     """A pool the op takes: fp32 on CPU, each slot's [H, K, V] contiguous (the slot stride is free)."""
-    return slots.device.type == "cpu" and _slots_contiguous(pool)
+    return _slots_contiguous(pool)
 
 
 def _slots_contiguous(t: Tensor) -> bool:

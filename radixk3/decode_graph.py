@@ -92,8 +92,7 @@ class FusedPools(NamedTuple):
         weights = [m.conv_weight() for m in model.modules() if isinstance(m, KDAAttention)]
         conv = (cpu32 and fused_conv.available() and all(fused_conv.pool_fusable(p) for p in cache.conv)
                 and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights))
-        kda = cpu32 and fused_kda.available() and all(fused_kda.fusable(p, p.new_empty(0, dtype=torch.int64))
-                                                      for p in cache.recurrent)
+        kda = cpu32 and fused_kda.available() and all(fused_kda.pool_fusable(p) for p in cache.recurrent)
         mla = cpu32 and fused_mla.available() and all(
             p.dtype == torch.float32 and p.stride(-1) == 1 for p in cache.latent)
         return FusedPools(conv, kda, mla)
