@@ -139,9 +139,10 @@ def _absorbed_queries(q_nope: Tensor, q_pe: Tensor, kv_b_weight: Tensor) -> tupl
 def mla_decode_padded_cpu(q_nope: Tensor, q_pe: Tensor, latent: Tensor, kv_b_weight: Tensor, kv_rows: Tensor,
                           kv_lens: Tensor, *, scale: float) -> Tensor:
     """`mla_decode_padded`'s C++ path for a captured step, whose caller checked once that it fits (fp32 on CPU,
-    the op built) and holds kv_rows and kv_lens as contiguous int64: the same products, no per-call checks."""
+    the op built) and holds kv_rows and kv_lens as int64: the same products, no per-call checks."""
     q, w_uv = _absorbed_queries(q_nope, q_pe, kv_b_weight)
-    out = fused_mla.mla_decode_latent_cpu_prepared(q, latent, kv_rows, kv_lens, w_uv.shape[-1], scale)
+    out = fused_mla.mla_decode_latent_cpu_prepared(q, latent, kv_rows.contiguous(), kv_lens.contiguous(),
+                                                   w_uv.shape[-1], scale)
     return torch.einsum("nhr,hvr->nhv", out, w_uv)
 
 

@@ -115,7 +115,7 @@ def pool_conv_decode(cache_key: int, layer: int, x: Tensor, weight: Tensor, slot
     """`conv1d_decode` on KDA layer `layer`'s conv pool of cache `cache_key`, in place."""
     pool = _CACHES[cache_key].conv[layer]
     if _FUSED[cache_key].conv and fused_conv.available():  # the same op conv1d_decode picks, and the same SiLU
-        return F.silu(fused_conv.conv1d_cpu_prepared(x.contiguous(), weight, pool, slots))
+        return F.silu(fused_conv.conv1d_cpu_prepared(x.contiguous(), weight, pool, slots.contiguous()))
     return conv1d_decode(x, weight, pool, slots, validate=False).contiguous()
 
 
