@@ -56,13 +56,9 @@ def fusable(pool: Tensor, slots: Tensor) -> bool:
     return slots.device.type == "cpu" and pool_fusable(pool)
 
 
-def pool_fusable(pool: Tensor) -> bool:
-    """A pool the op takes: fp32 on CPU, each slot's [H, K, V] contiguous (the slot stride is free)."""
-    return _slots_contiguous(pool)
-
-
-def _slots_contiguous(t: Tensor) -> bool:
-    """Each [H, K, V] state of t (its last three dims) contiguous, fp32 on CPU."""
+def pool_fusable(t: Tensor) -> bool:
+    """States the op takes (a pool, or verify snapshots): fp32 on CPU, each [H, K, V] state (the last three dims)
+    contiguous; the strides before them are free."""
     h, kdim, vdim = t.shape[-3:]
     return (t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 and t.stride(-2) == vdim
             and t.stride(-3) == kdim * vdim)
@@ -93,7 +89,7 @@ def kda_decode_cpu(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, poo
 
 def verify_fusable(pool: Tensor, slots: Tensor, snapshots: Tensor | None) -> bool:
     """A verify window the op takes: `fusable` pool and snapshots [R, W, H, K, V] with contiguous states."""
-    return fusable(pool, slots) and (snapshots is None or _slots_contiguous(snapshots))
+    return fusable(pool, slots) and (snapshots is None or pool_fusable(snapshots))
 
 
 def kda_verify_cpu(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, slots: Tensor,

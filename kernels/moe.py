@@ -117,17 +117,10 @@ def routed_experts(x: Tensor, weights: Tensor, experts: Tensor, w13: Tensor, w2:
     while each expert has few rows (a decode step), else `_grouped_experts`."""
     route, act = MoERoute(weights, experts), GLU(act_kind, beta, linear_beta)
     if fused_gemm.available() and fused_gemm.fusable(x, w13, w2):
-        out = _grouped_fused(x, route, w13, w2, act)
+        out = fused_gemm.routed_experts_cpu(x, experts, weights, w13, w2, act)  # None: an expert has too many rows
         if out is not None:
             return out
     return _grouped_experts(x, route, w13, w2, act)
-
-
-def _grouped_fused(x: Tensor, route: MoERoute, w13: Tensor, w2: Tensor, act: GLU) -> Tensor | None:
-    """The grouped path with both GEMMs in the grouped expert GEMM op (`moe_gemm_cpu`; the pairs of an expert
-    summed into their tokens as `_grouped_by` sums them); None where an expert has too many rows for it."""
-    out = fused_gemm.routed_experts_cpu(x, route.experts, route.weights, w13, w2, act)
-    return None if out is None else out.to(x.dtype)
 
 
 @torch.library.register_fake("radixk3::routed_experts")

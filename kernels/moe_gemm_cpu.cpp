@@ -140,18 +140,16 @@ extern "C" void radixk3_moe_down(const float* h, const int64_t* order, const int
   const int64_t P = T * k;
   float* ys = scratch_rows(P * D);
   radixk3_grouped_gemm(h, counts, E, w, D, I, ys);
-  std::vector<int64_t> at(P);  // grouped position of each pair
-  for (int64_t p = 0; p < P; ++p) at[order[p]] = p;
+  std::fill(out, out + T * D, 0.0f);
+  // Grouped order, as index_add_ walks it; the threads split the columns, so each sum keeps that order.
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    std::vector<int64_t> pos(at.begin() + t * k, at.begin() + (t + 1) * k);
-    std::sort(pos.begin(), pos.end());
-    float* o = out + t * D;
-    std::fill(o, o + D, 0.0f);
-    for (int64_t j = 0; j < k; ++j) {
-      const float wt = weights[order[pos[j]]];
-      const float* y = ys + pos[j] * D;
-      for (int64_t d = 0; d < D; ++d) o[d] += wt * y[d];
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int64_t d1 = std::min(D, d0 + 64);
+    for (int64_t p = 0; p < P; ++p) {
+      const float wt = weights[order[p]];
+      const float* y = ys + p * D;
+      float* o = out + (order[p] / k) * D;
+      for (int64_t d = d0; d < d1; ++d) o[d] += wt * y[d];
     }
   }
 }

@@ -1,7 +1,7 @@
 """The grouped expert GEMM on CPU (`kernels.moe_gemm_cpu`) against the per-expert matmul in float64: within the
 worst-case rounding of any fp32 summation order (|error| <= K * 2^-24 * sum |x w|, the classic gamma_K bound), over
 shapes with and without a tail past the 16-float vectors, experts with no rows, one row and more rows than a block,
-and through the MoE (`moe._grouped_fused`, the pairs summed into their tokens) against float64, beside the torch
+and through the MoE (`routed_experts_cpu`, the pairs summed into their tokens) against float64, beside the torch
 grouped path."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from kernels import moe_gemm_cpu as fused
 from kernels.glu import GLU, SILU
-from kernels.moe import _grouped_experts, _grouped_fused
+from kernels.moe import _grouped_experts
 from kernels.moe_route import MoERoute
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -59,7 +59,7 @@ def test_grouped_moe_matches_the_torch_path(t: int, act: GLU) -> None:
     x = torch.randn(t, d, generator=gen)
     experts = torch.stack([torch.randperm(e, generator=gen)[:top] for _ in range(t)])
     route = MoERoute(torch.rand(t, top, generator=gen), experts)
-    got = _grouped_fused(x, route, w13, w2, act)
+    got = fused.routed_experts_cpu(x, experts, route.weights, w13, w2, act)
     assert got is not None
     torch_path = _grouped_experts(x, route, w13, w2, act)
     exact = torch.zeros(t, d, dtype=torch.float64)
@@ -75,4 +75,5 @@ def test_many_rows_for_one_expert_take_the_torch_path() -> None:
     e, d, inter = 2, 16, 8
     x = torch.randn(fused.MAX_ROWS_PER_EXPERT + 1, d)
     route = MoERoute(torch.ones(x.shape[0], 1), torch.zeros(x.shape[0], 1, dtype=torch.int64))
-    assert _grouped_fused(x, route, torch.randn(e, 2 * inter, d), torch.randn(e, d, inter), SILU) is None
+    assert fused.routed_experts_cpu(x, route.experts, route.weights, torch.randn(e, 2 * inter, d),
+                                    torch.randn(e, d, inter), SILU) is None
