@@ -1,7 +1,8 @@
 """The scheduler process: its entry point, its loop, and its sockets to the tokenizer and to its ranks.
 
 Per engine replica i (see `runtime.topology` for where the processes run and the addresses):
-  tokenizer --PUSH/PULL--> scheduler i (`sched_in_{i}`), every scheduler --PUSH/PULL--> tokenizer (`sched_out`),
+  tokenizer --PUSH/PULL--> scheduler i (`sched_in_{i}`), every scheduler --PUSH/PULL--> tokenizer (`sched_out`: a
+  step's outputs in one `TokenOuts`),
   scheduler i --PUSH/PULL--> its rank r (`worker_in_{i}_{r}`: the same plan to every rank),
   rank 0 --PUSH/PULL--> scheduler i (`worker_out_{i}`: the step's tokens; every rank's readiness or failure),
   every scheduler --PUSH/PULL--> the process supervisor (`ready`: readiness, why startup failed, or why a rank
@@ -45,6 +46,7 @@ from runtime.messages import (
     StepPlan,
     StepResult,
     TokenOut,
+    TokenOuts,
     WorkerReady,
     decode,
     encode,
@@ -209,8 +211,8 @@ class _Server:
         try:
             while True:
                 self._gather()
-                for out in self.loop.step():
-                    self._emit(out)
+                if outs := self.loop.step():
+                    self._emit(TokenOuts(outs))
         except _ShutdownAsked:
             return
 
@@ -303,8 +305,8 @@ class _Server:
     def _fire(self) -> None:
         self.watchdog.stuck = self.ranks.describe_stuck(self.watchdog.timeout_s)
         self._heartbeat()  # first, so that /health is 503 by the time the requests hear why
-        for out in self.sched.fail_all(self.watchdog.stuck):
-            self._emit(out)
+        if outs := self.sched.fail_all(self.watchdog.stuck):
+            self._emit(TokenOuts(outs))
 
     def _beat(self) -> None:
         if self.watchdog.beat_due(time.monotonic()):

@@ -56,6 +56,7 @@ from runtime.messages import (
     PauseOut,
     PauseReq,
     TokenOut,
+    TokenOuts,
     combine_metrics,
     decode,
     encode,
@@ -345,14 +346,11 @@ class TokenizerManager:
             raise
 
     def _dispatch(self, msg: Any) -> None:
-        if isinstance(msg, TokenOut):
-            entry = self._reqs.get(msg.rid)
-            if entry is None:
-                return  # already failed or forgotten
-            if msg.finished is not None:
-                del self._reqs[msg.rid]
-                self.router.finished(msg.rid)
-            self._deliver(entry.sink, entry.sample.chunk(msg))
+        if isinstance(msg, TokenOuts):
+            for out in msg.outs:
+                self._token_out(out)
+        elif isinstance(msg, TokenOut):
+            self._token_out(msg)
         elif isinstance(msg, MetricsOut):
             self._resolve(msg.req_id, msg.metrics)
         elif isinstance(msg, FlushCacheOut):
@@ -361,6 +359,15 @@ class TokenizerManager:
             self._resolve(msg.req_id, msg.paused)
         elif isinstance(msg, Heartbeat):
             self.watch.heard(msg.replica, msg.stuck, self._loop.time())  # type: ignore[union-attr]
+
+    def _token_out(self, out: TokenOut) -> None:
+        entry = self._reqs.get(out.rid)
+        if entry is None:
+            return  # already failed or forgotten
+        if out.finished is not None:
+            del self._reqs[out.rid]
+            self.router.finished(out.rid)
+        self._deliver(entry.sink, entry.sample.chunk(out))
 
     # --- the schedulers' watchdog ----------------------------------------------------------------------
     @property
