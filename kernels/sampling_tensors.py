@@ -45,18 +45,20 @@ class SamplingTensors(NamedTuple):
     def from_columns(cols: SamplingColumns, device: torch.device | str) -> SamplingTensors:
         """The columns as tensors on `device`; each unseeded row gets a fresh seed from torch's global
         generator (a new one at every call: a new step draws new numbers)."""
-        temperature, top_k = _tensor(cols.temperature), _tensor(cols.top_k)
-        seed = _tensor(cols.seed) & SEED_MASK
-        unseeded = (~_tensor(cols.seeded)).nonzero().squeeze(1)
-        if unseeded.numel():
-            seed[unseeded] = torch.randint(0, FRESH_SEEDS, (unseeded.numel(),))
+        # Host arithmetic in numpy, one tensor per column: each torch call costs a few microseconds in the
+        # interpreter a step's weight reads keep evicting, a numpy one about a microsecond.
+        seed = np.bitwise_and(cols.seed, SEED_MASK)  # a new array: the unseeded rows are written below
+        unseeded = np.flatnonzero(~cols.seeded)
+        if len(unseeded):
+            seed[unseeded] = torch.randint(0, FRESH_SEEDS, (len(unseeded),)).numpy()
+        greedy = (cols.temperature < np.float32(GREEDY_BELOW)) | (cols.top_k == 1)  # compared in fp32, as a tensor's
         host = SamplingTensors(
-            temperature=temperature, top_k=top_k, top_p=_tensor(cols.top_p), min_p=_tensor(cols.min_p),
-            frequency_penalty=_tensor(cols.frequency_penalty), presence_penalty=_tensor(cols.presence_penalty),
-            repetition_penalty=_tensor(cols.repetition_penalty), greedy=(temperature < GREEDY_BELOW) | (top_k == 1),
-            seed=seed, step=_tensor(cols.step),
+            temperature=_tensor(cols.temperature), top_k=_tensor(cols.top_k), top_p=_tensor(cols.top_p),
+            min_p=_tensor(cols.min_p), frequency_penalty=_tensor(cols.frequency_penalty),
+            presence_penalty=_tensor(cols.presence_penalty), repetition_penalty=_tensor(cols.repetition_penalty),
+            greedy=torch.from_numpy(greedy), seed=torch.from_numpy(seed), step=_tensor(cols.step),
         )
-        return SamplingTensors(*(t.to(device) for t in host))
+        return host if torch.device(device).type == "cpu" else SamplingTensors(*(t.to(device) for t in host))
 
     @property
     def num_rows(self) -> int:
