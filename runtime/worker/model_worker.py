@@ -192,7 +192,8 @@ class ModelWorker:
         return out
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.array(a, dtype=np.int64)).to(self.model.device)
+        t = torch.from_numpy(np.array(a, dtype=np.int64))
+        return t if self.model.device.type == "cpu" else t.to(self.model.device)
 
     def apply_plan_changes(self, plan: StepPlan) -> None:
         """Byte copies, then page moves, then table writes, then row resets: the order the plan prescribes."""
@@ -223,30 +224,64 @@ class ModelWorker:
         return TokenMask(torch.from_numpy(np.array(rows, dtype=np.int64)), bitmask)
 
     def forward_batch(self, plan: StepPlan) -> ForwardBatch:
-        """The plan's sequences as a ForwardBatch over the worker's page table."""
+        """The plan's sequences as a ForwardBatch over the worker's page table. Its index arithmetic (the -1
+        inputs' last tokens, each new token's KV slot) is done on the host, in numpy, where the table is host
+        memory (CPU), as `ForwardBatch.from_table` does it in torch on a device: a torch call costs a few
+        microseconds in the interpreter a step's weight reads keep evicting, a numpy one about a microsecond."""
+        if self.tables.device.type != "cpu":
+            return self._forward_batch_device(plan)
+        rows = np.asarray(plan.rows, dtype=np.int64)
+        cu = np.array(plan.cu_seqlens, dtype=np.int64)  # copies: arrays off the wire are read-only
+        prefix = np.array(plan.prefix_lens, dtype=np.int64)
+        lens = np.diff(cu)
+        seq = np.repeat(np.arange(len(rows)), lens)  # each new token's sequence
+        ids = np.array(plan.input_ids, dtype=np.int64)
+        future = ids < 0  # tokens sampled last step, which the plan could not know
+        if future.any():
+            ids[future] = self.tables.last_token.numpy()[rows[seq[future]]]
+        ps = self.layout.page_size
+        num_pages = int(-(-(prefix + lens).max() // ps)) if len(prefix) else 0
+        table = self.tables.host_block_table(rows, num_pages)
+        pos = np.arange(len(ids)) - cu[:-1][seq] + prefix[seq]
+        kv_slots = table[seq, pos // ps] * ps + pos % ps
+        mode = ForwardMode(plan.mode)
+        if mode is ForwardMode.DECODE and len(ids) != len(rows):
+            raise ValueError(f"a decode batch adds one token per sequence: {len(ids)} tokens for {len(rows)} sequences")
+        batch = ForwardBatch(mode, torch.from_numpy(ids), torch.from_numpy(cu), torch.from_numpy(prefix),
+                             self._tensor(plan.state_slots), torch.from_numpy(table), ps, torch.from_numpy(kv_slots),
+                             self._checkpoints(plan), self._tensor(plan.logits_index))
+        return self._with_images(plan, batch)
+
+    def _forward_batch_device(self, plan: StepPlan) -> ForwardBatch:
+        """`forward_batch` over a page table on a device (CUDA): the -1 inputs read the last tokens there."""
         rows = self._tensor(plan.rows)
         cu = np.asarray(plan.cu_seqlens, dtype=np.int64)
         prefix = np.asarray(plan.prefix_lens, dtype=np.int64)
         ids = self._tensor(plan.input_ids)
-        if (np.asarray(plan.input_ids) < 0).any():  # tokens sampled last step, which the plan could not know
+        if (np.asarray(plan.input_ids) < 0).any():
             lens = torch.from_numpy(np.diff(cu)).to(ids.device)
             seq_rows = torch.repeat_interleave(rows, lens, output_size=ids.numel())
             ids = torch.where(ids < 0, self.tables.last_token[seq_rows], ids)
         ps = self.layout.page_size
         num_pages = int(-(-(prefix + np.diff(cu)).max() // ps)) if len(prefix) else 0
-        ck = None
-        if len(plan.ckpt_slot):
-            ck = StateCheckpoints(self._tensor(plan.ckpt_seq), self._tensor(plan.ckpt_offset),
-                                  self._tensor(plan.ckpt_slot))
         batch = ForwardBatch.from_table(
             ForwardMode(plan.mode), ids, self._tensor(cu), self._tensor(prefix), self._tensor(plan.state_slots),
-            self.tables.block_table(plan.rows, num_pages), ps, ck, self._tensor(plan.logits_index),
+            self.tables.block_table(plan.rows, num_pages), ps, self._checkpoints(plan), self._tensor(plan.logits_index),
         )
-        if plan.images:
-            if self.images is None:
-                raise ValueError("a step with images for a model without a vision tower")
-            batch = dataclasses.replace(batch, embeds=self.images.override(plan))
-        return batch
+        return self._with_images(plan, batch)
+
+    def _checkpoints(self, plan: StepPlan) -> StateCheckpoints | None:
+        if not len(plan.ckpt_slot):
+            return None
+        return StateCheckpoints(self._tensor(plan.ckpt_seq), self._tensor(plan.ckpt_offset),
+                                self._tensor(plan.ckpt_slot))
+
+    def _with_images(self, plan: StepPlan, batch: ForwardBatch) -> ForwardBatch:
+        if not plan.images:
+            return batch
+        if self.images is None:
+            raise ValueError("a step with images for a model without a vision tower")
+        return dataclasses.replace(batch, embeds=self.images.override(plan))
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. An exception becomes a failed StepResult (the scheduler then confines it to the

@@ -58,6 +58,11 @@ class WorkerPageTable:
         self._fit(int(rows.max()) + 1 if len(rows) else 0, num_pages)
         return self.table[torch.from_numpy(np.array(rows, dtype=np.int64)).to(self.device), :num_pages]
 
+    def host_block_table(self, rows: np.ndarray, num_pages: int) -> np.ndarray:
+        """`block_table` as a new host array, for a table in host memory (CPU)."""
+        self._fit(int(rows.max()) + 1 if len(rows) else 0, num_pages)
+        return self.table.numpy()[rows, :num_pages]
+
     def set_last(self, rows: list[int], tokens: torch.Tensor) -> None:
         """The tokens just sampled for `rows`: the next -1 input of each row."""
         if not rows:

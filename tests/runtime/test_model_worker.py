@@ -109,3 +109,26 @@ def test_idle_plan_runs_nothing(model) -> None:  # noqa: ANN001
     w = ModelWorker(ServerArgs(mem_bytes=4 << 20), model)
     r = w.execute(plan(1, "idle", []))
     assert r.tokens == [] and r.error is None
+
+
+def test_host_batch_equals_the_device_paths(model) -> None:  # noqa: ANN001
+    """On CPU the worker builds a step's batch in numpy (`forward_batch`); the torch path that a device table
+    takes (`_forward_batch_device`, `ForwardBatch.from_table`) gives the same tensors, -1 inputs included."""
+    w = ModelWorker(ServerArgs(page_size=PS, mem_bytes=4 << 20, max_running_requests=4), model)
+    w.tables.set_last([2, 0], torch.tensor([17, 29]))
+    writes = [(2, 0, 5), (2, 1, 1), (2, 2, 8), (0, 0, 3), (0, 1, 0), (3, 0, 7)]
+    plans = [
+        plan(1, "extend", [(2, 0, 9, list(range(6))), (0, 0, 8, [4, 5, 6])], writes=writes, ckpts=[(0, 4, 7)],
+             all_logits=True),
+        plan(2, "extend", [(2, 6, 9, [1, 2, 3, 4, 5]), (0, 3, 8, [-1]), (3, 2, 6, [-1, 11])]),
+        plan(3, "decode", [(2, 9, 9, [-1]), (0, 4, 8, [-1])]),
+    ]
+    for p in plans:
+        w.apply_plan_changes(p)
+        host, dev = w.forward_batch(p), w._forward_batch_device(p)
+        for name in ("input_ids", "cu_seqlens", "prefix_lens", "state_slots", "block_table", "kv_slots",
+                     "logits_index"):
+            assert torch.equal(getattr(host, name), getattr(dev, name)), name
+        assert (host.mode, host.page_size) == (dev.mode, dev.page_size)
+        assert (host.checkpoints is None) == (dev.checkpoints is None)
+    assert host.input_ids.tolist() == [17, 29]
