@@ -87,10 +87,13 @@ def test_startup_failure_names_the_problem(tmp_path) -> None:  # noqa: ANN001
         Engine(model=str(tmp_path / "missing"))
 
 
+# The script takes Ctrl-C as one started in a terminal does: a parent that ignores SIGINT (a shell's background job,
+# as `make test &` is) passes that on, and Python then installs no KeyboardInterrupt handler.
 CTRL_C_SCRIPT = """
-import os, sys, time
+import os, signal, sys, time
 from runtime.tokenizer.engine import Engine
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     eng = Engine(mem_bytes=4 << 20)
     print(" ".join(str(p.pid) for p in eng.procs.procs), eng.procs.ipc_dir, flush=True)
     time.sleep(60)
