@@ -79,6 +79,11 @@ def load_worker_vision(args: ServerArgs, model: KimiForCausalLM) -> VisionEncode
     return load_vision_encoder(directory, device=model.device, dtype=torch_dtype(serving_dtype(model.config, args)))
 
 
+def _pages_spanned(prefix: np.ndarray, lens: np.ndarray, page_size: int) -> int:
+    """Pages the longest sequence spans after this step (0 for no sequence): the block table's width."""
+    return int(-(-(prefix + lens).max() // page_size)) if len(prefix) else 0
+
+
 class ModelWorker:
     def __init__(self, args: ServerArgs, model: KimiForCausalLM | None = None,
                  vision: VisionEncoder | None = None) -> None:
@@ -240,7 +245,7 @@ class ModelWorker:
         if future.any():
             ids[future] = self.tables.last_token.numpy()[rows[seq[future]]]
         ps = self.layout.page_size
-        num_pages = int(-(-(prefix + lens).max() // ps)) if len(prefix) else 0
+        num_pages = _pages_spanned(prefix, lens, ps)
         table = self.tables.host_block_table(rows, num_pages)
         pos = np.arange(len(ids)) - cu[:-1][seq] + prefix[seq]
         kv_slots = table[seq, pos // ps] * ps + pos % ps
@@ -263,7 +268,7 @@ class ModelWorker:
             seq_rows = torch.repeat_interleave(rows, lens, output_size=ids.numel())
             ids = torch.where(ids < 0, self.tables.last_token[seq_rows], ids)
         ps = self.layout.page_size
-        num_pages = int(-(-(prefix + np.diff(cu)).max() // ps)) if len(prefix) else 0
+        num_pages = _pages_spanned(prefix, np.diff(cu), ps)
         batch = ForwardBatch.from_table(
             ForwardMode(plan.mode), ids, self._tensor(cu), self._tensor(prefix), self._tensor(plan.state_slots),
             self.tables.block_table(plan.rows, num_pages), ps, self._checkpoints(plan), self._tensor(plan.logits_index),
