@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script, bench/ is sys.path[0] and bench/kernels.py shadows kernels
 
 from bench.gsm8k import DATA, Workload, run_frontend, workload  # noqa: E402
+from runtime.topology import free_port  # noqa: E402
 
 
 def router_flags(balance_abs_threshold: int = 64) -> dict[str, tuple[str, ...]]:
@@ -120,14 +121,6 @@ def hit_rates(servers: Sequence[str], routers: dict[str, str], w: Workload, para
 
 
 # --- the router and the servers as processes -----------------------------------------------------------
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def launched_router(flags: Sequence[str], worker_urls: Sequence[str], log: Path) -> Iterator[str]:
     """sglang-router with `flags` on a free loopback port (its Prometheus exporter on another: the default one may

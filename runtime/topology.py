@@ -17,7 +17,9 @@ every port derives from `--dist-init-addr HOST:P` (R replicas, T ranks each):
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import random
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +36,34 @@ class RankId(NamedTuple):
     rank: int
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (what outgoing connections and bind-to-0 draw from)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; IANA's range starts at 49152, so below 32768 is outside both
+
+
+def free_ports(n: int = 1, host: str = "127.0.0.1") -> int:
+    """A base port P with P .. P+n-1 free on `host` now, drawn below the ephemeral range: a port taken from that
+    range (bind to 0) can be handed to any process's outgoing connection before its listener binds it ("address
+    already in use" under many open connections), one below it only to another listener."""
+    low = min(_ephemeral_low(), 65536)
+    pick = random.SystemRandom()  # not the `random` module: a seeded test must not make every process pick alike
+    for _ in range(200):
+        base = pick.randrange(10000, max(low - n, 10001))
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + n):
+                    stack.enter_context(socket.socket()).bind((host, port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports on {host} below {low}")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)
 
 
 def split_addr(addr: str) -> tuple[str, int]:

@@ -9,7 +9,6 @@ arithmetic, the head split check and the pool layout."""
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from radixk3.parallel import ParallelState, destroy_parallel, exit_rank, init_pa
 from radixk3.spec_window import SpecWindow, WindowRows
 from runtime.pool_layout import pool_layout
 from runtime.server_args import ServerArgs
+from runtime.topology import free_port
 from runtime.worker.pool_buffer import PoolBuffer
 
 WORLD = 2
@@ -154,19 +154,13 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     exit_rank(0)  # a raised error above goes back to the parent through the normal exit
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def ranks_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Both presets' checkpoints, then the two ranks spawned once for both; fail (and kill them) past TIMEOUT_S."""
     out = tmp_path_factory.mktemp("dp_attn")
     for name in PRESETS:
         write_checkpoint(build_model(preset(name), seed=SEED), out / name)
-    ctx = mp.start_processes(_rank_main, args=(_free_port(), str(out)), nprocs=WORLD, join=False,
+    ctx = mp.start_processes(_rank_main, args=(free_port(), str(out)), nprocs=WORLD, join=False,
                              start_method="spawn")
     try:
         t0 = time.monotonic()

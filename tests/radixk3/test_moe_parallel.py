@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import socket
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from radixk3.parallel import (
     set_parallel_state,
 )
 from radixk3.tensor_names import Shard, public_shards, public_tensors
+from runtime.topology import free_port
 
 WORLD = 2
 TIMEOUT_S = 90.0
@@ -109,15 +109,9 @@ def _block_cases(rank: int, base: ParallelState) -> dict[str, list[torch.Tensor]
     return results
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_ranks(fn: object, out_dir: Path, *args: object) -> None:
     """Spawn WORLD ranks running fn(rank, port, out_dir, *args); fail (and kill them) past TIMEOUT_S."""
-    ctx = mp.start_processes(fn, args=(_free_port(), str(out_dir), *args), nprocs=WORLD, join=False,
+    ctx = mp.start_processes(fn, args=(free_port(), str(out_dir), *args), nprocs=WORLD, join=False,
                              start_method="spawn")
     try:
         t0 = time.monotonic()

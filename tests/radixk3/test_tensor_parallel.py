@@ -7,7 +7,6 @@ exactly a shard of the unsharded one (init and load), the padded vocabulary, the
 from __future__ import annotations
 
 import dataclasses
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ from radixk3.spec_window import SpecWindow, WindowRows
 from radixk3.tensor_names import Shard, public_shards, public_tensors
 from runtime.pool_layout import pool_layout
 from runtime.server_args import ServerArgs
+from runtime.topology import free_port
 from runtime.worker.pool_buffer import PoolBuffer
 from tests.greedy import greedy_cached
 
@@ -142,15 +142,9 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     exit_rank(0)  # a raised error above goes back to the parent through the normal exit
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_ranks(out_dir: Path) -> None:
     """Spawn WORLD ranks; fail (and kill them) past TIMEOUT_S."""
-    ctx = mp.start_processes(_rank_main, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=False,
+    ctx = mp.start_processes(_rank_main, args=(free_port(), str(out_dir)), nprocs=WORLD, join=False,
                              start_method="spawn")
     try:
         t0 = time.monotonic()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from radixk3.model import KimiForCausalLM, build_model
 from runtime.local_engine import LocalEngine
 from runtime.server_args import ServerArgs
 from runtime.tokenizer.engine import Engine
+from runtime.topology import free_ports
 
 MAX_NEW = 6
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
@@ -149,25 +149,6 @@ def test_dp_attention_groups_of_two_ranks_equal_tp1(builtin: tuple[Waves, Waves]
             _all_gone(engine)
 
 
-def _free_ports(n: int) -> int:
-    """A base port P with P .. P+n-1 all free now (the multi-node port layout is consecutive)."""
-    for _ in range(100):
-        base = random.randrange(20000, 60000)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
-
-
 NODE_FLAGS = {  # with DP attention and n-gram speculation, each node holds one DP rank
     "tp2": dict(),
     "tp2_dp2_attention_ngram": dict(dp_size=2, enable_dp_attention=True, speculative_algorithm="ngram"),
@@ -183,7 +164,7 @@ def test_two_loopback_nodes_equal_tp1(name: str, request: pytest.FixtureRequest)
         extra["model"] = str(ckpt)
     else:
         waves, refs = request.getfixturevalue("builtin")
-    base = _free_ports(4)  # one replica of 2 ranks: rendezvous, 2 plan sockets, 1 result socket
+    base = free_ports(4)  # one replica of 2 ranks: rendezvous, 2 plan sockets, 1 result socket
     flags = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{base}", "--mem-bytes", str(MEM)]
     flags += [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in extra.items()]
     node1 = subprocess.Popen([sys.executable, "-m", "radixk3.cli", "serve", *flags, "--node-rank", "1"], cwd=ROOT,
@@ -211,7 +192,7 @@ def test_two_loopback_nodes_equal_tp1(name: str, request: pytest.FixtureRequest)
 
 def test_node1_exits_when_node0_goes_away() -> None:
     """Node 0's scheduler killed: node 1's rank sees its plan socket close and exits, leaving nothing behind."""
-    base = _free_ports(4)
+    base = free_ports(4)
     flags = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{base}", "--mem-bytes", str(MEM)]
     node1 = subprocess.Popen([sys.executable, "-m", "radixk3.cli", "serve", *flags, "--node-rank", "1"], cwd=ROOT,
                              env=os.environ | {"PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
