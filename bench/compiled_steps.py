@@ -1,7 +1,8 @@
 """The worker's step alone, compiled against eager, from one process (ratios only: on a shared machine only
 timings taken side by side mean anything): decode at batch 1 and 32, the verify of k drafts at batch 1 against
-a decode step (issue 24's target: within 1.1x compiled), the fused KDA decode against its torch path inside the
-compiled step, the compile seconds per graph, and a profile of the compiled steps (the biggest remaining costs).
+a decode step (issue 24's target: within 1.1x compiled), the pool ops registered in C++ against the Python ops
+(`kernels/pool_ops_cpu.py`) and the fused KDA decode against its torch path inside the compiled step, the compile
+seconds per graph, and a profile of the compiled steps (the biggest remaining costs).
 
 Sequences are prefilled eagerly on the worker's real pool buffer (with its scratch slot and row), then steps
 alternate between the variants over the same sequences; each figure is the best of the runs.
@@ -25,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import kda_decode_cpu as fused_kda  # noqa: E402
+from kernels import pool_ops_cpu  # noqa: E402
 from radixk3.builtin_model import checkpoint_dir, random_preset  # noqa: E402
 from radixk3.checkpoint import load_model  # noqa: E402
 from radixk3.config import preset  # noqa: E402
@@ -52,13 +54,14 @@ def best(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]
     return {k: min(v) for k, v in times.items()}
 
 
-def torch_kda(fn: Callable[[], object]) -> Callable[[], object]:
+def with_env(var: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn with `var`=0 (a fused op's switch)."""
     def run() -> object:
-        os.environ[fused_kda.ENV_VAR] = "0"
+        os.environ[var] = "0"
         try:
             return fn()
         finally:
-            os.environ.pop(fused_kda.ENV_VAR)
+            os.environ.pop(var)
 
     return run
 
@@ -100,9 +103,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     t0 = time.perf_counter()
     graphs = DecodeGraphs(model, cache, scratch, a.batches)
     graphs.capture()
+    python_ops = with_env(pool_ops_cpu.ENV_VAR, lambda: DecodeGraphs(model, cache, scratch, a.batches))()
+    assert isinstance(python_ops, DecodeGraphs) and not python_ops.cpp_ops
+    python_ops.capture()
     verify = VerifyGraphs(model, cache, scratch, [1], window, n_max)
     verify.capture()
-    print(f"compile: decode {graphs.report.seconds}, verify (k={a.drafts}) {verify.report.seconds} "
+    print(f"compile: decode {graphs.report.seconds} (C++ pool ops: {graphs.cpp_ops}; with the Python ops "
+          f"{python_ops.report.seconds}), verify (k={a.drafts}) {verify.report.seconds} "
           f"({time.perf_counter() - t0:.0f} s in all)")
     out: dict[str, object] = {"model": a.model, "threads": torch.get_num_threads(),
                               "compile_seconds_decode": graphs.report.seconds,
@@ -116,12 +123,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                                                 torch.zeros(n_max, dtype=torch.int64), slots, table, PAGE), cache)
     length = torch.full((n_max,), PROMPT)
 
-    def decode(n: int, compiled: bool) -> Callable[[], object]:
+    def decode(n: int, compiled: bool, steps: DecodeGraphs = graphs) -> Callable[[], object]:
         def step() -> object:
             ids = torch.randint(16, cfg.vocab_size, (n,), generator=gen)
             batch = ForwardBatch.from_table(ForwardMode.DECODE, ids, torch.arange(n + 1), length[:n].clone(),
                                             slots[:n], table[:n], PAGE)
-            logits = graphs.run(batch) if compiled else model.forward_batch(batch, cache).float()
+            logits = steps.run(batch) if compiled else model.forward_batch(batch, cache).float()
             length[:n] += 1
             return logits
 
@@ -139,9 +146,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
     for n in a.batches:
         t = best({"eager": decode(n, False), "compiled": decode(n, True),
-                  "compiled_torch_kda": torch_kda(decode(n, True))}, a.repeats)
+                  "compiled_python_pool_ops": decode(n, True, python_ops),
+                  "compiled_torch_kda": with_env(fused_kda.ENV_VAR, decode(n, True, python_ops))}, a.repeats)
         print(f"decode batch {n}: eager {t['eager'] * 1e3:.2f} ms, compiled {t['compiled'] * 1e3:.2f} ms "
-              f"({t['compiled'] / t['eager']:.2f}x eager), compiled with the torch KDA step "
+              f"({t['compiled'] / t['eager']:.2f}x eager); with the Python pool ops "
+              f"{t['compiled_python_pool_ops'] * 1e3:.2f} ms, and the torch KDA step "
               f"{t['compiled_torch_kda'] * 1e3:.2f} ms")
         out[f"decode_b{n}_ms"] = {k: round(v * 1e3, 3) for k, v in t.items()}
     t = best({"decode_eager": decode(1, False), "decode_compiled": decode(1, True),

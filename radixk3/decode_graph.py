@@ -34,6 +34,7 @@ from torch import Tensor
 from kernels import conv1d_cpu as fused_conv
 from kernels import kda_decode_cpu as fused_kda
 from kernels import mla_decode_cpu as fused_mla
+from kernels import pool_ops_cpu
 from kernels.backend import kernel_backend
 from kernels.conv1d_pool import conv1d_decode
 from kernels.kda_pool import kda_decode
@@ -161,26 +162,30 @@ def _(cache_key: int, layer: int, q_nope: Tensor, q_pe: Tensor, latent: Tensor, 
 
 class PaddedDecodeBackend:
     """The attention backend of a captured decode step (the interface of `AttentionBackend`): fixed shapes,
-    no host reads, no checkpoints; the pool ops are the custom ops above."""
+    no host reads, no checkpoints; the pool ops are the custom ops above, or with `cpp_ops` their fused paths
+    as torch ops registered in C++ (`kernels/pool_ops_cpu.py`: no Python in the call)."""
 
     decode = True
     verify = False
 
-    def __init__(self, cache_key: int, step: PaddedDecode) -> None:
+    def __init__(self, cache_key: int, step: PaddedDecode, cpp_ops: bool = False) -> None:
         self.key = cache_key
         self.step = step
+        self.cpp_ops = cpp_ops
 
     def short_conv(self, layer: int, x: Tensor, weight: Tensor) -> Tensor:
-        return pool_conv_decode(self.key, layer, x, weight, self.step.state_slots)
+        op = pool_ops_cpu.conv_decode if self.cpp_ops else pool_conv_decode
+        return op(self.key, layer, x, weight, self.step.state_slots)
 
     def kda(self, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
-        return pool_kda_decode(self.key, layer, q, k, v, g, beta, self.step.state_slots)
+        op = pool_ops_cpu.kda_decode if self.cpp_ops else pool_kda_decode
+        return op(self.key, layer, q, k, v, g, beta, self.step.state_slots)
 
     def mla(self, layer: int, q_nope: Tensor, q_pe: Tensor, latent: Tensor, kv_b_weight: Tensor,
             scale: float) -> Tensor:
         s = self.step
-        return pool_mla_decode(self.key, layer, q_nope, q_pe, latent, kv_b_weight, s.kv_slots, s.kv_rows,
-                               s.kv_lens, scale)
+        op = pool_ops_cpu.mla_decode if self.cpp_ops else pool_mla_decode
+        return op(self.key, layer, q_nope, q_pe, latent, kv_b_weight, s.kv_slots, s.kv_rows, s.kv_lens, scale)
 
 
 class GraphOutput(NamedTuple):
@@ -192,13 +197,14 @@ class GraphOutput(NamedTuple):
 
 
 def padded_decode_logits(model: KimiForCausalLM, cache_key: int, step: PaddedDecode,
-                         with_hidden: bool = False) -> GraphOutput:
-    """The decode forward of `step`'s B rows over cache `cache_key` -> fp32 logits [B, V] (what is captured)."""
+                         with_hidden: bool = False, cpp_ops: bool = False) -> GraphOutput:
+    """The decode forward of `step`'s B rows over cache `cache_key` -> fp32 logits [B, V] (what is captured);
+    `cpp_ops`: the pool ops registered in C++ (`PaddedDecodeBackend`)."""
     b = step.input_ids.shape[0]
     cu = torch.arange(b + 1, device=step.input_ids.device)
     # kv_rows is a page table of page size 1: the layers see an ordinary decode batch.
     batch = ForwardBatch(ForwardMode.DECODE, step.input_ids, cu, step.kv_lens - 1, step.state_slots, step.kv_rows,
-                         1, step.kv_slots, attn_backend=PaddedDecodeBackend(cache_key, step))  # type: ignore[arg-type]
+                         1, step.kv_slots, attn_backend=PaddedDecodeBackend(cache_key, step, cpp_ops))  # type: ignore[arg-type]
     hidden = model._prenorm_hidden(step.input_ids, cu, batch)
     return GraphOutput(model.lm_head(model.model.norm(hidden)).float(), hidden if with_hidden else None)
 
@@ -236,6 +242,11 @@ class CapturedSteps(abc.ABC):
         self.key = next(_NEXT_KEY)
         _CACHES[self.key] = cache
         _FUSED[self.key] = FusedPools.of(model, cache)
+        # Every fused op built and the C++ registry of pools loaded: the steps call the fused paths with no Python
+        # in the call. Decided here, once (the generic ops' switches are read per call; these are not).
+        self.cpp_ops = all(_FUSED[self.key]) and pool_ops_cpu.available()
+        if self.cpp_ops:
+            pool_ops_cpu.register_pools(self.key, cache.conv, cache.recurrent, cache.latent)
         self.device = model.device
         self.cuda = self.device.type == "cuda"
         self.buckets = sorted(set(buckets))
@@ -303,7 +314,7 @@ class DecodeGraphs(CapturedSteps):
         self._fn = self.compiled(self._forward)
 
     def _forward(self, step: PaddedDecode) -> GraphOutput:
-        return padded_decode_logits(self.model, self.key, step, self.with_hidden)
+        return padded_decode_logits(self.model, self.key, step, self.with_hidden, self.cpp_ops)
 
     def _run_scratch(self, b: int) -> None:
         self._call(self._scratch_step(b, 2))

@@ -41,14 +41,14 @@ class PaddedMTP(NamedTuple):
 
 
 def padded_mtp_step(model: KimiForCausalLM, cache_key: int, index: int, step: PaddedMTP,
-                    with_logits: bool) -> MTPOutput:
+                    with_logits: bool, cpp_ops: bool = False) -> MTPOutput:
     """MTP layer `index` over `step`'s rows on cache `cache_key` -> its pre-norm outputs [R, H] and (with_logits)
     their fp32 logits [R, V] (else an empty [0, V])."""
     r = step.next_ids.shape[0]
     cu = torch.arange(r + 1, device=step.next_ids.device)
     rows = PaddedDecode(step.next_ids, step.kv_slots, step.kv_slots, step.kv_rows, step.kv_lens)
     batch = ForwardBatch(ForwardMode.DECODE, step.next_ids, cu, step.kv_lens - 1, rows.state_slots, step.kv_rows, 1,
-                         step.kv_slots, attn_backend=PaddedDecodeBackend(cache_key, rows))  # type: ignore[arg-type]
+                         step.kv_slots, attn_backend=PaddedDecodeBackend(cache_key, rows, cpp_ops))  # type: ignore[arg-type]
     out = run_mtp_layer(model.model.mtp_layers, index, step.next_ids, step.hidden, cu, batch,
                         positions=step.kv_lens - 1)
     logits = model.mtp_logits(index, out if with_logits else out[:0]).float()
@@ -73,7 +73,7 @@ class MTPGraphs(CapturedSteps):
     def _compiled(self, with_logits: bool) -> Callable[[PaddedMTP], MTPOutput]:
         # The flag is a closure constant (guarded by value), never a graph input.
         def step(rows: PaddedMTP) -> MTPOutput:
-            return padded_mtp_step(self.model, self.key, 0, rows, with_logits)
+            return padded_mtp_step(self.model, self.key, 0, rows, with_logits, self.cpp_ops)
 
         return self.compiled(step)
 

@@ -85,8 +85,8 @@ class PaddedVerifyBackend(PaddedDecodeBackend):
     decode = False
     verify = True
 
-    def __init__(self, cache_key: int, step: PaddedVerify) -> None:
-        super().__init__(cache_key, step)  # its kv_slots, kv_rows, kv_lens: one per window token
+    def __init__(self, cache_key: int, step: PaddedVerify, cpp_ops: bool = False) -> None:
+        super().__init__(cache_key, step, cpp_ops)  # its kv_slots, kv_rows, kv_lens: one per window token
         self.b = step.state_slots.shape[0]
 
     def _windows(self, x: Tensor) -> Tensor:
@@ -104,14 +104,14 @@ class PaddedVerifyBackend(PaddedDecodeBackend):
 
 
 def padded_verify_logits(model: KimiForCausalLM, cache_key: int, step: PaddedVerify,
-                         with_hidden: bool = False) -> GraphOutput:
+                         with_hidden: bool = False, cpp_ops: bool = False) -> GraphOutput:
     """The verify forward of `step`'s B windows -> fp32 logits [B*W, V] at every window position."""
     n = step.input_ids.shape[0]
     b = step.state_slots.shape[0]
     cu = torch.arange(0, n + 1, n // b, device=step.input_ids.device)
     batch = ForwardBatch(ForwardMode.VERIFY, step.input_ids, cu, step.kv_lens[:: n // b] - 1, step.state_slots,
                          step.kv_rows, 1, step.kv_slots,
-                         attn_backend=PaddedVerifyBackend(cache_key, step))  # type: ignore[arg-type]
+                         attn_backend=PaddedVerifyBackend(cache_key, step, cpp_ops))  # type: ignore[arg-type]
     hidden = model._prenorm_hidden(step.input_ids, cu, batch)
     return GraphOutput(model.lm_head(model.model.norm(hidden)).float(), hidden if with_hidden else None)
 
@@ -130,7 +130,7 @@ class VerifyGraphs(DecodeGraphs):
         self.scratch_row = scratch_row
 
     def _forward(self, step: PaddedVerify) -> GraphOutput:  # type: ignore[override]
-        return padded_verify_logits(self.model, self.key, step, self.with_hidden)
+        return padded_verify_logits(self.model, self.key, step, self.with_hidden, self.cpp_ops)
 
     def _scratch_step(self, b: int, kv_len: int) -> PaddedVerify:  # type: ignore[override]
         dev, s, n = self.device, self.scratch, b * self.width

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import radixk3.decode_graph as decode_graph
+from kernels import pool_ops_cpu
 from radixk3.config import preset
 from radixk3.decode_graph import DecodeGraphs, FusedPools, Scratch
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
@@ -96,34 +97,35 @@ def test_compiled_decode_equals_eager(setup) -> None:  # noqa: ANN001
     assert graphs.report.seconds[BUCKET] > 0
 
 
-def test_direct_pool_ops_are_the_generic_ones(setup) -> None:  # noqa: ANN001
-    """On CPU in fp32 the pool ops call the C++ ops directly (decided once per cache): the same bits as the
-    generic entry points they skip, in logits and in every state and KV row written."""
+def test_direct_pool_ops_are_the_generic_ones(setup, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """On CPU in fp32 the pool ops call the C++ ops directly, as torch ops registered in C++ (decided once per
+    cache): the same bits as the generic entry points they skip (a second graph over the same cache, its ops
+    the Python ones with every fused path off), in logits and in every state and KV row written."""
     model, buf, cache, graphs = setup
     direct = decode_graph._FUSED[graphs.key]
     assert direct == FusedPools.of(model, cache)
     if not any(direct):
         pytest.skip("no C++ CPU ops built here")
+    assert graphs.cpp_ops == (all(direct) and pool_ops_cpu.available())
+    monkeypatch.setenv(pool_ops_cpu.ENV_VAR, "0")
+    generic = DecodeGraphs(model, cache, graphs.scratch, [BUCKET])
+    assert not generic.cpp_ops
+    decode_graph._FUSED[generic.key] = FusedPools(False, False, False)
     prompts = _prompts(model.config.vocab_size)[:BUCKET]
     top = buf.geometry.num_state_slots - 1
     results = []
     with torch.inference_mode():
-        for fused in (direct, FusedPools(False, False, False)):
-            decode_graph._FUSED[graphs.key] = fused
-            try:
-                before = buf.data.clone()
-                _generate(model, cache, None, prompts, top)  # the eager prefill and steps set the pools up
-                n = len(prompts)
-                table = torch.tensor([[(i + 1) * PAGES_PER_SEQ + p for p in range(PAGES_PER_SEQ)] for i in range(n)])
-                batch = ForwardBatch.from_table(ForwardMode.DECODE, torch.tensor([p[0] for p in prompts]),
-                                                torch.arange(n + 1),
-                                                torch.tensor([len(p) + MAX_NEW - 1 for p in prompts]),
-                                                torch.arange(top - 1, top - 1 - n, -1), table, PAGE)
-                logits = graphs.run(batch)
-                results.append((logits, buf.data.clone()))
-                buf.data.copy_(before)
-            finally:
-                decode_graph._FUSED[graphs.key] = direct
+        for steps in (graphs, generic):
+            before = buf.data.clone()
+            _generate(model, cache, None, prompts, top)  # the eager prefill and steps set the pools up
+            n = len(prompts)
+            table = torch.tensor([[(i + 1) * PAGES_PER_SEQ + p for p in range(PAGES_PER_SEQ)] for i in range(n)])
+            batch = ForwardBatch.from_table(ForwardMode.DECODE, torch.tensor([p[0] for p in prompts]),
+                                            torch.arange(n + 1), torch.tensor([len(p) + MAX_NEW - 1 for p in prompts]),
+                                            torch.arange(top - 1, top - 1 - n, -1), table, PAGE)
+            logits = steps.run(batch)
+            results.append((logits, buf.data.clone()))
+            buf.data.copy_(before)
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
 

@@ -1,0 +1,139 @@
+"""The captured step's pool ops registered in C++ (`kernels.pool_ops_cpu`) against the Python bodies they replace
+(the decode graph's fused paths: `conv1d_cpu_prepared` + SiLU, `kda_decode_cpu`, the latent store +
+`mla_decode_padded_cpu`): the same bits in the outputs and in every pool byte, on pools whose slots lie further
+apart than a slot (the pool buffer's per-layer views), inputs that are views with gaps (as a graph passes its
+projections' slices), rows sharing one scratch slot (the padding), batch 1 and 9; an unknown cache key or layer
+is an error naming it."""
+
+from __future__ import annotations
+
+import itertools
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels import pool_ops_cpu
+from kernels.conv1d_cpu import conv1d_cpu_prepared
+from kernels.kda_decode_cpu import kda_decode_cpu
+from kernels.mla import mla_decode_padded_cpu
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+pytestmark = pytest.mark.skipif(not X86, reason="the C++ CPU ops are built on x86 only")
+SLOTS, ROWS = 12, 64
+H, K, V = 2, 16, 32  # KDA heads
+C, W = 3 * H * K, 4  # short conv channels, taps
+MH, DN, DR, R, DV = 2, 8, 4, 16, 8  # MLA heads, nope / rope dims, latent rank, value dim
+_KEYS = itertools.count(1_000_000)  # away from the decode graphs' keys
+
+
+def test_builds_here() -> None:
+    """On x86 with a compiler (CI included) the ops must build: a silent fallback would leave them untested."""
+    assert pool_ops_cpu.available()
+
+
+def _gappy(shape: tuple[int, ...], gap: int, gen: torch.Generator) -> Tensor:
+    """A random fp32 view of `shape` whose leading-dim entries lie `gap` floats further apart."""
+    inner = torch.empty(shape[1:])
+    flat = torch.full((shape[0] * (inner.numel() + gap),), float("nan"))
+    view = flat.as_strided(shape, (inner.numel() + gap, *inner.stride()))
+    view.copy_(torch.randn(shape, generator=gen))
+    return view
+
+
+def _pools(gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    return _gappy((SLOTS, C, W - 1), 5, gen), _gappy((SLOTS, H, K, V), 7, gen), _gappy((ROWS, R + DR), 3, gen)
+
+
+def _clone(t: Tensor) -> Tensor:
+    return torch.empty_strided(t.shape, t.stride()).copy_(t)
+
+
+def _registered(gen: torch.Generator) -> tuple[int, tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
+    """A fresh key with its pools registered (one layer each), and a copy of the pools for the reference."""
+    pools = _pools(gen)
+    key = next(_KEYS)
+    pool_ops_cpu.register_pools(key, [pools[0]], [pools[1]], [pools[2]])
+    return key, pools, tuple(_clone(p) for p in pools)  # type: ignore[return-value]
+
+
+def _slots(n: int) -> Tensor:
+    """n rows' slots, distinct, then two padding rows on one scratch slot."""
+    return torch.cat([torch.randperm(SLOTS - 1)[:n], torch.full((2,), SLOTS - 1)])
+
+
+def _cols(t: Tensor, width: int) -> Tensor:
+    """t [N, ..., d] as a view with `width` extra columns per row: a slice of a wider projection."""
+    wide = torch.randn(*t.shape[:-1], t.shape[-1] + width)
+    wide[..., : t.shape[-1]] = t
+    return wide[..., : t.shape[-1]]
+
+
+@pytest.fixture(autouse=True)
+def _available() -> None:
+    if not pool_ops_cpu.available():
+        pytest.skip("the C++ ops are not built here")  # test_builds_here fails instead on x86
+
+
+@pytest.mark.parametrize("n", [1, 9])
+def test_conv_decode_is_the_python_path(n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    key, (pool, _, _), (ref, _, _) = _registered(gen)
+    slots = _slots(n)
+    x = _cols(torch.randn(n + 2, C, generator=gen), 6)
+    weight = torch.randn(C, W, generator=gen)
+    got = pool_ops_cpu.conv_decode(key, 0, x, weight, slots)
+    want = F.silu(conv1d_cpu_prepared(x.contiguous(), weight, ref, slots))
+    assert torch.equal(got, want) and got.is_contiguous()
+    assert torch.equal(pool, ref)
+    pool_ops_cpu.unregister_pools(key)
+
+
+@pytest.mark.parametrize("n", [1, 9])
+def test_kda_decode_is_the_python_path(n: int) -> None:
+    gen = torch.Generator().manual_seed(10 + n)
+    key, (_, pool, _), (_, ref, _) = _registered(gen)
+    slots = _slots(n)
+    rows = n + 2
+    q, k = (_cols(torch.randn(rows, H, K, generator=gen), 3) for _ in range(2))
+    g = _cols(-torch.rand(rows, H, K, generator=gen), 5)
+    v = _cols(torch.randn(rows, H, V, generator=gen), 2)
+    beta = torch.rand(rows, H + 1, generator=gen)[:, :H]
+    got = pool_ops_cpu.kda_decode(key, 0, q, k, v, g, beta, slots)
+    want = kda_decode_cpu(q, k, v, g, beta, ref, slots, K**-0.5)
+    assert torch.equal(got, want) and got.is_contiguous()
+    assert torch.equal(pool, ref)
+    pool_ops_cpu.unregister_pools(key)
+
+
+@pytest.mark.parametrize("n", [1, 9])
+def test_mla_decode_is_the_python_path(n: int) -> None:
+    gen = torch.Generator().manual_seed(20 + n)
+    key, (_, _, buf), (_, _, ref) = _registered(gen)
+    kv_slots = torch.randperm(ROWS - 1)[:n]
+    lens = torch.randint(1, 20, (n,), generator=gen)
+    kv_rows = torch.randint(0, ROWS, (n, 24), generator=gen)
+    kv_rows[torch.arange(n), lens - 1] = kv_slots  # each row's own new latent is its last
+    q_nope = _cols(torch.randn(n, MH, DN, generator=gen), 4)
+    q_pe = _cols(torch.randn(n, MH, DR, generator=gen), 4)
+    latent = torch.randn(n, R + DR, generator=gen)
+    kv_b = torch.randn(MH * (DN + DV), R, generator=gen)
+    got = pool_ops_cpu.mla_decode(key, 0, q_nope, q_pe, latent, kv_b, kv_slots, kv_rows, lens, 0.3)
+    ref.index_put_((kv_slots,), latent)
+    want = mla_decode_padded_cpu(q_nope, q_pe, ref, kv_b, kv_rows, lens, scale=0.3).contiguous()
+    assert torch.equal(got, want) and got.is_contiguous()
+    assert torch.equal(buf, ref)
+    pool_ops_cpu.unregister_pools(key)
+
+
+def test_unknown_key_or_layer_is_an_error() -> None:
+    gen = torch.Generator().manual_seed(30)
+    key, _, _ = _registered(gen)
+    x, weight, slots = torch.randn(1, C), torch.randn(C, W), torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="conv pool 1 not registered"):
+        pool_ops_cpu.conv_decode(key, 1, x, weight, slots)
+    pool_ops_cpu.unregister_pools(key)
+    with pytest.raises(RuntimeError, match=f"no pools registered under cache key {key}"):
+        pool_ops_cpu.conv_decode(key, 0, x, weight, slots)
