@@ -32,6 +32,29 @@ from kernels.spec_layout import pad, unpad, window_layout
 from kernels.state_checkpoints import StateCheckpoints, check_slots
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 
+SlotPairs = tuple[Tensor, Tensor]  # (source slots, destination slots)
+
+
+def decode_checkpoints(state_slots: Tensor, ck: StateCheckpoints) -> tuple[SlotPairs | None, SlotPairs | None]:
+    """A decode step's checkpoints as slot copies: a decode step has one token, so a checkpoint is the state
+    before it (offset 0: copied before the step) or after it (offset 1: copied after); None where there are none."""
+    offs = ck.offset
+    if bool(((offs != 0) & (offs != 1)).any()):
+        raise ValueError("a decode step's checkpoints must be at offset 0 or 1")
+
+    def pairs(offset: int) -> SlotPairs | None:
+        keep = offs == offset
+        return (state_slots[ck.seq[keep]], ck.slot[keep]) if bool(keep.any()) else None
+
+    return pairs(0), pairs(1)
+
+
+def copy_states(pool: Tensor, pairs: SlotPairs | None) -> None:
+    """Copy each source slot's state to its destination slot (`decode_checkpoints`' pairs)."""
+    if pairs is not None:
+        src, dst = pairs
+        pool[dst] = pool[src]
+
 
 class AttentionBackend:
     def __init__(self, batch: ForwardBatch, cache: HybridCache) -> None:
@@ -55,12 +78,7 @@ class AttentionBackend:
             raise ValueError("a verify step takes no checkpoints: its tokens are not committed yet")
         self._validate()
         if self.decode and self.checkpoints is not None:
-            # A decode step has one token: a checkpoint is the state before it (offset 0) or after it (1).
-            offs = self.checkpoints.offset
-            if bool(((offs != 0) & (offs != 1)).any()):
-                raise ValueError("a decode step's checkpoints must be at offset 0 or 1")
-            self._ck_before = self._pairs(self.checkpoints, 0)
-            self._ck_after = self._pairs(self.checkpoints, 1)
+            self._ck_before, self._ck_after = decode_checkpoints(batch.state_slots, self.checkpoints)
 
     def _validate(self) -> None:
         """The kernels' argument checks read tensors back to the host: run them once per step, not per layer."""
@@ -71,25 +89,13 @@ class AttentionBackend:
             check_store_slots(b.kv_slots, c.latent[0].shape[0])
             check_paged(self.paged, b.cu_seqlens[1:] - b.cu_seqlens[:-1])
 
-    def _pairs(self, ck: StateCheckpoints, offset: int) -> tuple[Tensor, Tensor] | None:
-        keep = ck.offset == offset
-        if not bool(keep.any()):
-            return None
-        return self.batch.state_slots[ck.seq[keep]], ck.slot[keep]
-
-    @staticmethod
-    def _copy(pool: Tensor, pairs: tuple[Tensor, Tensor] | None) -> None:
-        if pairs is not None:
-            src, dst = pairs
-            pool[dst] = pool[src]
-
     def _decode_step(self, pool: Tensor, step: Callable[[], Tensor]) -> Tensor:
         """Run a decode op with the checkpoints before and after it copied slot to slot."""
         if self.checkpoints is not None:
-            self._copy(pool, self._ck_before)
+            copy_states(pool, self._ck_before)
         out = step()
         if self.checkpoints is not None:
-            self._copy(pool, self._ck_after)
+            copy_states(pool, self._ck_after)
         return out
 
     def short_conv(self, layer: int, x: Tensor, weight: Tensor) -> Tensor:

@@ -5,8 +5,9 @@ logits) compiled once per batch-size bucket and replayed, as SGLang's CUDA-graph
   are padding: they read and write only the pool's scratch state slot and scratch KV row (`Scratch`, kept
   outside the scheduler's slots) and their logits are dropped. Shapes are static per bucket except the length of
   the KV row table (dynamic on CPU; padded to a power of two on CUDA, where each length records its own graph).
-- The graph covers the common decode step only: one token per sequence, no radix-tree checkpoints, one rank (no
-  collectives); with `with_hidden` it also returns the pre-norm final hiddens (the MTP proposer reads them).
+- The graph covers the decode step: one token per sequence, one rank (no collectives); a step's radix-tree
+  checkpoints are slot copies before and after the replay (`DecodeGraphs.run`); with `with_hidden` it also returns
+  the pre-norm final hiddens (the MTP proposer reads them).
   Everything else runs eagerly (`DecodeGraphs.supports`). Sampling (grammar masks, biases) stays outside the
   graph, so constrained requests still replay it. The slot checks that read tensors back to the host (the eager
   backend's `_validate`) run once per step before the call.
@@ -42,6 +43,7 @@ from kernels.mla import mla_decode_padded, mla_decode_padded_cpu
 from kernels.mla_paged import check_store_slots, mla_store
 from kernels.opaque_op import opaque_op
 from kernels.state_checkpoints import check_slots
+from radixk3.attention_backend import SlotPairs, copy_states, decode_checkpoints
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.kda_attention import KDAAttention
 from radixk3.model import KimiForCausalLM
@@ -330,30 +332,40 @@ class DecodeGraphs(CapturedSteps):
         return self.replay(self._fn, step, step.input_ids, step.kv_rows)
 
     def supports(self, batch: ForwardBatch) -> bool:
-        """A plain decode step that fits a bucket (checkpoints and verify windows run eagerly)."""
-        ck = batch.checkpoints
-        return (batch.mode is ForwardMode.DECODE and (ck is None or not len(ck.slot)) and batch.spec is None
-                and self.bucket(batch.num_seqs) is not None)
+        """A decode step that fits a bucket (verify windows run eagerly)."""
+        return batch.mode is ForwardMode.DECODE and batch.spec is None and self.bucket(batch.num_seqs) is not None
 
     def run(self, batch: ForwardBatch, prenorm: list[Tensor] | None = None) -> Tensor:
         """Logits [M, V] fp32 for `batch.logits_index` (default: every sequence's token), as the eager
-        `model.forward_batch(batch, cache, prenorm=prenorm).float()` gives them (`prenorm`: needs `with_hidden`)."""
+        `model.forward_batch(batch, cache, prenorm=prenorm).float()` gives them (`prenorm`: needs `with_hidden`).
+        The step's radix checkpoints are slot copies of every KDA layer's states before and after the replay: the
+        graph touches only the rows' own slots and the scratch slot, never a checkpoint's, so copying all layers'
+        at once is what the eager step's per-layer copies leave."""
         n = batch.num_seqs
         b = self.bucket(n)
         assert b is not None, "a step the decode graphs do not cover (the caller checks `supports` first)"
         self._validate(batch)
+        ck = batch.checkpoints
+        before, after = (None, None) if ck is None or not len(ck.slot) else decode_checkpoints(batch.state_slots, ck)
+        self._copy_states(before)
         self.replays += 1
         out = self._call(self._padded(batch, b))
+        self._copy_states(after)
         if prenorm is not None:
             assert out.hidden is not None, "hiddens from graphs captured without them"
             prenorm.append(out.hidden[:n])
         logits = out.logits[:n]
         return logits if batch.logits_index is None else logits[batch.logits_index]
 
+    def _copy_states(self, pairs: SlotPairs | None) -> None:
+        if pairs is not None:
+            for pool in (*self.cache.recurrent, *self.cache.conv):
+                copy_states(pool, pairs)
+
     def _validate(self, batch: ForwardBatch) -> None:
         """The eager backend's per-step checks (host reads), on the real rows."""
         if self.cache.recurrent:
-            check_slots(batch.state_slots, None, self.cache.recurrent[0].shape[0])
+            check_slots(batch.state_slots, batch.checkpoints, self.cache.recurrent[0].shape[0])
         if self.cache.latent:
             check_store_slots(batch.kv_slots, self.cache.latent[0].shape[0])
 

@@ -13,13 +13,16 @@ import torch
 
 import radixk3.decode_graph as decode_graph
 from kernels import pool_ops_cpu
+from kernels.state_checkpoints import StateCheckpoints
 from radixk3.config import preset
 from radixk3.decode_graph import DecodeGraphs, FusedPools, Scratch
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import build_model
+from runtime.local_engine import LocalEngine
 from runtime.pool_layout import pool_layout
 from runtime.server_args import COMPILE_ENV, ServerArgs
 from runtime.worker.pool_buffer import PoolBuffer
+from tests.greedy import greedy_reference
 
 MAX_NEW = 6
 PAGE = 4
@@ -128,6 +131,70 @@ def test_direct_pool_ops_are_the_generic_ones(setup, monkeypatch: pytest.MonkeyP
             buf.data.copy_(before)
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
+
+
+def test_checkpoints_are_the_states_around_the_replay(setup) -> None:  # noqa: ANN001
+    """A decode step with radix checkpoints replays the graph too: a checkpoint at offset 0 holds the row's states
+    (every KDA layer's recurrent and conv) from before the step, one at offset 1 those after it, bit for bit; the
+    logits are the same as without checkpoints; a checkpoint on a live slot is refused."""
+    model, buf, cache, graphs = setup
+    prompts = _prompts(model.config.vocab_size)[:3]
+    top = buf.geometry.num_state_slots - 1
+    n = len(prompts)
+    slots = torch.arange(top - 1, top - 1 - n, -1)
+    table = torch.tensor([[(i + 1) * PAGES_PER_SEQ + p for p in range(PAGES_PER_SEQ)] for i in range(n)])
+    pools = (*cache.recurrent, *cache.conv)
+
+    def step(ck: StateCheckpoints | None) -> torch.Tensor:
+        batch = ForwardBatch.from_table(ForwardMode.DECODE, torch.tensor([p[0] for p in prompts]), torch.arange(n + 1),
+                                        torch.tensor([len(p) + MAX_NEW - 1 for p in prompts]), slots, table, PAGE,
+                                        checkpoints=ck)
+        assert graphs.supports(batch)
+        return graphs.run(batch)
+
+    with torch.inference_mode():
+        _generate(model, cache, None, prompts, top)  # the eager prefill and steps set the pools up
+        start = buf.data.clone()
+        plain = step(None)
+        after = [p[slots].clone() for p in pools]
+        buf.data.copy_(start)
+        before = [p[slots].clone() for p in pools]
+        replays = graphs.replays
+        free = (top - 1 - n, top - 2 - n)  # state slots past the rows', clear of their pages (the pool's two ends)
+        assert (2 + n) * PAGES_PER_SEQ * buf.geometry.page_bytes < buf.geometry.state_offset(free[1])
+        logits = step(StateCheckpoints(torch.tensor([0, 2]), torch.tensor([0, 1]), torch.tensor(free)))
+        assert graphs.replays == replays + 1
+        assert torch.equal(logits, plain)
+        for p, b, a in zip(pools, before, after, strict=True):
+            assert torch.equal(p[free[0]], b[0]) and torch.equal(p[free[1]], a[2])
+            assert torch.equal(p[slots], a)
+        with pytest.raises(ValueError, match="distinct"):
+            step(StateCheckpoints(torch.tensor([0]), torch.tensor([1]), slots[1:2]))
+        with pytest.raises(ValueError, match="offset 0 or 1"):
+            step(StateCheckpoints(torch.tensor([0]), torch.tensor([2]), torch.tensor(free[:1])))
+        buf.data.copy_(start)
+
+
+def test_engine_checkpoints_mid_decode_in_the_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine with its compiled decode step and a radix checkpoint every 4 decode tokens: every decode step is a
+    replay (the checkpointed ones too), the outputs are the no-cache loop's, and a second wave whose prompts extend
+    the first's outputs resumes from those mid-decode checkpoints (state hits) with the no-cache loop's tokens."""
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    model = build_model(preset("k3-tiny"), seed=11)
+    eng = LocalEngine(ServerArgs(page_size=PAGE, decode_checkpoint_interval=4, max_running_requests=2,
+                                 compile_max_bs=2, mem_bytes=8 << 20), model, check=True)
+    assert eng.worker.graphs is not None
+    prompts = _prompts(model.config.vocab_size)[:2]
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    first = eng.generate(prompts, params)
+    assert first == [greedy_reference(model, p, 12) for p in prompts]
+    m = eng.scheduler.metrics
+    assert m.checkpoints > 0 and eng.worker.graphs.replays == m.decode_steps > 0
+    longer = [p + out[:9] for p, out in zip(prompts, first, strict=True)]
+    hits = m.state_hits
+    assert eng.generate(longer, params) == [greedy_reference(model, p, 12) for p in longer]
+    assert eng.scheduler.metrics.state_hits > hits
+    eng.scheduler.check_integrity()
 
 
 def test_scratch_lies_outside_the_schedulers_pool() -> None:
