@@ -7,6 +7,7 @@
 #include <ATen/ops/einsum.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
+#include <ATen/ops/index_copy.h>
 #include <ATen/ops/index_put.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
@@ -25,11 +26,18 @@ using KdaDecode = void (*)(float*, int64_t, const int64_t*, int64_t, int64_t, in
                            const float*, const float*, const float*, const float*, float*, int64_t);
 using MlaDecode = void (*)(const float*, const float*, int64_t, const int64_t*, const int64_t*, int64_t, int64_t,
                            int64_t, int64_t, int64_t, float, float*);
+using ConvVerify = void (*)(const float*, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, const float*,
+                            const float*, float*);
+using KdaVerify = void (*)(const float*, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           const float*, const float*, const float*, const float*, const float*, float*, float*,
+                           int64_t, int64_t, const int64_t*, int64_t);
 
 struct Kernels {
   ConvDecode conv = nullptr;
   KdaDecode kda = nullptr;
   MlaDecode mla = nullptr;
+  ConvVerify conv_verify = nullptr;
+  KdaVerify kda_verify = nullptr;
 };
 
 Kernels kernels;
@@ -39,6 +47,8 @@ constexpr int64_t kSumLanes = 8;
 
 struct Pools {
   std::vector<at::Tensor> conv, recurrent, latent;
+  // The draft window's per-token input rings (spec_window.SpecWindow, replay mode), per KDA layer; empty without.
+  std::vector<at::Tensor> ring_x, ring_k, ring_v, ring_g, ring_beta;
 };
 
 // Written when a cache's steps are built, read by every step (one thread: the worker's).
@@ -54,19 +64,53 @@ const Pools& pools_of(int64_t key) {
 }
 
 const at::Tensor& layer_pool(const std::vector<at::Tensor>& pools, int64_t layer, const char* kind) {
-  TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(pools.size()), kind, " pool ", layer, " not registered");
+  TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(pools.size()), kind, " ", layer, " not registered");
   return pools[layer];
 }
 
-void set_kernels(int64_t conv, int64_t kda, int64_t mla) {
+void set_kernels(int64_t conv, int64_t kda, int64_t mla, int64_t conv_verify, int64_t kda_verify) {
   kernels.conv = reinterpret_cast<ConvDecode>(conv);
   kernels.kda = reinterpret_cast<KdaDecode>(kda);
   kernels.mla = reinterpret_cast<MlaDecode>(mla);
+  kernels.conv_verify = reinterpret_cast<ConvVerify>(conv_verify);
+  kernels.kda_verify = reinterpret_cast<KdaVerify>(kda_verify);
 }
 
 void register_pools(int64_t key, std::vector<at::Tensor> conv, std::vector<at::Tensor> recurrent,
                     std::vector<at::Tensor> latent) {
-  registry()[key] = Pools{std::move(conv), std::move(recurrent), std::move(latent)};
+  registry()[key] = Pools{std::move(conv), std::move(recurrent), std::move(latent), {}, {}, {}, {}, {}};
+}
+
+void register_window(int64_t key, std::vector<at::Tensor> x, std::vector<at::Tensor> k, std::vector<at::Tensor> v,
+                     std::vector<at::Tensor> g, std::vector<at::Tensor> beta) {
+  auto it = registry().find(key);
+  TORCH_CHECK(it != registry().end(), "no pools registered under cache key ", key);
+  it->second.ring_x = std::move(x);
+  it->second.ring_k = std::move(k);
+  it->second.ring_v = std::move(v);
+  it->second.ring_g = std::move(g);
+  it->second.ring_beta = std::move(beta);
+}
+
+// SpecWindow.save_*_inputs: ring[layer][:, :W].index_copy_(0, rows, x).
+void save_window(const std::vector<at::Tensor>& ring, int64_t layer, const at::Tensor& rows, const at::Tensor& x,
+                 const char* kind) {
+  at::Tensor dst = layer_pool(ring, layer, kind).slice(1, 0, x.size(1));
+  dst.index_copy_(0, rows, x);
+}
+
+// kda_decode_cpu._factors: exp(g), k, beta k, v, q scale, each contiguous fp32.
+struct KdaFactors {
+  at::Tensor decay, k, beta_k, v, q_scaled;
+};
+
+KdaFactors kda_factors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                       const at::Tensor& beta) {
+  const double scale = std::pow(static_cast<double>(q.size(-1)), -0.5);  // Python's `K ** -0.5`
+  const at::Tensor kf = k.to(at::kFloat);
+  return KdaFactors{at::exp(g.to(at::kFloat)).contiguous(), kf.contiguous(),
+                    at::mul(beta.to(at::kFloat).unsqueeze(-1), kf).contiguous(), v.to(at::kFloat).contiguous(),
+                    at::mul(q.to(at::kFloat), c10::Scalar(scale)).contiguous()};
 }
 
 void unregister_pools(int64_t key) { registry().erase(key); }
@@ -75,7 +119,7 @@ void unregister_pools(int64_t key) { registry().erase(key); }
 at::Tensor conv_decode(int64_t key, int64_t layer, const at::Tensor& x, const at::Tensor& weight,
                        const at::Tensor& slots) {
   TORCH_CHECK(kernels.conv != nullptr, "conv kernel not set");
-  const at::Tensor& pool = layer_pool(pools_of(key).conv, layer, "conv");
+  const at::Tensor& pool = layer_pool(pools_of(key).conv, layer, "conv pool");
   const at::Tensor xc = x.contiguous(), sc = slots.contiguous();
   const int64_t n = xc.size(0), c = xc.size(1);
   at::Tensor y = at::empty({n, c}, xc.options().dtype(at::kFloat));
@@ -88,20 +132,52 @@ at::Tensor conv_decode(int64_t key, int64_t layer, const at::Tensor& x, const at
 at::Tensor kda_decode(int64_t key, int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& g, const at::Tensor& beta, const at::Tensor& slots) {
   TORCH_CHECK(kernels.kda != nullptr, "KDA kernel not set");
-  const at::Tensor& pool = layer_pool(pools_of(key).recurrent, layer, "recurrent");
+  const at::Tensor& pool = layer_pool(pools_of(key).recurrent, layer, "recurrent pool");
   const int64_t n = k.size(0), h = k.size(1), kdim = k.size(2), vdim = pool.size(-1);
-  const double scale = std::pow(static_cast<double>(q.size(-1)), -0.5);  // Python's `K ** -0.5`
   const at::Tensor sc = slots.contiguous();
   at::Tensor out = at::empty({n, h, vdim}, v.options().dtype(at::kFloat));
-  const at::Tensor kf = k.to(at::kFloat);
-  const at::Tensor decay = at::exp(g.to(at::kFloat)).contiguous();
-  const at::Tensor kc = kf.contiguous();
-  const at::Tensor beta_k = at::mul(beta.to(at::kFloat).unsqueeze(-1), kf).contiguous();
-  const at::Tensor vc = v.to(at::kFloat).contiguous();
-  const at::Tensor q_scaled = at::mul(q.to(at::kFloat), c10::Scalar(scale)).contiguous();
+  const KdaFactors f = kda_factors(q, k, v, g, beta);
   kernels.kda(pool.data_ptr<float>(), pool.stride(0), sc.data_ptr<int64_t>(), n, h, kdim, vdim,
-              decay.data_ptr<float>(), kc.data_ptr<float>(), beta_k.data_ptr<float>(), vc.data_ptr<float>(),
-              q_scaled.data_ptr<float>(), out.data_ptr<float>(), kSumLanes);
+              f.decay.data_ptr<float>(), f.k.data_ptr<float>(), f.beta_k.data_ptr<float>(), f.v.data_ptr<float>(),
+              f.q_scaled.data_ptr<float>(), out.data_ptr<float>(), kSumLanes);
+  return out;
+}
+
+// verify_graph.pool_conv_verify in replay mode: save the window's conv inputs, then conv1d_verify_padded's fused
+// path (conv1d_verify_cpu and the SiLU) from the live state, nothing written back. x [B, W, C].
+at::Tensor conv_verify(int64_t key, int64_t layer, const at::Tensor& x, const at::Tensor& weight,
+                       const at::Tensor& slots, const at::Tensor& rows) {
+  TORCH_CHECK(kernels.conv_verify != nullptr, "conv verify kernel not set");
+  const Pools& pools = pools_of(key);
+  save_window(pools.ring_x, layer, rows, x, "conv input ring");
+  const at::Tensor& pool = layer_pool(pools.conv, layer, "conv pool");
+  const at::Tensor xc = x.contiguous(), wc = weight.to(at::kFloat).contiguous(), sc = slots.contiguous();
+  const int64_t n = xc.size(0), length = xc.size(1), c = xc.size(2);
+  at::Tensor y = at::empty({n, length, c}, xc.options().dtype(at::kFloat));
+  kernels.conv_verify(pool.data_ptr<float>(), pool.stride(0), sc.data_ptr<int64_t>(), n, length, c, wc.size(-1),
+                      xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>());
+  return at::silu(y);
+}
+
+// verify_graph.pool_kda_verify in replay mode: save the window's inputs, then kda_verify_padded's fused path
+// (kda_verify_cpu, no snapshots) from the live state, not written back. q, k, g [B, W, H, K], v [B, W, H, V].
+at::Tensor kda_verify(int64_t key, int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& g, const at::Tensor& beta, const at::Tensor& slots, const at::Tensor& rows) {
+  TORCH_CHECK(kernels.kda_verify != nullptr, "KDA verify kernel not set");
+  const Pools& pools = pools_of(key);
+  save_window(pools.ring_k, layer, rows, k, "key ring");
+  save_window(pools.ring_v, layer, rows, v, "value ring");
+  save_window(pools.ring_g, layer, rows, g.to(at::kFloat), "decay ring");
+  save_window(pools.ring_beta, layer, rows, beta.to(at::kFloat), "beta ring");
+  const at::Tensor& pool = layer_pool(pools.recurrent, layer, "recurrent pool");
+  const int64_t n = k.size(0), w = k.size(1), h = k.size(2), kdim = k.size(3), vdim = pool.size(-1);
+  const at::Tensor sc = slots.contiguous();
+  at::Tensor out = at::empty({n, w, h, vdim}, v.options().dtype(at::kFloat));
+  const KdaFactors f = kda_factors(q, k, v, g, beta);
+  kernels.kda_verify(pool.data_ptr<float>(), pool.stride(0), sc.data_ptr<int64_t>(), n, w, h, kdim, vdim,
+                     f.decay.data_ptr<float>(), f.k.data_ptr<float>(), f.beta_k.data_ptr<float>(),
+                     f.v.data_ptr<float>(), f.q_scaled.data_ptr<float>(), out.data_ptr<float>(), nullptr, 0, 0,
+                     nullptr, kSumLanes);
   return out;
 }
 
@@ -110,7 +186,7 @@ at::Tensor mla_decode(int64_t key, int64_t layer, const at::Tensor& q_nope, cons
                       const at::Tensor& latent, const at::Tensor& kv_b_weight, const at::Tensor& kv_slots,
                       const at::Tensor& kv_rows, const at::Tensor& kv_lens, double scale) {
   TORCH_CHECK(kernels.mla != nullptr, "MLA kernel not set");
-  at::Tensor buf = layer_pool(pools_of(key).latent, layer, "latent");
+  at::Tensor buf = layer_pool(pools_of(key).latent, layer, "latent pool");
   at::index_put_(buf, c10::List<std::optional<at::Tensor>>({kv_slots}), latent);
   const int64_t h = q_nope.size(1), dn = q_nope.size(2);
   const at::Tensor w = kv_b_weight.view({h, -1, kv_b_weight.size(-1)});  // mla._split_kv_b
@@ -127,17 +203,24 @@ at::Tensor mla_decode(int64_t key, int64_t layer, const at::Tensor& q_nope, cons
 }  // namespace
 
 TORCH_LIBRARY(radixk3_cpu, m) {
-  m.def("set_kernels(int conv, int kda, int mla) -> ()", &set_kernels);
+  m.def("set_kernels(int conv, int kda, int mla, int conv_verify, int kda_verify) -> ()", &set_kernels);
   m.def("register_pools(int key, Tensor[] conv, Tensor[] recurrent, Tensor[] latent) -> ()", &register_pools);
+  m.def("register_window(int key, Tensor[] x, Tensor[] k, Tensor[] v, Tensor[] g, Tensor[] beta) -> ()",
+        &register_window);
   m.def("unregister_pools(int key) -> ()", &unregister_pools);
   m.def("conv_decode(int key, int layer, Tensor x, Tensor weight, Tensor slots) -> Tensor");
   m.def("kda_decode(int key, int layer, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor slots) -> Tensor");
   m.def("mla_decode(int key, int layer, Tensor q_nope, Tensor q_pe, Tensor latent, Tensor kv_b_weight, "
         "Tensor kv_slots, Tensor kv_rows, Tensor kv_lens, float scale) -> Tensor");
+  m.def("conv_verify(int key, int layer, Tensor x, Tensor weight, Tensor slots, Tensor rows) -> Tensor");
+  m.def("kda_verify(int key, int layer, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor slots, "
+        "Tensor rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixk3_cpu, CPU, m) {
   m.impl("conv_decode", TORCH_FN(conv_decode));
   m.impl("kda_decode", TORCH_FN(kda_decode));
   m.impl("mla_decode", TORCH_FN(mla_decode));
+  m.impl("conv_verify", TORCH_FN(conv_verify));
+  m.impl("kda_verify", TORCH_FN(kda_verify));
 }

@@ -1,5 +1,7 @@
-"""The captured decode step's pool ops on CPU as torch ops registered in C++ (`pool_ops_cpu.cpp`): short conv,
-KDA and MLA store + attention, each reaching its pool through a C++ registry by cache key.
+"""The captured steps' pool ops on CPU as torch ops registered in C++ (`pool_ops_cpu.cpp`): short conv, KDA and
+MLA store + attention of the decode step, and the verify step's window ops (short conv and KDA from the live
+state, their inputs saved in the draft window's rings for ReplaySSM), each reaching its pool (and ring) through a
+C++ registry by cache key.
 
 Why: a decode step streams its ~100 MB of weights between the pool ops' calls, so each op's Python body (a dict
 lookup, a switch, ~10 small ATen calls, the ctypes call) runs in an interpreter whose code and data were evicted:
@@ -45,7 +47,8 @@ def _loaded() -> bool:
     conv, kda, mla = libs
     assert conv is not None and kda is not None and mla is not None
     torch.ops.radixk3_cpu.set_kernels(_address(conv.radixk3_conv_decode), _address(kda.radixk3_kda_decode),
-                                      _address(mla.radixk3_mla_decode))
+                                      _address(mla.radixk3_mla_decode), _address(conv.radixk3_conv_verify),
+                                      _address(kda.radixk3_kda_verify))
     _register_fakes()
     return True
 
@@ -59,6 +62,13 @@ def register_pools(key: int, conv: Sequence[Tensor], recurrent: Sequence[Tensor]
     """Make cache `key`'s pools (one tensor per layer of each kind) reachable by the ops; held until
     `unregister_pools(key)`."""
     torch.ops.radixk3_cpu.register_pools(key, list(conv), list(recurrent), list(latent))
+
+
+def register_window(key: int, x: Sequence[Tensor], k: Sequence[Tensor], v: Sequence[Tensor], g: Sequence[Tensor],
+                    beta: Sequence[Tensor]) -> None:
+    """Make a draft window's per-token input rings (`SpecWindow`, replay mode; one tensor per KDA layer each)
+    reachable by the verify ops of cache `key` (registered first)."""
+    torch.ops.radixk3_cpu.register_window(key, list(x), list(k), list(v), list(g), list(beta))
 
 
 def unregister_pools(key: int) -> None:
@@ -84,6 +94,19 @@ def mla_decode(key: int, layer: int, q_nope: Tensor, q_pe: Tensor, latent: Tenso
                                             kv_lens, scale)
 
 
+def conv_verify(key: int, layer: int, x: Tensor, weight: Tensor, slots: Tensor, rows: Tensor) -> Tensor:
+    """Windows x [B, W, C]: saved in the draft window's rows `rows`, then SiLU(`conv1d_cpu.conv1d_verify_cpu`) from
+    cache `key`'s live conv states (not written back)."""
+    return torch.ops.radixk3_cpu.conv_verify(key, layer, x, weight, slots, rows)
+
+
+def kda_verify(key: int, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, slots: Tensor,
+               rows: Tensor) -> Tensor:
+    """Windows [B, W, ...]: k, v, g, beta saved in the draft window's rows `rows`, then
+    `kda_decode_cpu.kda_verify_cpu` (no snapshots) from cache `key`'s live states (not written back)."""
+    return torch.ops.radixk3_cpu.kda_verify(key, layer, q, k, v, g, beta, slots, rows)
+
+
 def _register_fakes() -> None:
     @torch.library.register_fake("radixk3_cpu::conv_decode")
     def _(key: int, layer: int, x: Tensor, weight: Tensor, slots: Tensor) -> Tensor:
@@ -98,3 +121,12 @@ def _register_fakes() -> None:
           kv_slots: Tensor, kv_rows: Tensor, kv_lens: Tensor, scale: float) -> Tensor:
         n, h, dn = q_nope.shape
         return q_nope.new_empty(n, h, kv_b_weight.shape[0] // h - dn, dtype=torch.float32)
+
+    @torch.library.register_fake("radixk3_cpu::conv_verify")
+    def _(key: int, layer: int, x: Tensor, weight: Tensor, slots: Tensor, rows: Tensor) -> Tensor:
+        return torch.empty_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("radixk3_cpu::kda_verify")
+    def _(key: int, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, slots: Tensor,
+          rows: Tensor) -> Tensor:
+        return torch.empty_like(v, dtype=torch.float32, memory_format=torch.contiguous_format)

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from kernels import pool_ops_cpu
 from kernels.conv1d_pool import conv1d_verify_padded
 from kernels.kda_pool import kda_verify_padded
 from kernels.opaque_op import opaque_op
@@ -85,33 +86,35 @@ class PaddedVerifyBackend(PaddedDecodeBackend):
     decode = False
     verify = True
 
-    def __init__(self, cache_key: int, step: PaddedVerify, cpp_ops: bool = False) -> None:
+    def __init__(self, cache_key: int, step: PaddedVerify, cpp_ops: bool = False, cpp_window: bool = False) -> None:
         super().__init__(cache_key, step, cpp_ops)  # its kv_slots, kv_rows, kv_lens: one per window token
         self.b = step.state_slots.shape[0]
+        self.cpp_window = cpp_window  # the window ops registered in C++ (replay mode: `VerifyGraphs`)
 
     def _windows(self, x: Tensor) -> Tensor:
         return x.view(self.b, -1, *x.shape[1:])
 
     def short_conv(self, layer: int, x: Tensor, weight: Tensor) -> Tensor:
         s = self.step
-        return pool_conv_verify(self.key, layer, self._windows(x), weight, s.state_slots, s.window_rows).flatten(0, 1)
+        op = pool_ops_cpu.conv_verify if self.cpp_window else pool_conv_verify
+        return op(self.key, layer, self._windows(x), weight, s.state_slots, s.window_rows).flatten(0, 1)
 
     def kda(self, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
         s = self.step
         w = self._windows
-        return pool_kda_verify(self.key, layer, w(q), w(k), w(v), w(g), w(beta), s.state_slots,
-                               s.window_rows).flatten(0, 1)
+        op = pool_ops_cpu.kda_verify if self.cpp_window else pool_kda_verify
+        return op(self.key, layer, w(q), w(k), w(v), w(g), w(beta), s.state_slots, s.window_rows).flatten(0, 1)
 
 
 def padded_verify_logits(model: KimiForCausalLM, cache_key: int, step: PaddedVerify,
-                         with_hidden: bool = False, cpp_ops: bool = False) -> GraphOutput:
+                         with_hidden: bool = False, cpp_ops: bool = False, cpp_window: bool = False) -> GraphOutput:
     """The verify forward of `step`'s B windows -> fp32 logits [B*W, V] at every window position."""
     n = step.input_ids.shape[0]
     b = step.state_slots.shape[0]
     cu = torch.arange(0, n + 1, n // b, device=step.input_ids.device)
     batch = ForwardBatch(ForwardMode.VERIFY, step.input_ids, cu, step.kv_lens[:: n // b] - 1, step.state_slots,
                          step.kv_rows, 1, step.kv_slots,
-                         attn_backend=PaddedVerifyBackend(cache_key, step, cpp_ops))  # type: ignore[arg-type]
+                         attn_backend=PaddedVerifyBackend(cache_key, step, cpp_ops, cpp_window))  # type: ignore[arg-type]
     hidden = model._prenorm_hidden(step.input_ids, cu, batch)
     return GraphOutput(model.lm_head(model.model.norm(hidden)).float(), hidden if with_hidden else None)
 
@@ -128,9 +131,14 @@ class VerifyGraphs(DecodeGraphs):
         _WINDOWS[self.key] = window
         self.width = window.width
         self.scratch_row = scratch_row
+        # ReplaySSM's window: the conv and KDA window ops registered in C++ too (the snapshot baseline keeps the
+        # Python ops, which write per-position snapshots).
+        self.cpp_window = self.cpp_ops and window.mode == "replay"
+        if self.cpp_window:
+            pool_ops_cpu.register_window(self.key, window.x, window.k, window.v, window.g, window.beta)
 
     def _forward(self, step: PaddedVerify) -> GraphOutput:  # type: ignore[override]
-        return padded_verify_logits(self.model, self.key, step, self.with_hidden, self.cpp_ops)
+        return padded_verify_logits(self.model, self.key, step, self.with_hidden, self.cpp_ops, self.cpp_window)
 
     def _scratch_step(self, b: int, kv_len: int) -> PaddedVerify:  # type: ignore[override]
         dev, s, n = self.device, self.scratch, b * self.width

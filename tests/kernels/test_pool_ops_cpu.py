@@ -1,9 +1,9 @@
-"""The captured step's pool ops registered in C++ (`kernels.pool_ops_cpu`) against the Python bodies they replace
+"""The captured steps' pool ops registered in C++ (`kernels.pool_ops_cpu`) against the Python bodies they replace
 (the decode graph's fused paths: `conv1d_cpu_prepared` + SiLU, `kda_decode_cpu`, the latent store +
-`mla_decode_padded_cpu`): the same bits in the outputs and in every pool byte, on pools whose slots lie further
-apart than a slot (the pool buffer's per-layer views), inputs that are views with gaps (as a graph passes its
-projections' slices), rows sharing one scratch slot (the padding), batch 1 and 9; an unknown cache key or layer
-is an error naming it."""
+`mla_decode_padded_cpu`; the verify graph's window ops in replay mode): the same bits in the outputs and in every
+pool and ring byte, on pools whose slots lie further apart than a slot (the pool buffer's per-layer views), inputs
+that are views with gaps (as a graph passes its projections' slices), rows sharing one scratch slot (the padding),
+batch 1 and 9; an unknown cache key, layer or ring is an error naming it."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import pool_ops_cpu
-from kernels.conv1d_cpu import conv1d_cpu_prepared
-from kernels.kda_decode_cpu import kda_decode_cpu
+from kernels.conv1d_cpu import conv1d_cpu_prepared, conv1d_verify_cpu
+from kernels.kda_decode_cpu import kda_decode_cpu, kda_verify_cpu
 from kernels.mla import mla_decode_padded_cpu
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -128,12 +128,48 @@ def test_mla_decode_is_the_python_path(n: int) -> None:
     pool_ops_cpu.unregister_pools(key)
 
 
+def _rings(rows: int, width: int, gen: torch.Generator) -> list[Tensor]:
+    """A draft window's input rings, one layer: x [R, W, C], k [R, W, H, K], v [R, W, H, V], g, beta (fp32)."""
+    return [torch.randn(rows, width, *shape, generator=gen) for shape in ((C,), (H, K), (H, V), (H, K), (H,))]
+
+
+@pytest.mark.parametrize(("n", "width"), [(1, 4), (3, 2)])
+def test_verify_ops_are_the_python_path(n: int, width: int) -> None:
+    """The window ops: the same outputs as `conv1d_verify_cpu` + SiLU and `kda_verify_cpu`, the live states
+    untouched, and the window's inputs in the rings' rows (`SpecWindow.save_*_inputs`), the other rows as they
+    were; the rings are one position wider than the window."""
+    gen = torch.Generator().manual_seed(40 + n)
+    key, (conv_pool, pool, _), _ = _registered(gen)
+    rings = _rings(6, width + 1, gen)
+    want_rings = [r.clone() for r in rings]
+    pool_ops_cpu.register_window(key, *([r] for r in rings))
+    slots, rows = torch.randperm(SLOTS)[:n], torch.randperm(6)[:n]
+    before = conv_pool.clone(), pool.clone()
+    x = _cols(torch.randn(n, width, C, generator=gen), 4)
+    weight = torch.randn(C, W, generator=gen)
+    got = pool_ops_cpu.conv_verify(key, 0, x, weight, slots, rows)
+    assert torch.equal(got, F.silu(conv1d_verify_cpu(x, weight, conv_pool, slots))) and got.is_contiguous()
+    q, k = (_cols(torch.randn(n, width, H, K, generator=gen), 3) for _ in range(2))
+    g = -torch.rand(n, width, H, K, generator=gen)
+    v = torch.randn(n, width, H, V, generator=gen)
+    beta = _cols(torch.rand(n, width, H, generator=gen), 1)
+    got = pool_ops_cpu.kda_verify(key, 0, q, k, v, g, beta, slots, rows)
+    assert torch.equal(got, kda_verify_cpu(q, k, v, g, beta, pool, slots, K**-0.5, None, None))
+    assert torch.equal(conv_pool, before[0]) and torch.equal(pool, before[1])
+    for ring, want, saved in zip(rings, want_rings, (x, k, v, g, beta), strict=True):
+        want[:, :width].index_copy_(0, rows, saved)
+        assert torch.equal(ring, want)
+    pool_ops_cpu.unregister_pools(key)
+
+
 def test_unknown_key_or_layer_is_an_error() -> None:
     gen = torch.Generator().manual_seed(30)
     key, _, _ = _registered(gen)
     x, weight, slots = torch.randn(1, C), torch.randn(C, W), torch.zeros(1, dtype=torch.int64)
     with pytest.raises(RuntimeError, match="conv pool 1 not registered"):
         pool_ops_cpu.conv_decode(key, 1, x, weight, slots)
+    with pytest.raises(RuntimeError, match="conv input ring 0 not registered"):  # no draft window registered
+        pool_ops_cpu.conv_verify(key, 0, x[:, None], weight, slots, slots)
     pool_ops_cpu.unregister_pools(key)
     with pytest.raises(RuntimeError, match=f"no pools registered under cache key {key}"):
         pool_ops_cpu.conv_decode(key, 0, x, weight, slots)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from bench.gsm8k import DATA, one_example, read_jsonl
+from kernels import pool_ops_cpu
 from radixk3.builtin_model import BUILTIN_MODEL_DIR
 from radixk3.checkpoint import load_model
 from radixk3.model import KimiForCausalLM
@@ -48,6 +49,7 @@ def _eager_then_compiled(monkeypatch: pytest.MonkeyPatch, model: KimiForCausalLM
         runs[compiled] = Run(outputs, eng.scheduler.metrics, eng.worker)
     verify = runs["1"].worker.verify_graphs
     assert verify is not None and verify.replays == runs["1"].metrics.verify_steps > 0
+    assert verify.cpp_window == pool_ops_cpu.available()  # the window ops registered in C++ where they build
     return runs
 
 
