@@ -1,6 +1,7 @@
 """The worker's step alone, compiled against eager, from one process (ratios only: on a shared machine only
 timings taken side by side mean anything): decode at batch 1 and 32, the verify of k drafts at batch 1 against
-a decode step (issue 24's target: within 1.1x compiled), the pool ops registered in C++ against the Python ops
+a decode step (issue 24's target: within 1.1x compiled), inductor's C++ wrapper (the engine's default) against its
+Python one (`--disable-cpp-wrapper`), the pool ops registered in C++ against the Python ops
 (`kernels/pool_ops_cpu.py`) and the fused KDA decode against its torch path inside the compiled step, the compile
 seconds per graph, and a profile of the compiled steps (the biggest remaining costs).
 
@@ -106,13 +107,19 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     python_ops = with_env(pool_ops_cpu.ENV_VAR, lambda: DecodeGraphs(model, cache, scratch, a.batches))()
     assert isinstance(python_ops, DecodeGraphs) and not python_ops.cpp_ops
     python_ops.capture()
+    cpp_wrapper = DecodeGraphs(model, cache, scratch, a.batches, cpp_wrapper=True)
+    cpp_wrapper.capture()
     verify = VerifyGraphs(model, cache, scratch, [1], window, n_max)
     verify.capture()
+    verify_cpp = VerifyGraphs(model, cache, scratch, [1], window, n_max, cpp_wrapper=True)
+    verify_cpp.capture()
     print(f"compile: decode {graphs.report.seconds} (C++ pool ops: {graphs.cpp_ops}; with the Python ops "
-          f"{python_ops.report.seconds}), verify (k={a.drafts}) {verify.report.seconds} "
+          f"{python_ops.report.seconds}; with the C++ wrapper {cpp_wrapper.report.seconds}), verify (k={a.drafts}) "
+          f"{verify.report.seconds} (with the C++ wrapper {verify_cpp.report.seconds}) "
           f"({time.perf_counter() - t0:.0f} s in all)")
     out: dict[str, object] = {"model": a.model, "threads": torch.get_num_threads(),
                               "compile_seconds_decode": graphs.report.seconds,
+                              "compile_seconds_decode_cpp_wrapper": cpp_wrapper.report.seconds,
                               "compile_seconds_verify": verify.report.seconds}
     gen = torch.Generator().manual_seed(0)
     table = torch.arange(n_max * pages).view(n_max, pages)
@@ -134,33 +141,40 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
         return step
 
-    def verify_step(compiled: bool) -> Callable[[], object]:
+    def verify_step(compiled: bool, steps: VerifyGraphs = verify) -> Callable[[], object]:
         def step() -> object:
             ids = torch.randint(16, cfg.vocab_size, (width,), generator=gen)
             batch = ForwardBatch.from_table(ForwardMode.VERIFY, ids, torch.tensor([0, width]), length[:1].clone(),
                                             slots[:1], table[:1], PAGE, logits_index=torch.arange(width))
             batch.spec = WindowRows(window, torch.zeros(1, dtype=torch.int64))
-            return verify.run(batch) if compiled else model.forward_batch(batch, cache).float()
+            return steps.run(batch) if compiled else model.forward_batch(batch, cache).float()
 
         return step
 
     for n in a.batches:
         t = best({"eager": decode(n, False), "compiled": decode(n, True),
+                  "compiled_cpp_wrapper": decode(n, True, cpp_wrapper),
                   "compiled_python_pool_ops": decode(n, True, python_ops),
                   "compiled_torch_kda": with_env(fused_kda.ENV_VAR, decode(n, True, python_ops))}, a.repeats)
         print(f"decode batch {n}: eager {t['eager'] * 1e3:.2f} ms, compiled {t['compiled'] * 1e3:.2f} ms "
-              f"({t['compiled'] / t['eager']:.2f}x eager); with the Python pool ops "
+              f"({t['compiled'] / t['eager']:.2f}x eager); with the C++ wrapper {t['compiled_cpp_wrapper'] * 1e3:.2f} "
+              f"ms; with the Python pool ops "
               f"{t['compiled_python_pool_ops'] * 1e3:.2f} ms, and the torch KDA step "
               f"{t['compiled_torch_kda'] * 1e3:.2f} ms")
         out[f"decode_b{n}_ms"] = {k: round(v * 1e3, 3) for k, v in t.items()}
     t = best({"decode_eager": decode(1, False), "decode_compiled": decode(1, True),
-              "verify_eager": verify_step(False), "verify_compiled": verify_step(True)}, a.repeats)
+              "verify_eager": verify_step(False), "verify_compiled": verify_step(True),
+              "decode_cpp_wrapper": decode(1, True, cpp_wrapper), "verify_cpp_wrapper": verify_step(True, verify_cpp)},
+             a.repeats)
     ratio = t["verify_compiled"] / t["decode_compiled"]
+    ratio_cpp = t["verify_cpp_wrapper"] / t["decode_cpp_wrapper"]
     print(f"verify of {a.drafts} drafts at batch 1: compiled {t['verify_compiled'] * 1e3:.2f} ms = {ratio:.2f}x a "
-          f"compiled decode step ({t['decode_compiled'] * 1e3:.2f} ms); eager {t['verify_eager'] * 1e3:.2f} ms = "
-          f"{t['verify_eager'] / t['decode_eager']:.2f}x an eager one")
+          f"compiled decode step ({t['decode_compiled'] * 1e3:.2f} ms); with the C++ wrapper "
+          f"{t['verify_cpp_wrapper'] * 1e3:.2f} ms = {ratio_cpp:.2f}x ({t['decode_cpp_wrapper'] * 1e3:.2f} ms); "
+          f"eager {t['verify_eager'] * 1e3:.2f} ms = {t['verify_eager'] / t['decode_eager']:.2f}x an eager one")
     out["verify_b1_ms"] = {k: round(v * 1e3, 3) for k, v in t.items()}
     out["verify_over_decode_compiled_b1"] = round(ratio, 3)
+    out["verify_over_decode_cpp_wrapper_b1"] = round(ratio_cpp, 3)
     for name, fn in (("decode_b1", decode(1, True)), (f"decode_b{n_max}", decode(n_max, True)),
                      ("verify_b1", verify_step(True))):
         with torch.profiler.profile() as prof:

@@ -102,14 +102,17 @@ class FusedPools(NamedTuple):
 
 
 _FUSED: dict[int, FusedPools] = {}
+_GRAPH_ENTRIES = 0  # the compiled entries all CapturedSteps of this process may make (dynamo's limits follow)
 
 
-def compile_options(cuda: bool) -> dict[str, object]:
+def compile_options(cuda: bool, cpp_wrapper: bool = False) -> dict[str, object]:
     """torch.compile's options for a captured step: CUDA graphs on CUDA (mode "reduce-overhead"), and no guards
     on the model's modules: a serving model's modules never change (its weights are read at each call, never
-    baked in), and checking them cost ~90 us a call on CPU, a tenth of a batch-1 MTP draft step."""
+    baked in), and checking them cost ~90 us a call on CPU, a tenth of a batch-1 MTP draft step. `cpp_wrapper`
+    (CPU): inductor's C++ wrapper, which makes the step's kernel and op calls from C++ (the worker's default;
+    `--disable-cpp-wrapper`)."""
     return {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} | (
-        {"triton.cudagraphs": True} if cuda else {})
+        {"triton.cudagraphs": True} if cuda else {"cpp_wrapper": True} if cpp_wrapper else {})
 
 
 # Outputs are contiguous, as their fake (shape) functions say.
@@ -237,7 +240,7 @@ class CapturedSteps(abc.ABC):
     how wide a KV row table is."""
 
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, buckets: Sequence[int],
-                 graphs_per_bucket: int) -> None:
+                 graphs_per_bucket: int, cpp_wrapper: bool = False) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"batch-size buckets must be >= 1, got {list(buckets)}")
         self.model, self.cache = model, cache
@@ -252,10 +255,17 @@ class CapturedSteps(abc.ABC):
         self.device = model.device
         self.cuda = self.device.type == "cuda"
         self.buckets = sorted(set(buckets))
-        self.mode = "reduce-overhead" if self.cuda else "default"  # a label: `compile_options` sets it up
-        # One code object per step function, one recompile per bucket (and the dynamic KV length): room for all.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
-                                                    graphs_per_bucket * len(self.buckets))
+        self.cpp_wrapper = cpp_wrapper and not self.cuda
+        # a label: `compile_options` sets it up
+        self.mode = "reduce-overhead" if self.cuda else "cpp_wrapper" if self.cpp_wrapper else "default"
+        # One code object per step function, shared by every instance (a process may build several, over other
+        # caches or options), one recompile per bucket (and the dynamic KV length): room for all of them, or a
+        # fullgraph compile past the limit fails.
+        global _GRAPH_ENTRIES
+        _GRAPH_ENTRIES += graphs_per_bucket * len(self.buckets)
+        dynamo = torch._dynamo.config
+        dynamo.cache_size_limit = max(dynamo.cache_size_limit, _GRAPH_ENTRIES)
+        dynamo.accumulated_cache_size_limit = max(dynamo.accumulated_cache_size_limit, _GRAPH_ENTRIES)
         self.report = CaptureReport(self.mode, {})
         self.replays = 0  # steps served (tests check that a path ran through the graphs)
 
@@ -279,7 +289,7 @@ class CapturedSteps(abc.ABC):
         """Every step function of bucket `b` once, on scratch rows."""
 
     def compiled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        return torch.compile(fn, fullgraph=True, options=compile_options(self.cuda))
+        return torch.compile(fn, fullgraph=True, options=compile_options(self.cuda, self.cpp_wrapper))
 
     @torch.inference_mode()
     def replay(self, fn: Callable[[Any], Any], step: Any, rows: Tensor, kv_rows: Tensor) -> Any:  # noqa: ANN401
@@ -307,10 +317,10 @@ class DecodeGraphs(CapturedSteps):
     kind = "decode"
 
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, scratch: Scratch, buckets: Sequence[int],
-                 with_hidden: bool = False) -> None:
+                 with_hidden: bool = False, cpp_wrapper: bool = False) -> None:
         """`with_hidden`: the graphs also return the pre-norm final hiddens (`run`'s `prenorm`), for the MTP
-        proposer."""
-        super().__init__(model, cache, buckets, 2)
+        proposer; `cpp_wrapper`: compiled with inductor's C++ wrapper (CPU)."""
+        super().__init__(model, cache, buckets, 2, cpp_wrapper)
         self.scratch = scratch
         self.with_hidden = with_hidden
         self._fn = self.compiled(self._forward)

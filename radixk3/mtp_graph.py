@@ -62,10 +62,10 @@ class MTPGraphs(CapturedSteps):
     kind = "mtp"
 
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, scratch_kv_row: int, buckets: Sequence[int],
-                 width: int) -> None:
+                 width: int, cpp_wrapper: bool = False) -> None:
         if model.config.num_nextn_predict_layers != 1:
             raise ValueError("the compiled MTP steps cover a model with one MTP layer")
-        super().__init__(model, cache, buckets, 4)  # one code object: both kinds share it
+        super().__init__(model, cache, buckets, 4, cpp_wrapper)  # one code object: both kinds share it
         self.scratch_kv_row, self.width = scratch_kv_row, width
         self._draft = self._compiled(True)
         self._catch_up = self._compiled(False)

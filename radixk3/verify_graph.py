@@ -126,8 +126,8 @@ class VerifyGraphs(DecodeGraphs):
     kind = "verify"
 
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, scratch: Scratch, buckets: Sequence[int],
-                 window: SpecWindow, scratch_row: int, with_hidden: bool = False) -> None:
-        super().__init__(model, cache, scratch, buckets, with_hidden)
+                 window: SpecWindow, scratch_row: int, with_hidden: bool = False, cpp_wrapper: bool = False) -> None:
+        super().__init__(model, cache, scratch, buckets, with_hidden, cpp_wrapper)
         _WINDOWS[self.key] = window
         self.width = window.width
         self.scratch_row = scratch_row

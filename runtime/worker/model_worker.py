@@ -143,7 +143,8 @@ class ModelWorker:
         if compiled:  # paid here, at startup, once per batch-size bucket
             scratch = Scratch(self.buffer.scratch_state_slot, self.buffer.scratch_kv_row)  # type: ignore[arg-type]
             hidden = self.proposer is not None and self.proposer.needs_hidden
-            graphs = DecodeGraphs(self.model, self.cache, scratch, args.compile_buckets, with_hidden=hidden)
+            graphs = DecodeGraphs(self.model, self.cache, scratch, args.compile_buckets, with_hidden=hidden,
+                                  cpp_wrapper=not args.disable_cpp_wrapper)
             try:
                 graphs.capture()
                 self.graphs = graphs
@@ -158,12 +159,12 @@ class ModelWorker:
         assert self.window is not None
         try:
             verify = VerifyGraphs(self.model, self.cache, scratch, args.compile_buckets, self.window,
-                                  self.window_scratch_row, with_hidden=hidden)
+                                  self.window_scratch_row, with_hidden=hidden, cpp_wrapper=not args.disable_cpp_wrapper)
             verify.capture()
             self.verify_graphs = verify
             if isinstance(self.proposer, MTPProposer) and self.model.config.num_nextn_predict_layers == 1:
                 mtp = MTPGraphs(self.model, self.proposer.cache, scratch.kv_row, args.compile_buckets,
-                                self.window.width)
+                                self.window.width, cpp_wrapper=not args.disable_cpp_wrapper)
                 mtp.capture()
                 self.proposer.graphs = mtp
         except Exception:
