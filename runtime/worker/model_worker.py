@@ -143,28 +143,41 @@ class ModelWorker:
         if compiled:  # paid here, at startup, once per batch-size bucket
             scratch = Scratch(self.buffer.scratch_state_slot, self.buffer.scratch_kv_row)  # type: ignore[arg-type]
             hidden = self.proposer is not None and self.proposer.needs_hidden
+            self.graphs = self._capture_decode(args, scratch, hidden)
+            if self.graphs is not None and self.window is not None and not args.disable_compiled_verify:
+                self._capture_speculation(args, scratch, hidden, self.graphs.cpp_wrapper)
+
+    def _capture_decode(self, args: ServerArgs, scratch: Scratch, hidden: bool) -> DecodeGraphs | None:
+        """The compiled decode step: with inductor's C++ wrapper unless `--disable-cpp-wrapper`, with its Python
+        one where the C++ one fails to build (its wrapper is a Python extension: a machine without Python's
+        headers, say), and None (decode runs eagerly) where neither does; each failure logged with its cause."""
+        for cpp_wrapper in (False,) if args.disable_cpp_wrapper else (True, False):
             graphs = DecodeGraphs(self.model, self.cache, scratch, args.compile_buckets, with_hidden=hidden,
-                                  cpp_wrapper=not args.disable_cpp_wrapper)
+                                  cpp_wrapper=cpp_wrapper)
             try:
                 graphs.capture()
-                self.graphs = graphs
+                return graphs
             except Exception:  # a model part the compiler cannot capture: serve, eagerly, and say why
+                if graphs.cpp_wrapper:
+                    log.warning("the compiled decode step failed to build with inductor's C++ wrapper; trying its "
+                                "Python one", exc_info=True)
+                    continue
                 log.warning("the compiled decode step failed to build; decode runs eagerly", exc_info=True)
-            if self.graphs is not None and self.window is not None and not args.disable_compiled_verify:
-                self._capture_speculation(args, scratch, hidden)
+                break
+        return None
 
-    def _capture_speculation(self, args: ServerArgs, scratch: Scratch, hidden: bool) -> None:
-        """The compiled verify step and (MTP with one layer) the MTP layer's steps; what fails to build runs
-        eagerly."""
+    def _capture_speculation(self, args: ServerArgs, scratch: Scratch, hidden: bool, cpp_wrapper: bool) -> None:
+        """The compiled verify step and (MTP with one layer) the MTP layer's steps, with the decode step's wrapper;
+        what fails to build runs eagerly."""
         assert self.window is not None
         try:
             verify = VerifyGraphs(self.model, self.cache, scratch, args.compile_buckets, self.window,
-                                  self.window_scratch_row, with_hidden=hidden, cpp_wrapper=not args.disable_cpp_wrapper)
+                                  self.window_scratch_row, with_hidden=hidden, cpp_wrapper=cpp_wrapper)
             verify.capture()
             self.verify_graphs = verify
             if isinstance(self.proposer, MTPProposer) and self.model.config.num_nextn_predict_layers == 1:
                 mtp = MTPGraphs(self.model, self.proposer.cache, scratch.kv_row, args.compile_buckets,
-                                self.window.width, cpp_wrapper=not args.disable_cpp_wrapper)
+                                self.window.width, cpp_wrapper=cpp_wrapper)
                 mtp.capture()
                 self.proposer.graphs = mtp
         except Exception:

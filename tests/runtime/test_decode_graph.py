@@ -197,6 +197,35 @@ def test_engine_checkpoints_mid_decode_in_the_graph(monkeypatch: pytest.MonkeyPa
     eng.scheduler.check_integrity()
 
 
+def test_a_cpp_wrapper_that_fails_to_build_falls_back_to_the_python_one(monkeypatch: pytest.MonkeyPatch,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """The worker compiles its decode step with inductor's C++ wrapper; where that fails (here: made to fail), it
+    says so and compiles with the Python wrapper instead of decoding eagerly; with both failing, it decodes eagerly."""
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    capture = DecodeGraphs.capture
+
+    def failing(self: DecodeGraphs, fail_all: bool) -> object:
+        if self.cpp_wrapper or fail_all:
+            raise RuntimeError("no C++ wrapper here")
+        return capture(self)
+
+    model = build_model(preset("k3-tiny"), seed=11)
+    args = ServerArgs(page_size=PAGE, max_running_requests=1, compile_max_bs=1, mem_bytes=4 << 20)
+    for fail_all in (False, True):
+        monkeypatch.setattr(DecodeGraphs, "capture", lambda self, f=fail_all: failing(self, f))
+        caplog.clear()
+        eng = LocalEngine(args, model)
+        assert "failed to build with inductor's C++ wrapper" in caplog.text
+        if fail_all:
+            assert eng.worker.graphs is None and "decode runs eagerly" in caplog.text
+        else:
+            assert eng.worker.graphs is not None and not eng.worker.graphs.cpp_wrapper
+            prompt = _prompts(model.config.vocab_size)[0]
+            assert eng.generate([prompt], {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}) == [
+                greedy_reference(model, prompt, 4)]
+            assert eng.worker.graphs.replays == 3
+
+
 def test_scratch_lies_outside_the_schedulers_pool() -> None:
     """The scratch slot and row start at or past the bytes the scheduler hands out, and do not overlap."""
     layout = pool_layout(preset("k3-tiny"), ServerArgs(page_size=PAGE))
