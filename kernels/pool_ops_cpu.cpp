@@ -78,8 +78,13 @@ void set_kernels(int64_t conv, int64_t kda, int64_t mla, int64_t conv_verify, in
 
 void register_pools(int64_t key, std::vector<at::Tensor> conv, std::vector<at::Tensor> recurrent,
                     std::vector<at::Tensor> latent) {
-  registry()[key] = Pools{std::move(conv), std::move(recurrent), std::move(latent), {}, {}, {}, {}, {}};
+  Pools& pools = registry()[key] = Pools{};
+  pools.conv = std::move(conv);
+  pools.recurrent = std::move(recurrent);
+  pools.latent = std::move(latent);
 }
+
+void unregister_pools(int64_t key) { registry().erase(key); }
 
 void register_window(int64_t key, std::vector<at::Tensor> x, std::vector<at::Tensor> k, std::vector<at::Tensor> v,
                      std::vector<at::Tensor> g, std::vector<at::Tensor> beta) {
@@ -112,8 +117,6 @@ KdaFactors kda_factors(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                     at::mul(beta.to(at::kFloat).unsqueeze(-1), kf).contiguous(), v.to(at::kFloat).contiguous(),
                     at::mul(q.to(at::kFloat), c10::Scalar(scale)).contiguous()};
 }
-
-void unregister_pools(int64_t key) { registry().erase(key); }
 
 // decode_graph.pool_conv_decode's fused path: conv1d_cpu_prepared, then the SiLU.
 at::Tensor conv_decode(int64_t key, int64_t layer, const at::Tensor& x, const at::Tensor& weight,
