@@ -5,6 +5,9 @@ layers the chain's steps catch layers up over several positions: the proposer ru
 - Draft step: one step of the draft chain for B windows (those still drafting, padded to a bucket): the layer on
   (d_j, the chain's previous output) at position L-1+j, its latent stored at that position's KV slot; returns
   the layer's outputs and their logits (the next drafts').
+- Draft chain (greedy windows): every draft of B windows in one step: draft 1 from the layer's output at each
+  window's last committed position, then the k - 1 chain steps, each draft the argmax of the previous step's
+  logits, as the proposer's draft steps and `choose` make them one call at a time.
 - Catch-up: after a verify step, the layer over every position of B windows of W tokens (B*W rows, as the verify
   graph packs them) with the target's hiddens there; a position past its window's committed tokens stores its
   latent in the scratch KV row, and its output is dropped.
@@ -55,9 +58,32 @@ def padded_mtp_step(model: KimiForCausalLM, cache_key: int, index: int, step: Pa
     return MTPOutput(out, logits)
 
 
+class PaddedChain(NamedTuple):
+    """One bucket's windows (padding included) for the greedy draft chain of C = k - 1 steps."""
+
+    hidden: Tensor  # [B, H] the layer's output at each window's last committed position L - 1
+    kv_slots: Tensor  # [B, C] where chain step j + 1 (position L + j) stores its latent (past the window: scratch)
+    kv_rows: Tensor  # [B, S] each window's cached KV rows through its last chain position
+    kv_lens: Tensor  # [B, C] KV length at chain step j + 1: its position + 1
+
+
+def padded_mtp_chain(model: KimiForCausalLM, cache_key: int, chain: PaddedChain, cpp_ops: bool = False) -> Tensor:
+    """The greedy drafts [B, C + 1] of `chain`'s windows: draft 1 from the logits of `chain.hidden`, draft j + 1
+    from chain step j, MTP layer 0 at position L + j - 1 on (draft j, the previous output)."""
+    hidden = chain.hidden
+    draft = model.mtp_logits(0, hidden).float().argmax(-1)
+    drafts = [draft]
+    for j in range(chain.kv_slots.shape[1]):
+        step = PaddedMTP(draft, hidden, chain.kv_slots[:, j], chain.kv_rows, chain.kv_lens[:, j])
+        out = padded_mtp_step(model, cache_key, 0, step, True, cpp_ops)
+        hidden, draft = out.hidden.to(hidden.dtype), out.logits.argmax(-1)
+        drafts.append(draft)
+    return torch.stack(drafts, 1)
+
+
 class MTPGraphs(CapturedSteps):
-    """The compiled MTP steps of a model with one MTP layer over its MTP cache: draft steps per bucket, catch-up
-    steps per bucket of windows `width` tokens wide."""
+    """The compiled MTP steps of a model with one MTP layer over its MTP cache: draft steps, greedy draft chains
+    and catch-up steps per bucket of windows `width` tokens wide."""
 
     kind = "mtp"
 
@@ -65,10 +91,16 @@ class MTPGraphs(CapturedSteps):
                  width: int, cpp_wrapper: bool = False) -> None:
         if model.config.num_nextn_predict_layers != 1:
             raise ValueError("the compiled MTP steps cover a model with one MTP layer")
-        super().__init__(model, cache, buckets, 4, cpp_wrapper)  # one code object: both kinds share it
+        # one code object for the draft and catch-up steps, one for the chain (a static and a dynamic entry each)
+        super().__init__(model, cache, buckets, 6, cpp_wrapper)
         self.scratch_kv_row, self.width = scratch_kv_row, width
         self._draft = self._compiled(True)
         self._catch_up = self._compiled(False)
+        self._chain = self.compiled(self._chain_step)
+        self.chains = 0  # greedy draft chains served (of `replays`)
+
+    def _chain_step(self, chain: PaddedChain) -> Tensor:
+        return padded_mtp_chain(self.model, self.key, chain, self.cpp_ops)
 
     def _compiled(self, with_logits: bool) -> Callable[[PaddedMTP], MTPOutput]:
         # The flag is a closure constant (guarded by value), never a graph input.
@@ -78,9 +110,13 @@ class MTPGraphs(CapturedSteps):
         return self.compiled(step)
 
     def _run_scratch(self, b: int) -> None:
-        """Both kinds: rows that touch only the scratch KV row."""
+        """Every kind: rows that touch only the scratch KV row."""
         self._call(self._draft, self._scratch_rows(b))
         self._call(self._catch_up, self._scratch_rows(b * self.width))
+        rows = self._scratch_rows(b)
+        steps = self.width - 2
+        self._call_chain(PaddedChain(rows.hidden, rows.kv_slots[:, None].expand(b, steps).contiguous(), rows.kv_rows,
+                                     rows.kv_lens[:, None].expand(b, steps).contiguous()))
 
     def _scratch_rows(self, r: int) -> PaddedMTP:
         dev, row = self.device, self.scratch_kv_row
@@ -91,6 +127,9 @@ class MTPGraphs(CapturedSteps):
 
     def _call(self, fn: Callable[[PaddedMTP], MTPOutput], rows: PaddedMTP) -> MTPOutput:
         return self.replay(fn, rows, rows.next_ids, rows.kv_rows)
+
+    def _call_chain(self, chain: PaddedChain) -> Tensor:
+        return self.replay(self._chain, chain, chain.hidden, chain.kv_rows)
 
     def _kv(self, block_table: Tensor, page_size: int, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """KV slot, row table [R, S] and length of rows at `positions` [R] of sequences `block_table` [R, P]."""
@@ -113,6 +152,31 @@ class MTPGraphs(CapturedSteps):
         self.replays += 1
         out = self._call(self._draft, step)
         return MTPOutput(out.hidden[:n], out.logits[:n])
+
+    def chain(self, hidden: Tensor, lens: Tensor, prefix_lens: Tensor, block_table: Tensor,
+              page_size: int) -> Tensor | None:
+        """Every greedy draft of n windows of `lens` [n] tokens (the last committed token, then its drafts) at
+        positions `prefix_lens` [n] on, with pages `block_table` [n, P]: `hidden` [n, H] is the layer's output at
+        each window's last committed position -> drafts [n, width - 1], of which window i keeps lens[i] - 1; None
+        if no bucket fits. A window narrower than `width` runs every chain step, those past its drafts on the
+        scratch KV row (their drafts are dropped)."""
+        n = hidden.shape[0]
+        b = self.bucket(n)
+        if b is None:
+            return None
+        steps = torch.arange(1, self.width - 1, device=self.device)[None, :]  # chain step j at position L + j - 1
+        # The row table through each window's last position but one (its pages exist), the rest repeating it.
+        table_lens = prefix_lens + lens - 1
+        rows = row_table(block_table, page_size, table_lens, self.kv_width(int(table_lens.max())))
+        used = steps <= lens[:, None] - 2
+        kv_lens = torch.where(used, prefix_lens[:, None] + steps, prefix_lens[:, None])
+        slots = torch.where(used, rows.gather(1, (kv_lens - 1).clamp(min=0)), self.scratch_kv_row)
+        kv = self.scratch_kv_row
+        chain = PaddedChain(pad_rows(hidden, b, 0), pad_rows(slots, b, kv), pad_rows(rows, b, kv),
+                            pad_rows(kv_lens, b, 1))
+        self.replays += 1
+        self.chains += 1
+        return self._call_chain(chain)[:n]
 
     def catch_up(self, next_ids: Tensor, hidden: Tensor, prefix_lens: Tensor, num_tokens: Tensor,
                  block_table: Tensor, page_size: int) -> Tensor | None:

@@ -139,6 +139,8 @@ class MTPProposer:
             self._run(batch, hidden, next_last, rows)
 
     def propose(self, batch: ForwardBatch, rows: Tensor, params: SamplingTensors) -> Tensor | None:
+        if self.graphs is not None and bool(params.greedy.all()) and self._greedy_chain(batch, rows):
+            return None
         ids = batch.input_ids
         starts, lens, width, probs = draft_windows(batch.cu_seqlens, params, self.model.config.vocab_size)
         # chain[:, s]: the chain's output at position L-1+s (s = 0: layer 0's at the last committed position).
@@ -178,6 +180,24 @@ class MTPProposer:
             logits = out.logits.float()  # draft j + 1's, from layer m at this step
             written[m] = j
         return probs
+
+    def _greedy_chain(self, batch: ForwardBatch, rows: Tensor) -> bool:
+        """`propose` for windows that are all greedy, through the captured chain step: every draft of every window
+        in one call (`MTPGraphs.chain`), where the step-by-step path makes one call per draft and picks each
+        draft on the host. False where no bucket fits (the caller drafts step by step)."""
+        assert self.graphs is not None
+        cu = batch.cu_seqlens
+        lens = cu[1:] - cu[:-1]
+        if int(lens.max()) < 2:
+            return True  # no window drafts
+        drafts = self.graphs.chain(self.last_out[0, rows], lens, batch.prefix_lens, batch.block_table,
+                                   batch.page_size)
+        if drafts is None:
+            return False
+        seq, pos, _ = window_layout(cu)
+        placed = pos > 0  # window position j > 0 holds draft j
+        batch.input_ids[placed] = drafts[seq[placed], pos[placed] - 1]
+        return True
 
     def commit(self, state_slots: Tensor, rows: Tensor, num_tokens: Tensor, check: bool) -> None:
         pass  # no recurrent state: after_verify rewrites the committed positions' latents

@@ -76,5 +76,6 @@ def test_compiled_mtp_speculation_equals_eager(monkeypatch: pytest.MonkeyPatch) 
     graphs = runs["1"].worker.proposer.graphs  # type: ignore[union-attr]
     assert graphs is not None and runs["0"].worker.proposer.graphs is None  # type: ignore[union-attr]
     eager, compiled = runs["0"].metrics, runs["1"].metrics
-    assert graphs.replays > compiled.verify_steps  # drafts and catch-ups
+    assert graphs.replays > compiled.verify_steps  # draft chains and catch-ups
+    assert graphs.chains == compiled.verify_steps  # every window greedy: all its drafts in one chain call
     assert compiled.accepted_tokens == eager.accepted_tokens > eager.verify_steps / 2
