@@ -86,9 +86,9 @@ void column_sums(const float* p, int64_t K, int64_t V, int64_t lanes, float* acc
   for (int64_t v = cascaded; v < V; ++v) out[v] = interleaved_sum(p + v, V, K);
 }
 
-// One head of one sequence: decay and update the [K, V] state s in place, write S^T (q scale) to o.
-void step(float* s, int64_t K, int64_t V, const float* e, const float* k, const float* bk, const float* v,
-          const float* qs, float* o, int64_t lanes, float* prod, float* sums, float* acc) {
+// One head of one sequence: decay and update the [K, V] state s in place.
+void update(float* s, int64_t K, int64_t V, const float* e, const float* k, const float* bk, const float* v,
+            int64_t lanes, float* prod, float* sums, float* acc) {
   // S = diag(exp g) S, and the products of S^T k
   for (int64_t i = 0; i < K; ++i)
     for (int64_t j = 0; j < V; ++j) {
@@ -97,12 +97,17 @@ void step(float* s, int64_t K, int64_t V, const float* e, const float* k, const 
     }
   column_sums(prod, K, V, lanes, acc, sums);
   for (int64_t j = 0; j < V; ++j) sums[j] = v[j] - sums[j];
-  // S += (beta k) (v - S^T k)^T, and the products of S^T (q scale)
+  // S += (beta k) (v - S^T k)^T
   for (int64_t i = 0; i < K; ++i)
-    for (int64_t j = 0; j < V; ++j) {
-      s[i * V + j] = std::fma(bk[i], sums[j], s[i * V + j]);
-      prod[i * V + j] = qs[i] * s[i * V + j];
-    }
+    for (int64_t j = 0; j < V; ++j) s[i * V + j] = std::fma(bk[i], sums[j], s[i * V + j]);
+}
+
+// `update`, then write S^T (q scale) to o.
+void step(float* s, int64_t K, int64_t V, const float* e, const float* k, const float* bk, const float* v,
+          const float* qs, float* o, int64_t lanes, float* prod, float* sums, float* acc) {
+  update(s, K, V, e, k, bk, v, lanes, prod, sums, acc);
+  for (int64_t i = 0; i < K; ++i)
+    for (int64_t j = 0; j < V; ++j) prod[i * V + j] = qs[i] * s[i * V + j];
   column_sums(prod, K, V, lanes, acc, o);
 }
 
@@ -158,6 +163,27 @@ extern "C" void radixk3_kda_verify(const float* pool, int64_t slot_stride, const
              out + row * V, lanes, prod.data(), sums.data(), acc.data());
         if (snap != nullptr)
           std::copy(s.begin(), s.end(), snap + snap_rows[n] * snap_row_stride + t * snap_pos_stride + h * K * V);
+      }
+    }
+  }
+}
+
+// ReplaySSM's commit (kda_pool.kda_replay): each sequence's state advanced in place over the first num_tokens[n]
+// of its W saved tokens, the update of `step` without its read. decay, k, beta_k: [N, W, H, K]; v: [N, W, H, V].
+extern "C" void radixk3_kda_replay(float* pool, int64_t slot_stride, const int64_t* slots, int64_t N, int64_t W,
+                                   int64_t H, int64_t K, int64_t V, const float* decay, const float* k,
+                                   const float* beta_k, const float* v, const int64_t* num_tokens, int64_t lanes) {
+#pragma omp parallel
+  {
+    std::vector<float> prod(K * V), sums(V), acc(4 * V);
+#pragma omp for schedule(static)
+    for (int64_t nh = 0; nh < N * H; ++nh) {
+      const int64_t n = nh / H, h = nh % H;
+      float* s = pool + slots[n] * slot_stride + h * K * V;
+      for (int64_t t = 0; t < num_tokens[n]; ++t) {
+        const int64_t row = (n * W + t) * H + h;
+        update(s, K, V, decay + row * K, k + row * K, beta_k + row * K, v + row * V, lanes, prod.data(),
+               sums.data(), acc.data());
       }
     }
   }

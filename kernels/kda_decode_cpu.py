@@ -43,6 +43,8 @@ def _library() -> ctypes.CDLL | None:
     lib.radixk3_kda_decode.argtypes = [ptr, i64, ptr, *[i64] * 4, *[ptr] * 6, i64]
     lib.radixk3_kda_verify.restype = None
     lib.radixk3_kda_verify.argtypes = [ptr, i64, ptr, *[i64] * 5, *[ptr] * 7, i64, i64, ptr, i64]
+    lib.radixk3_kda_replay.restype = None  # called from C++ only (`pool_ops_cpu.window_commit`)
+    lib.radixk3_kda_replay.argtypes = [ptr, i64, ptr, *[i64] * 5, *[ptr] * 5, i64]
     return lib
 
 

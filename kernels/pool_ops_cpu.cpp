@@ -1,4 +1,4 @@
-// The captured decode step's pool ops on CPU as torch ops (see pool_ops_cpu.py): each reaches its pool through a
+// The captured decode step's pool ops on CPU as torch ops (see pool_ops_cpu.py), and ReplaySSM's commit: each reaches its pool through a
 // registry by cache key and calls the C++ kernel of conv1d_cpu.cpp, kda_decode_cpu.cpp or mla_decode_cpu.cpp (the
 // very functions their ctypes paths call, handed over as addresses), with the small tensor work around it done by
 // the same ATen ops the Python bodies call, in the same order, so the bits are theirs.
@@ -9,10 +9,12 @@
 #include <ATen/ops/exp.h>
 #include <ATen/ops/index_copy.h>
 #include <ATen/ops/index_put.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <unordered_map>
@@ -31,6 +33,8 @@ using ConvVerify = void (*)(const float*, int64_t, const int64_t*, int64_t, int6
 using KdaVerify = void (*)(const float*, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                            const float*, const float*, const float*, const float*, const float*, float*, float*,
                            int64_t, int64_t, const int64_t*, int64_t);
+using KdaReplay = void (*)(float*, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           const float*, const float*, const float*, const float*, const int64_t*, int64_t);
 
 struct Kernels {
   ConvDecode conv = nullptr;
@@ -38,6 +42,7 @@ struct Kernels {
   MlaDecode mla = nullptr;
   ConvVerify conv_verify = nullptr;
   KdaVerify kda_verify = nullptr;
+  KdaReplay kda_replay = nullptr;
 };
 
 Kernels kernels;
@@ -68,12 +73,14 @@ const at::Tensor& layer_pool(const std::vector<at::Tensor>& pools, int64_t layer
   return pools[layer];
 }
 
-void set_kernels(int64_t conv, int64_t kda, int64_t mla, int64_t conv_verify, int64_t kda_verify) {
+void set_kernels(int64_t conv, int64_t kda, int64_t mla, int64_t conv_verify, int64_t kda_verify,
+                 int64_t kda_replay) {
   kernels.conv = reinterpret_cast<ConvDecode>(conv);
   kernels.kda = reinterpret_cast<KdaDecode>(kda);
   kernels.mla = reinterpret_cast<MlaDecode>(mla);
   kernels.conv_verify = reinterpret_cast<ConvVerify>(conv_verify);
   kernels.kda_verify = reinterpret_cast<KdaVerify>(kda_verify);
+  kernels.kda_replay = reinterpret_cast<KdaReplay>(kda_replay);
 }
 
 void register_pools(int64_t key, std::vector<at::Tensor> conv, std::vector<at::Tensor> recurrent,
@@ -203,10 +210,74 @@ at::Tensor mla_decode(int64_t key, int64_t layer, const at::Tensor& q_nope, cons
   return at::einsum("nhr,hvr->nhv", {out, w_uv}).contiguous();
 }
 
+// SpecWindow.commit in replay mode: every KDA layer's live recurrent and conv states advanced over the first
+// num_tokens[i] (>= 1) tokens saved in draft-window row rows[i]. The recurrent part is kda_pool.kda_replay: the
+// saved inputs of the committed positions gathered and made fp32 (the decay's exp) by the same ATen ops, then the
+// decode step's update per token (kda_decode_cpu.cpp). The conv part is conv1d_pool.conv1d_replay: each state's
+// last W - 1 inputs of [state, the committed inputs], copied in place (state and ring fp32, as the registry's
+// pools are).
+void window_commit(int64_t key, const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& num_tokens) {
+  TORCH_CHECK(kernels.kda_replay != nullptr, "KDA replay kernel not set");
+  const Pools& pools = pools_of(key);
+  const at::Tensor sc = slots.contiguous(), rc = rows.contiguous(), nc = num_tokens.contiguous();
+  const int64_t n = sc.size(0);
+  TORCH_CHECK(rc.size(0) == n && nc.size(0) == n, "window_commit: slots, rows and num_tokens differ in length");
+  if (n == 0) return;
+  TORCH_CHECK(sc.scalar_type() == at::kLong && rc.scalar_type() == at::kLong && nc.scalar_type() == at::kLong,
+              "window_commit: int64 slots, rows and num_tokens");
+  const int64_t* counts = nc.data_ptr<int64_t>();
+  const int64_t longest = *std::max_element(counts, counts + n);
+  const int64_t* row_of = rc.data_ptr<int64_t>();
+  const int64_t* slot_of = sc.data_ptr<int64_t>();
+  // The kernels index raw memory with these: out-of-range values are errors, never reads or writes elsewhere.
+  const at::Tensor& first_ring = layer_pool(pools.ring_x, 0, "conv input ring");
+  const int64_t num_slots = layer_pool(pools.recurrent, 0, "recurrent pool").size(0);
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(counts[i] >= 1 && counts[i] <= first_ring.size(1) && row_of[i] >= 0 &&
+                    row_of[i] < first_ring.size(0) && slot_of[i] >= 0 && slot_of[i] < num_slots,
+                "window_commit: sequence ", i, " has ", counts[i], " tokens, row ", row_of[i], ", slot ", slot_of[i],
+                " (window ", first_ring.size(0), " x ", first_ring.size(1), ", ", num_slots, " slots)");
+  for (int64_t layer = 0; layer < static_cast<int64_t>(pools.recurrent.size()); ++layer) {
+    const auto saved = [&](const std::vector<at::Tensor>& ring, const char* kind) {
+      return layer_pool(ring, layer, kind).slice(1, 0, longest).index_select(0, rc);
+    };
+    const at::Tensor kf = saved(pools.ring_k, "key ring").to(at::kFloat);
+    const at::Tensor decay = at::exp(saved(pools.ring_g, "decay ring").to(at::kFloat)).contiguous();
+    const at::Tensor beta_k = at::mul(saved(pools.ring_beta, "beta ring").to(at::kFloat).unsqueeze(-1), kf)
+                                  .contiguous();
+    const at::Tensor v = saved(pools.ring_v, "value ring").to(at::kFloat).contiguous();
+    const at::Tensor k = kf.contiguous();
+    const at::Tensor& state = layer_pool(pools.recurrent, layer, "recurrent pool");
+    kernels.kda_replay(state.data_ptr<float>(), state.stride(0), slot_of, n, longest, k.size(2), k.size(3),
+                       v.size(3), decay.data_ptr<float>(), k.data_ptr<float>(), beta_k.data_ptr<float>(),
+                       v.data_ptr<float>(), counts, kSumLanes);
+    const at::Tensor& conv = layer_pool(pools.conv, layer, "conv pool");
+    const at::Tensor& ring = layer_pool(pools.ring_x, layer, "conv input ring");
+    TORCH_CHECK(conv.scalar_type() == at::kFloat && ring.scalar_type() == at::kFloat && ring.is_contiguous(),
+                "window_commit: fp32 conv states and a contiguous fp32 input ring");
+    const int64_t c = conv.size(1), keep = conv.size(2), width = ring.size(1);
+    float* states = conv.data_ptr<float>();
+    const float* inputs = ring.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      float* s = states + slot_of[i] * conv.stride(0);
+      const float* x = inputs + row_of[i] * width * c;
+      // position j of the new state is position counts[i] + j of [state, inputs]: always later, so read before
+      // it is written
+      for (int64_t ch = 0; ch < c; ++ch)
+        for (int64_t j = 0; j < keep; ++j) {
+          const int64_t at = counts[i] + j;
+          s[ch * conv.stride(1) + j * conv.stride(2)] =
+              at < keep ? s[ch * conv.stride(1) + at * conv.stride(2)] : x[(at - keep) * c + ch];
+        }
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(radixk3_cpu, m) {
-  m.def("set_kernels(int conv, int kda, int mla, int conv_verify, int kda_verify) -> ()", &set_kernels);
+  m.def("set_kernels(int conv, int kda, int mla, int conv_verify, int kda_verify, int kda_replay) -> ()",
+        &set_kernels);
   m.def("register_pools(int key, Tensor[] conv, Tensor[] recurrent, Tensor[] latent) -> ()", &register_pools);
   m.def("register_window(int key, Tensor[] x, Tensor[] k, Tensor[] v, Tensor[] g, Tensor[] beta) -> ()",
         &register_window);
@@ -218,6 +289,7 @@ TORCH_LIBRARY(radixk3_cpu, m) {
   m.def("conv_verify(int key, int layer, Tensor x, Tensor weight, Tensor slots, Tensor rows) -> Tensor");
   m.def("kda_verify(int key, int layer, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor slots, "
         "Tensor rows) -> Tensor");
+  m.def("window_commit(int key, Tensor slots, Tensor rows, Tensor num_tokens) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixk3_cpu, CPU, m) {
@@ -226,4 +298,5 @@ TORCH_LIBRARY_IMPL(radixk3_cpu, CPU, m) {
   m.impl("mla_decode", TORCH_FN(mla_decode));
   m.impl("conv_verify", TORCH_FN(conv_verify));
   m.impl("kda_verify", TORCH_FN(kda_verify));
+  m.impl("window_commit", TORCH_FN(window_commit));
 }

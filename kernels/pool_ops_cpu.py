@@ -1,7 +1,8 @@
 """The captured steps' pool ops on CPU as torch ops registered in C++ (`pool_ops_cpu.cpp`): short conv, KDA and
 MLA store + attention of the decode step, and the verify step's window ops (short conv and KDA from the live
 state, their inputs saved in the draft window's rings for ReplaySSM), each reaching its pool (and ring) through a
-C++ registry by cache key.
+C++ registry by cache key; and ReplaySSM's commit after acceptance (`window_commit`: every KDA layer's replay in one
+call, where the torch path makes ~15 small calls a layer per committed token).
 
 Why: a decode step streams its ~100 MB of weights between the pool ops' calls, so each op's Python body (a dict
 lookup, a switch, ~10 small ATen calls, the ctypes call) runs in an interpreter whose code and data were evicted:
@@ -48,7 +49,7 @@ def _loaded() -> bool:
     assert conv is not None and kda is not None and mla is not None
     torch.ops.radixk3_cpu.set_kernels(_address(conv.radixk3_conv_decode), _address(kda.radixk3_kda_decode),
                                       _address(mla.radixk3_mla_decode), _address(conv.radixk3_conv_verify),
-                                      _address(kda.radixk3_kda_verify))
+                                      _address(kda.radixk3_kda_verify), _address(kda.radixk3_kda_replay))
     _register_fakes()
     return True
 
@@ -105,6 +106,13 @@ def kda_verify(key: int, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
     """Windows [B, W, ...]: k, v, g, beta saved in the draft window's rows `rows`, then
     `kda_decode_cpu.kda_verify_cpu` (no snapshots) from cache `key`'s live states (not written back)."""
     return torch.ops.radixk3_cpu.kda_verify(key, layer, q, k, v, g, beta, slots, rows)
+
+
+def window_commit(key: int, slots: Tensor, rows: Tensor, num_tokens: Tensor) -> None:
+    """`SpecWindow.commit` in replay mode on cache `key`'s pools and its registered draft window: each sequence's
+    live KDA states (slot slots[i]) advanced over the first num_tokens[i] (>= 1) inputs saved in window row
+    rows[i], every layer in one call, bit for bit `kda_pool.kda_replay` and `conv1d_pool.conv1d_replay`."""
+    torch.ops.radixk3_cpu.window_commit(key, slots, rows, num_tokens)
 
 
 def _register_fakes() -> None:

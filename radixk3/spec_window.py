@@ -16,6 +16,7 @@ pool budget: `runtime.pool_layout.spec_scratch_bytes`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -54,6 +55,9 @@ class SpecWindow:
     # snapshot: per KDA layer, the state after each window position
     snap_recurrent: list[Tensor]  # [R, W, H, D, D] fp32
     snap_conv: list[Tensor]  # [R, W, 3*H*D, conv_kernel-1] model dtype
+    # replay: the whole commit in one call, where the pools and rings are registered with the C++ CPU ops
+    # (`VerifyGraphs` sets it: `kernels.pool_ops_cpu.window_commit` on its cache key); None: the torch path
+    fused_commit: Callable[[Tensor, Tensor, Tensor], None] | None = None
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, mode: str, rows: int, width: int, dtype: torch.dtype,
@@ -99,6 +103,9 @@ class SpecWindow:
     def commit(self, recurrent: list[Tensor], conv: list[Tensor], state_slots: Tensor, rows: Tensor,
                num_tokens: Tensor) -> None:
         """Advance each sequence's live state by the first num_tokens[i] (>= 1) tokens of its window."""
+        if self.fused_commit is not None and self.mode == "replay":
+            self.fused_commit(state_slots, rows, num_tokens)
+            return
         longest = int(num_tokens.max()) if num_tokens.numel() else 0
         for layer in range(len(recurrent)):
             if self.mode == "replay":

@@ -17,6 +17,7 @@ speculation, compiled against eager.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -136,6 +137,8 @@ class VerifyGraphs(DecodeGraphs):
         self.cpp_window = self.cpp_ops and window.mode == "replay"
         if self.cpp_window:
             pool_ops_cpu.register_window(self.key, window.x, window.k, window.v, window.g, window.beta)
+            # the commit after acceptance too (eager verify steps' windows included: the same rings)
+            window.fused_commit = functools.partial(pool_ops_cpu.window_commit, self.key)
 
     def _forward(self, step: PaddedVerify) -> GraphOutput:  # type: ignore[override]
         return padded_verify_logits(self.model, self.key, step, self.with_hidden, self.cpp_ops, self.cpp_window)

@@ -3,7 +3,8 @@
 `mla_decode_padded_cpu`; the verify graph's window ops in replay mode): the same bits in the outputs and in every
 pool and ring byte, on pools whose slots lie further apart than a slot (the pool buffer's per-layer views), inputs
 that are views with gaps (as a graph passes its projections' slices), rows sharing one scratch slot (the padding),
-batch 1 and 9; an unknown cache key, layer or ring is an error naming it."""
+batch 1 and 9; ReplaySSM's commit against the torch replay; an unknown cache key, layer or ring is an error naming
+it."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from torch import Tensor
 
 from kernels import pool_ops_cpu
 from kernels.conv1d_cpu import conv1d_cpu_prepared, conv1d_verify_cpu
+from kernels.conv1d_pool import conv1d_replay
 from kernels.kda_decode_cpu import kda_decode_cpu, kda_verify_cpu
+from kernels.kda_pool import kda_replay
 from kernels.mla import mla_decode_padded_cpu
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -159,6 +162,40 @@ def test_verify_ops_are_the_python_path(n: int, width: int) -> None:
     for ring, want, saved in zip(rings, want_rings, (x, k, v, g, beta), strict=True):
         want[:, :width].index_copy_(0, rows, saved)
         assert torch.equal(ring, want)
+    pool_ops_cpu.unregister_pools(key)
+
+
+@pytest.mark.parametrize("counts", [[4], [1, 4, 2]])
+def test_window_commit_is_the_torch_replay(counts: list[int]) -> None:
+    """ReplaySSM's commit in one call: every layer's live recurrent and conv states (two layers, gappy pools)
+    end bit for bit where `kda_replay` and `conv1d_replay` (torch) leave them from the same saved inputs, each
+    sequence over its own count of the window's 4 positions; other slots and the rings untouched."""
+    gen = torch.Generator().manual_seed(50 + len(counts))
+    n, width = len(counts), 4
+    conv = [_gappy((SLOTS, C, W - 1), 5, gen) for _ in range(2)]
+    recurrent = [_gappy((SLOTS, H, K, V), 7, gen) for _ in range(2)]
+    key = next(_KEYS)
+    pool_ops_cpu.register_pools(key, conv, recurrent, [])
+    rings = [_rings(6, width, gen) for _ in range(2)]
+    for ring in rings:
+        ring[3].copy_(-torch.rand(ring[3].shape, generator=gen))  # log decays
+        ring[4].copy_(torch.rand(ring[4].shape, generator=gen))  # betas
+    pool_ops_cpu.register_window(key, *([ring[i] for ring in rings] for i in range(5)))
+    saved = [[r.clone() for r in ring] for ring in rings]
+    want_conv, want_rec = [_clone(p) for p in conv], [_clone(p) for p in recurrent]
+    slots, rows, num_tokens = torch.randperm(SLOTS)[:n], torch.randperm(6)[:n], torch.tensor(counts)
+    before = _clone(recurrent[0])
+    pool_ops_cpu.window_commit(key, slots, rows, num_tokens)
+    for layer, (x, k, v, g, beta) in enumerate(rings):
+        sel = [t[:, : max(counts)].index_select(0, rows) for t in (x, k, v, g, beta)]
+        kda_replay(*sel[1:], want_rec[layer], slots, num_tokens, validate=False)
+        conv1d_replay(sel[0], want_conv[layer], slots, num_tokens, validate=False)
+        assert torch.equal(recurrent[layer], want_rec[layer]), f"layer {layer}"
+        assert torch.equal(conv[layer], want_conv[layer]), f"layer {layer}"
+        assert all(torch.equal(a, b) for a, b in zip(rings[layer], saved[layer], strict=True))
+    assert not torch.equal(recurrent[0][slots], before[slots])  # the commit moved the states
+    with pytest.raises(RuntimeError, match="sequence 0 has 5 tokens"):  # past the window: refused, not read
+        pool_ops_cpu.window_commit(key, slots[:1], rows[:1], torch.tensor([5]))
     pool_ops_cpu.unregister_pools(key)
 
 
