@@ -8,7 +8,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
 #include <ATen/ops/index_copy.h>
-#include <ATen/ops/index_put.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
@@ -191,13 +190,32 @@ at::Tensor kda_verify(int64_t key, int64_t layer, const at::Tensor& q, const at:
   return out;
 }
 
+// mla_paged.mla_store: buf[kv_slots[i]] = latent[i], in order (a slot named twice, the padding rows' scratch row,
+// keeps the later row, as index_put_ leaves it). Row copies: ATen's index_put_ spent ~50 us a call setting up its
+// iterator in a step whose weight reads evict its code and data.
+void store_latents(const at::Tensor& buf, const at::Tensor& kv_slots, const at::Tensor& latent) {
+  TORCH_CHECK(buf.scalar_type() == at::kFloat && latent.scalar_type() == at::kFloat && buf.stride(1) == 1,
+              "store_latents: fp32 latents, rows contiguous");
+  const at::Tensor src = latent.contiguous(), slots = kv_slots.contiguous();
+  const int64_t n = src.size(0), d = src.size(1), rows = buf.size(0);
+  TORCH_CHECK(slots.numel() == n && buf.size(1) == d, "store_latents: ", slots.numel(), " slots for ", n,
+              " latents of ", d, " into rows of ", buf.size(1));
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* from = src.data_ptr<float>();
+  float* to = buf.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < rows, "KV slot ", slot[i], " out of range for ", rows, " rows");
+    std::copy(from + i * d, from + (i + 1) * d, to + slot[i] * buf.stride(0));
+  }
+}
+
 // decode_graph.pool_mla_decode's fused path: store the new latents, then mla.mla_decode_padded_cpu.
 at::Tensor mla_decode(int64_t key, int64_t layer, const at::Tensor& q_nope, const at::Tensor& q_pe,
                       const at::Tensor& latent, const at::Tensor& kv_b_weight, const at::Tensor& kv_slots,
                       const at::Tensor& kv_rows, const at::Tensor& kv_lens, double scale) {
   TORCH_CHECK(kernels.mla != nullptr, "MLA kernel not set");
   at::Tensor buf = layer_pool(pools_of(key).latent, layer, "latent pool");
-  at::index_put_(buf, c10::List<std::optional<at::Tensor>>({kv_slots}), latent);
+  store_latents(buf, kv_slots, latent);
   const int64_t h = q_nope.size(1), dn = q_nope.size(2);
   const at::Tensor w = kv_b_weight.view({h, -1, kv_b_weight.size(-1)});  // mla._split_kv_b
   const at::Tensor w_uk = w.slice(1, 0, dn), w_uv = w.slice(1, dn);
