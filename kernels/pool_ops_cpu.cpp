@@ -103,11 +103,24 @@ void register_window(int64_t key, std::vector<at::Tensor> x, std::vector<at::Ten
   it->second.ring_beta = std::move(beta);
 }
 
-// SpecWindow.save_*_inputs: ring[layer][:, :W].index_copy_(0, rows, x).
+// SpecWindow.save_*_inputs: ring[layer][:, :W].index_copy_(0, rows, x), as row copies (a row named twice, the
+// padding rows' scratch row, keeps the later one, as index_copy_ leaves it): ATen's index_copy_ cost ~5-10 us a
+// call, five calls a KDA layer.
 void save_window(const std::vector<at::Tensor>& ring, int64_t layer, const at::Tensor& rows, const at::Tensor& x,
                  const char* kind) {
-  at::Tensor dst = layer_pool(ring, layer, kind).slice(1, 0, x.size(1));
-  dst.index_copy_(0, rows, x);
+  const at::Tensor& dst = layer_pool(ring, layer, kind);
+  const at::Tensor src = x.to(dst.scalar_type()).contiguous(), idx = rows.contiguous();
+  const int64_t n = src.size(0), block = src.numel() / std::max<int64_t>(n, 1);
+  TORCH_CHECK(dst.scalar_type() == at::kFloat && dst.is_contiguous() && idx.numel() == n && src.dim() == dst.dim() &&
+                  src.size(1) <= dst.size(1) && block == src.size(1) * dst.stride(1),
+              kind, ": ", n, " windows of shape ", src.sizes(), " do not fit rows of ", dst.sizes());
+  const int64_t* row = idx.data_ptr<int64_t>();
+  const float* from = src.data_ptr<float>();
+  float* to = dst.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(row[i] >= 0 && row[i] < dst.size(0), kind, ": row ", row[i], " out of range for ", dst.size(0));
+    std::copy(from + i * block, from + (i + 1) * block, to + row[i] * dst.stride(0));
+  }
 }
 
 // kda_decode_cpu._factors: exp(g), k, beta k, v, q scale, each contiguous fp32.
