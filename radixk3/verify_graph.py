@@ -28,6 +28,7 @@ from kernels import pool_ops_cpu
 from kernels.conv1d_pool import conv1d_verify_padded
 from kernels.kda_pool import kda_verify_padded
 from kernels.opaque_op import opaque_op
+from kernels.spec_layout import WindowLayout, window_layout
 from radixk3.decode_graph import _CACHES, DecodeGraphs, GraphOutput, PaddedDecodeBackend, Scratch, pad_rows, row_table
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
@@ -165,26 +166,33 @@ class VerifyGraphs(DecodeGraphs):
         assert b is not None and batch.spec is not None, "a step the verify graphs do not cover"
         self._validate(batch)
         self.replays += 1
-        lens = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
-        seq = torch.repeat_interleave(torch.arange(n, device=lens.device), lens, output_size=batch.input_ids.numel())
-        flat = seq * self.width + torch.arange(batch.input_ids.numel(), device=lens.device) - batch.cu_seqlens[seq]
-        out = self._call(self._padded_verify(batch, b, lens, flat))
+        lay = batch.spec.layout or window_layout(batch.cu_seqlens, int(batch.input_ids.numel()))
+        # Every window `width` tokens and no padding window (batch 1, k drafts each): packed is padded.
+        whole = n == b and lay.full and lay.width == self.width
+        flat = None if whole else lay.seq * self.width + lay.off  # each token's row of the padded [b * W]
+        out = self._call(self._padded_verify(batch, b, lay, flat))
         if prenorm is not None:
             assert out.hidden is not None, "hiddens from graphs captured without them"
-            prenorm.append(out.hidden[flat])
-        logits = out.logits[flat]
+            prenorm.append(out.hidden if flat is None else out.hidden[flat])
+        logits = out.logits if flat is None else out.logits[flat]
         return logits if batch.logits_index is None else logits[batch.logits_index]
 
-    def _padded_verify(self, batch: ForwardBatch, b: int, lens: Tensor, flat: Tensor) -> PaddedVerify:
-        """The real windows' tensors at rows seq * W + offset of [b * W], the rest on the scratch slots."""
+    def _padded_verify(self, batch: ForwardBatch, b: int, lay: WindowLayout, flat: Tensor | None) -> PaddedVerify:
+        """The real windows' tensors at rows `flat` (seq * W + offset) of [b * W], the rest on the scratch slots;
+        `flat` None: the windows fill every row."""
         n, w, dev, s = batch.num_seqs, self.width, self.device, self.scratch
         spec = batch.spec
         assert spec is not None
+        width = self.kv_width(int(batch.seq_lens.max()))
+        if flat is None:
+            kv_lens = batch.prefix_lens[lay.seq] + lay.off + 1
+            rows = row_table(batch.block_table[lay.seq], batch.page_size, kv_lens, width)
+            return PaddedVerify(batch.input_ids, batch.state_slots, spec.rows, batch.kv_slots, rows, kv_lens)
         kv_lens = torch.ones(b * w, dtype=torch.int64, device=dev)
-        kv_lens[flat] = batch.prefix_lens.repeat_interleave(lens) + flat % w + 1
+        kv_lens[flat] = batch.prefix_lens[lay.seq] + lay.off + 1
         seq_of = torch.arange(b * w, device=dev) // w
         table = batch.block_table[seq_of.clamp(max=n - 1)]  # rows of padding windows are masked below
-        rows = row_table(table, batch.page_size, kv_lens, self.kv_width(int(batch.seq_lens.max())))
+        rows = row_table(table, batch.page_size, kv_lens, width)
         real = torch.zeros(b * w, dtype=torch.bool, device=dev)
         real[flat] = True
         rows = torch.where(real[:, None], rows, s.kv_row)
