@@ -111,18 +111,27 @@ def test_kda_decode_is_the_python_path(n: int) -> None:
     pool_ops_cpu.unregister_pools(key)
 
 
-@pytest.mark.parametrize("n", [1, 9])
-def test_mla_decode_is_the_python_path(n: int) -> None:
+# (heads, nope dim, rope dim, latent rank, value dim): the file's small shapes, and Kimi-Linear's (its absorbed
+# products are the op's own bmm calls where the Python path's are einsum's: the same bits at real sizes too)
+MLA_SHAPES = [(MH, DN, DR, R, DV), (32, 128, 64, 512, 128)]
+
+
+@pytest.mark.parametrize(("n", "shape"), [(1, MLA_SHAPES[0]), (9, MLA_SHAPES[0]), (4, MLA_SHAPES[1])])
+def test_mla_decode_is_the_python_path(n: int, shape: tuple[int, int, int, int, int]) -> None:
+    mh, dn, dr, r, dv = shape
     gen = torch.Generator().manual_seed(20 + n)
-    key, (_, _, buf), (_, _, ref) = _registered(gen)
+    key = next(_KEYS)
+    buf = _gappy((ROWS, r + dr), 3, gen)
+    ref = _clone(buf)
+    pool_ops_cpu.register_pools(key, [], [], [buf])
     kv_slots = torch.randperm(ROWS - 1)[:n]
     lens = torch.randint(1, 20, (n,), generator=gen)
     kv_rows = torch.randint(0, ROWS, (n, 24), generator=gen)
     kv_rows[torch.arange(n), lens - 1] = kv_slots  # each row's own new latent is its last
-    q_nope = _cols(torch.randn(n, MH, DN, generator=gen), 4)
-    q_pe = _cols(torch.randn(n, MH, DR, generator=gen), 4)
-    latent = torch.randn(n, R + DR, generator=gen)
-    kv_b = torch.randn(MH * (DN + DV), R, generator=gen)
+    q_nope = _cols(torch.randn(n, mh, dn, generator=gen), 4)
+    q_pe = _cols(torch.randn(n, mh, dr, generator=gen), 4)
+    latent = torch.randn(n, r + dr, generator=gen)
+    kv_b = torch.randn(mh * (dn + dv), r, generator=gen)
     got = pool_ops_cpu.mla_decode(key, 0, q_nope, q_pe, latent, kv_b, kv_slots, kv_rows, lens, 0.3)
     ref.index_put_((kv_slots,), latent)
     want = mla_decode_padded_cpu(q_nope, q_pe, ref, kv_b, kv_rows, lens, scale=0.3).contiguous()
