@@ -7,6 +7,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/einsum.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/exp.h>
 #include <ATen/ops/index_copy.h>
 #include <ATen/ops/index_select.h>
@@ -132,10 +133,21 @@ struct KdaFactors {
 KdaFactors kda_factors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                        const at::Tensor& beta) {
   const double scale = std::pow(static_cast<double>(q.size(-1)), -0.5);  // Python's `K ** -0.5`
-  const at::Tensor kf = k.to(at::kFloat);
-  return KdaFactors{at::exp(g.to(at::kFloat)).contiguous(), kf.contiguous(),
-                    at::mul(beta.to(at::kFloat).unsqueeze(-1), kf).contiguous(), v.to(at::kFloat).contiguous(),
-                    at::mul(q.to(at::kFloat), c10::Scalar(scale)).contiguous()};
+  const at::Tensor kf = k.to(at::kFloat).contiguous(), qf = q.to(at::kFloat).contiguous();
+  const at::Tensor bf = beta.to(at::kFloat).contiguous();
+  // beta k and q scale: one fp32 product each, as ATen's mul makes them (a float times a float scalar is one
+  // IEEE rounding either way), without two more ATen calls a layer. The decay's exp stays ATen's.
+  at::Tensor beta_k = at::empty_like(kf), q_scaled = at::empty_like(qf);
+  const int64_t kdim = kf.size(-1), rows = kf.numel() / kdim;
+  const float s = static_cast<float>(scale);
+  const float *kp = kf.data_ptr<float>(), *qp = qf.data_ptr<float>(), *bp = bf.data_ptr<float>();
+  float *bkp = beta_k.data_ptr<float>(), *qsp = q_scaled.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < kdim; ++i) {
+      bkp[r * kdim + i] = bp[r] * kp[r * kdim + i];
+      qsp[r * kdim + i] = qp[r * kdim + i] * s;
+    }
+  return KdaFactors{at::exp(g.to(at::kFloat)).contiguous(), kf, beta_k, v.to(at::kFloat).contiguous(), q_scaled};
 }
 
 // decode_graph.pool_conv_decode's fused path: conv1d_cpu_prepared, then the SiLU.
