@@ -220,14 +220,19 @@ class MTPProposer:
         n, w = batch.num_seqs, self.graphs.width
         if self.graphs.bucket(n) is None or bool((self.pending_pos[rows] >= 0).any()):
             return False
-        seq, pos, _ = window_layout(batch.cu_seqlens)
-        next_ids = torch.zeros(n, w, dtype=torch.int64, device=last.device)
         # The token after window position j: window token j + 1, or (at the last committed one) `last`.
-        inner = pos > 0
-        next_ids[seq[inner], pos[inner] - 1] = batch.input_ids[inner]
+        if batch.input_ids.numel() == n * w:  # every window full: packed is padded
+            ids = batch.input_ids.view(n, w)
+            next_ids = torch.cat([ids[:, 1:], ids.new_zeros(n, 1)], 1)
+            padded = hidden.reshape(n, w, -1)
+        else:
+            seq, pos, _ = window_layout(batch.cu_seqlens)
+            next_ids = torch.zeros(n, w, dtype=torch.int64, device=last.device)
+            inner = pos > 0
+            next_ids[seq[inner], pos[inner] - 1] = batch.input_ids[inner]
+            padded = hidden.new_zeros(n, w, hidden.shape[-1])
+            padded[seq, pos] = hidden
         next_ids[torch.arange(n, device=last.device), num_tokens - 1] = last
-        padded = hidden.new_zeros(n, w, hidden.shape[-1])
-        padded[seq, pos] = hidden
         out = self.graphs.catch_up(next_ids, padded, batch.prefix_lens, num_tokens, batch.block_table,
                                    batch.page_size)
         if out is None:

@@ -524,7 +524,8 @@ class ModelWorker:
         banned = [plan.banned[starts[i] : starts[i] + lens[i]] for i in range(n)]
         # Padded position j of window i: its own row, or (past the window) the window's last, never emitted.
         positions = starts[:, None] + np.minimum(np.arange(width)[None], lens[:, None] - 1)
-        padded_params = params.take(self._tensor(positions.reshape(-1)))
+        # Every window full: the padded positions are the packed ones, in order.
+        padded_params = params if lay.full else params.take(self._tensor(positions.reshape(-1)))
         # Constrained requests never draft: their one position is masked as in decode, at its padded row.
         g = np.asarray(plan.grammar_rows, dtype=np.int64)
         seq = np.repeat(np.arange(n), lens)
