@@ -4,11 +4,26 @@ served path is compared with) and the cached loop through a HybridCache."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from radixk3.forward_batch import ForwardBatch, HybridCache
 from radixk3.model import KimiForCausalLM
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's intra-op threads at 1 for the oracle: its ops are test-sized, and with two threads each op pays an
+    OpenMP barrier, which on a machine busy with other work costs far more than the op (a k3-tiny forward of 60
+    tokens 0.08 s on one thread, 1.2-1.7 s on two on a loaded 2-core machine). The code under test keeps its
+    threads."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 @torch.inference_mode()
@@ -17,13 +32,14 @@ def greedy_reference(model: KimiForCausalLM, prompt: list[int], max_new_tokens: 
     """Recompute the whole sequence with the no-cache forward for every new token."""
     seq = list(prompt)
     out: list[int] = []
-    for _ in range(max_new_tokens):
-        logits = model(torch.tensor(seq, device=model.device))
-        tok = int(logits[-1].argmax())
-        out.append(tok)
-        seq.append(tok)
-        if tok in stop_ids:
-            break
+    with one_thread():
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor(seq, device=model.device))
+            tok = int(logits[-1].argmax())
+            out.append(tok)
+            seq.append(tok)
+            if tok in stop_ids:
+                break
     return out
 
 
