@@ -62,14 +62,21 @@ def mtp_agreement(target: KimiForCausalLM, ids: torch.Tensor, t_arg: torch.Tenso
 
 
 @torch.inference_mode()
+def dspark_agreement(target: KimiForCausalLM, drafter: DSparkModel, ids: torch.Tensor,
+                     t_arg: torch.Tensor | None = None) -> float:
+    """DSpark's top-1 agreement with the target on `ids` (see `Agreement.dspark_top1`), from every anchor
+    L >= 1; `t_arg` as for `mtp_agreement`."""
+    t_arg = target(ids).argmax(-1) if t_arg is None else t_arg
+    anchors = torch.arange(1, ids.numel())
+    return float((dspark_first_drafts(target, drafter, ids, anchors) == t_arg[anchors]).float().mean())
+
+
+@torch.inference_mode()
 def agreement(target: KimiForCausalLM, draft: KimiForCausalLM, ids: torch.Tensor,
               drafter: DSparkModel | None = None) -> Agreement:
     t_arg = target(ids).argmax(-1)
     d_arg = draft(ids).argmax(-1)
-    dspark = None
-    if drafter is not None:
-        anchors = torch.arange(1, ids.numel())
-        dspark = float((dspark_first_drafts(target, drafter, ids, anchors) == t_arg[anchors]).float().mean())
+    dspark = None if drafter is None else dspark_agreement(target, drafter, ids, t_arg)
     return Agreement(mtp_agreement(target, ids, t_arg), float((d_arg == t_arg).float().mean()), dspark)
 
 

@@ -11,6 +11,7 @@ forced: prev_i is the text's token L+i (the anchor for i = 0). The target's weig
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from radixk3.dspark import DSparkModel, target_aux_states
+from radixk3.dspark import DSparkModel, aux_request, concat_aux, target_aux_states
 from radixk3.dspark_checkpoint import build_dspark
 from radixk3.dspark_config import DSparkConfig, k3_tiny_dspark_preset
 from radixk3.model import KimiForCausalLM
@@ -121,16 +122,18 @@ def train_dspark(
 
 
 def fit(model: DSparkModel, target: KimiForCausalLM, steps: int, lr: float, losses: list[float] | None,
-        step_loss: Callable[[], Tensor]) -> DSparkModel:
+        step_loss: Callable[[], Tensor], log: str = "") -> DSparkModel:
     """`steps` AdamW steps on `step_loss()` (warm-up over 10 steps, then linear decay to 10%), the target frozen:
-    the drafter calls its embedding and LM head (aliased modules), which take no gradients."""
+    the drafter calls its embedding and LM head (aliased modules), which take no gradients. `log`: a name to print
+    the loss under every 50 steps."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.1, 1 - s / steps))
     trainable = [p for p in target.parameters() if p.requires_grad]
     for p in trainable:
         p.requires_grad_(False)
+    t0 = time.perf_counter()
     try:
-        for _ in range(steps):
+        for step in range(steps):
             loss = step_loss()
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -139,6 +142,9 @@ def fit(model: DSparkModel, target: KimiForCausalLM, steps: int, lr: float, loss
             sched.step()
             if losses is not None:
                 losses.append(float(loss.detach()))
+            if log and (step % 50 == 0 or step == steps - 1):
+                print(f"  {log} step {step}/{steps} loss {float(loss.detach()):.3f} "
+                      f"({time.perf_counter() - t0:.0f}s)", flush=True)
     finally:
         for p in trainable:
             p.requires_grad_(True)
@@ -149,43 +155,61 @@ def fit(model: DSparkModel, target: KimiForCausalLM, steps: int, lr: float, loss
 def every_anchor_logits(model: DSparkModel, context: list[Tensor], ids: Tensor, anchors: Tensor) -> Tensor:
     """Base logits [A, B, V] of the block at each anchor L in `anchors` of one text `ids`, all in one pass:
     `context` holds the text's context latents per draft layer (`context_latents` at positions 0..T-1), and the
-    block at L sees context rows [0, L) and itself, non-causally, exactly as `draft_block` on that prefix (one
-    dense masked attention instead of a sequence per anchor)."""
+    block at L sees context rows [0, L) and itself, non-causally, exactly as `draft_block` on that prefix: each
+    query row's scores against the context rows (masked) and against its own block's B rows, one softmax over
+    both (a block never scores another block's rows)."""
     b, n, t = model.config.block_size, anchors.numel(), context[0].shape[0]
     x, positions = model.block_inputs(ids[anchors], anchors, b)
-    blk = torch.arange(n, device=ids.device).repeat_interleave(b)  # the block of each query row
-    visible = torch.cat([torch.arange(t, device=ids.device)[None, :] < anchors[blk][:, None],
-                         blk[:, None] == blk[None, :]], dim=1)  # [n*b, t + n*b]: context rows, then block rows
+    hidden = torch.arange(t, device=ids.device)[None, None, None, :] >= anchors[:, None, None, None]  # [A,1,1,t]
 
     def attend(i: int, attn: Any, q_nope: Tensor, q_pe: Tensor, lat: Tensor) -> Tensor:  # noqa: ANN401
-        buf = torch.cat([context[i].to(lat.dtype), lat])
-        c, k_pe = buf[:, :attn.kv_lora_rank], buf[:, attn.kv_lora_rank:]
-        w = attn.kv_b_proj.weight.view(attn.num_heads, -1, attn.kv_lora_rank)  # per head: k rows, then v rows
+        r = attn.kv_lora_rank
+        ctx = context[i].to(lat.dtype)
+        c, k_pe = ctx[:, :r], ctx[:, r:]  # the context rows
+        c_blk, k_pe_blk = lat[:, :r].view(n, b, r), lat[:, r:].view(n, b, -1)  # each block's own rows
+        w = attn.kv_b_proj.weight.view(attn.num_heads, -1, r)  # per head: k rows, then v rows
         w_uk, w_uv = w[:, :attn.nope], w[:, attn.nope:]
-        scores = (torch.einsum("jhd,hdr,sr->hjs", q_nope, w_uk, c) + torch.einsum("jhe,se->hjs", q_pe, k_pe))
-        probs = (scores.float() * attn.scale).masked_fill(~visible, float("-inf")).softmax(-1).to(q_nope.dtype)
-        return torch.einsum("hjs,sr,hvr->jhv", probs, c, w_uv)
+        q_lat = torch.einsum("jhd,hdr->jhr", q_nope, w_uk).view(n, b, attn.num_heads, r)  # absorbed queries
+        q_pe = q_pe.view(n, b, attn.num_heads, -1)
+        s_ctx = torch.einsum("nihr,sr->nihs", q_lat, c) + torch.einsum("nihe,se->nihs", q_pe, k_pe)
+        s_blk = torch.einsum("nihr,nkr->nihk", q_lat, c_blk) + torch.einsum("nihe,nke->nihk", q_pe, k_pe_blk)
+        scores = torch.cat([(s_ctx.float() * attn.scale).masked_fill(hidden, float("-inf")),
+                            s_blk.float() * attn.scale], dim=-1)  # [A, B, H, t + B]
+        probs = scores.softmax(-1).to(q_nope.dtype)
+        o_lat = torch.einsum("nihs,sr->nihr", probs[..., :t], c) + torch.einsum("nihk,nkr->nihr", probs[..., t:],
+                                                                               c_blk)
+        return torch.einsum("nihr,hvr->nihv", o_lat, w_uv).reshape(n * b, attn.num_heads, -1)
 
     return model._finish(model._run_layers(x, positions, attend), n).logits
 
 
-def window_loss(model: DSparkModel, target: KimiForCausalLM, windows: Tensor) -> Tensor:
-    """The mean per-position distillation loss of the blocks at every anchor L in [1, T-1) of each window [W, T]:
-    block position i (prev_i = token L+i, teacher forced) against the target's distribution at L+i."""
+def window_anchors(t: int, anchors: int | None, gen: torch.Generator | None) -> Tensor:
+    """The anchors of a window of `t` tokens: every L in [1, t-1), or `anchors` of them drawn without repeats
+    (sorted) when fewer."""
+    if anchors is None or anchors >= t - 2:
+        return torch.arange(1, t - 1)
+    return (torch.randperm(t - 2, generator=gen)[:anchors] + 1).sort().values
+
+
+def window_loss(model: DSparkModel, target: KimiForCausalLM, windows: Tensor, anchors: int | None = None,
+                gen: torch.Generator | None = None) -> Tensor:
+    """The mean per-position distillation loss of the blocks at the anchors L of each window [W, T] (every L in
+    [1, T-1), or `anchors` of them drawn by `gen`): block position i (prev_i = token L+i, teacher forced) against
+    the target's distribution at L+i."""
     cfg = model.config
     b = cfg.block_size
     losses = []
     for ids in windows:
         t = ids.numel()
-        with torch.no_grad():
-            cu = torch.tensor([0, t], device=ids.device)
-            aux = target_aux_states(target, cfg, ids, cu).float().clone()  # inference tensors: no autograd
-            teacher = target(ids, cu).float().log_softmax(-1).clone()
-        anchors = torch.arange(1, t - 1, device=ids.device)
-        base = every_anchor_logits(model, model.context_latents(aux, torch.arange(t, device=ids.device)), ids,
-                                   anchors)
-        pos = (anchors[:, None] + torch.arange(b, device=ids.device)).clamp(max=t - 1)  # [A, B]: L + i
-        valid = anchors[:, None] + torch.arange(b, device=ids.device) < t
+        with torch.no_grad():  # one target forward: its aux states and its logits
+            aux = aux_request(cfg)
+            h = target.prenorm_hidden(ids, torch.tensor([0, t], device=ids.device), None, aux)
+            aux = concat_aux(cfg, aux).float().clone()  # inference tensors: no autograd
+            teacher = target.lm_head(target.model.norm(h)).float().log_softmax(-1).clone()
+        at = window_anchors(t, anchors, gen).to(ids.device)
+        base = every_anchor_logits(model, model.context_latents(aux, torch.arange(t, device=ids.device)), ids, at)
+        pos = (at[:, None] + torch.arange(b, device=ids.device)).clamp(max=t - 1)  # [A, B]: L + i
+        valid = at[:, None] + torch.arange(b, device=ids.device) < t
         logq = model.markov_logits(base, ids[pos]).log_softmax(-1)
         p = teacher[pos]
         losses.append((p.exp() * (p - logq)).sum(-1)[valid].mean())  # KL(target || draft)
@@ -193,13 +217,15 @@ def window_loss(model: DSparkModel, target: KimiForCausalLM, windows: Tensor) ->
 
 
 def train_dspark_windows(target: KimiForCausalLM, windows: Tensor, *, seed: int, steps: int, cfg: DSparkConfig,
-                         windows_per_step: int = 2, lr: float = 3e-3, losses: list[float] | None = None
-                         ) -> DSparkModel:
+                         windows_per_step: int = 2, lr: float = 3e-3, anchors: int | None = None,
+                         losses: list[float] | None = None, log: str = "") -> DSparkModel:
     """A drafter of `cfg` trained `steps` AdamW steps on the frozen target, each on `windows_per_step` windows
-    [W, T] (a seeded order, epoch after epoch) with the blocks at every anchor (`window_loss`)."""
+    [W, T] (a seeded order, epoch after epoch) with the blocks at every anchor, or at `anchors` per window drawn
+    afresh each time (`window_loss`)."""
     torch.manual_seed(seed)
     model = build_dspark(cfg.replace(dtype="float32"), target, seed=seed).train()
     gen = torch.Generator().manual_seed(seed + 1)
+    anchor_gen = torch.Generator().manual_seed(seed + 2)
     order, pos = torch.randperm(windows.shape[0], generator=gen), 0
 
     def step_loss() -> Tensor:
@@ -207,6 +233,6 @@ def train_dspark_windows(target: KimiForCausalLM, windows: Tensor, *, seed: int,
         if pos + windows_per_step > order.numel():
             order, pos = torch.randperm(windows.shape[0], generator=gen), 0
         pos += windows_per_step
-        return window_loss(model, target, windows[order[pos - windows_per_step: pos]])
+        return window_loss(model, target, windows[order[pos - windows_per_step: pos]], anchors, anchor_gen)
 
-    return fit(model, target, steps, lr, losses, step_loss)
+    return fit(model, target, steps, lr, losses, step_loss, log)

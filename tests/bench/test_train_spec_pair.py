@@ -4,6 +4,7 @@ with its MTP layer, two runs give identical bytes, and a second call reuses the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -11,19 +12,24 @@ from pathlib import Path
 import torch
 
 from bench.spec_pair_agreement import agreement, dspark_first_drafts
+from bench.spec_train_dspark import every_anchor_logits, window_anchors
 from bench.train_spec_pair import (
+    DSparkStage,
     Recipe,
     Stage,
+    dspark_config,
     ensure_spec_pair,
     file_sha256,
     k3_config,
+    retrain_dspark,
     retrain_mtp,
     served_target,
     write_builtin,
 )
 from radixk3.checkpoint import load_model, write_checkpoint
 from radixk3.dspark import target_aux_states
-from radixk3.dspark_checkpoint import load_dspark
+from radixk3.dspark_checkpoint import build_dspark, load_dspark, write_dspark_checkpoint
+from radixk3.model import build_model
 
 TINY = Recipe(
     target=k3_config(32, 2, [2], 1, 32, 64, mtp=1),
@@ -126,3 +132,65 @@ def test_dspark_agreement_drafts_as_the_drafter_does(tmp_path: Path) -> None:
         assert first == int(want)
     agree = agreement(target, load_model(pair.draft), ids, drafter)
     assert agree.dspark_top1 is not None and 0.0 <= agree.dspark_top1 <= 1.0
+
+
+def test_retrain_dspark_changes_only_the_dspark_figures(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """`--retrain-dspark` (stage 4 alone, against the committed target): with the recipe `--write-builtin` used it
+    makes the very drafter and DSpark figures that run made, replacing the cached pair's drafter; with a changed
+    DSpark stage only the DSpark figures of recipe.json change, the checkpoint's bytes stay, and no pair is cached
+    under the new recipe's key (the first bench run trains it)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    out = write_builtin(TINY, tmp_path / "k3-gsm8k", log=False)
+    before = json.loads((out / "recipe.json").read_text())
+    checkpoint = (out / "model.safetensors").read_bytes()
+    pair = ensure_spec_pair(recipe=TINY, target=out)  # trained by write_builtin: a cache hit
+    drafter = (pair.dspark / "model.safetensors").read_bytes()
+    spoilt = load_dspark(pair.dspark, served_target(out))
+    with torch.no_grad():
+        for p in spoilt.parameters():
+            p.zero_()
+    write_dspark_checkpoint(spoilt, pair.dspark)  # a drafter the retraining must replace
+    assert (pair.dspark / "model.safetensors").read_bytes() != drafter
+
+    def without(report: dict, *keys: str) -> dict:
+        return {k: ({n: x for n, x in v.items() if n not in keys} if isinstance(v, dict) else v)
+                for k, v in report.items() if k not in keys}
+
+    retrain_dspark(TINY, out, log=False)
+    assert (pair.dspark / "model.safetensors").read_bytes() == drafter
+    same = json.loads((out / "recipe.json").read_text())
+    assert same["dspark_retrained_by"] == "python bench/train_spec_pair.py --retrain-dspark"
+    timing = ("dspark_retrained_by", "train_seconds", "dspark")
+    assert without(same, *timing)["seconds"] == without(before, *timing)["seconds"]
+    assert without(same, "dspark_retrained_by", "train_seconds", "seconds") == without(before, "train_seconds",
+                                                                                       "seconds")
+
+    changed = dataclasses.replace(TINY, dspark_stage=DSparkStage(steps=3, lr=1e-2, batch=1, window=64, anchors=8))
+    retrain_dspark(changed, out, log=False)
+    assert (out / "model.safetensors").read_bytes() == checkpoint
+    after = json.loads((out / "recipe.json").read_text())
+    assert after["recipe"]["dspark_stage"] == {"steps": 3, "lr": 1e-2, "batch": 1, "window": 64, "anchors": 8}
+    assert after["final_loss"]["dspark"] != before["final_loss"]["dspark"]
+    figures = ("dspark_retrained_by", "train_seconds", "dspark", "dspark_top1", "dspark_stage")
+    assert without(after, *figures) == without(before, *figures)
+    key = changed.key(Path("bench/data/gsm8k/train.jsonl"))
+    assert not any(p.name.startswith(key) for p in (cache / "radixk3" / "spec_pair").iterdir())
+
+
+def test_every_anchor_pass_equals_the_drafters_own_block() -> None:
+    """The trainer's one pass over a window's anchors (every anchor, or a drawn few) gives each anchor's block
+    the base logits `draft_block` gives it on that prefix alone."""
+    target = build_model(TINY.target, seed=0).eval()
+    drafter = build_dspark(dspark_config(TINY.target).replace(dtype="float32"), target, seed=0)
+    ids = torch.arange(200, 260)
+    aux = target_aux_states(target, drafter.config, ids, torch.tensor([0, ids.numel()])).clone()
+    drawn = window_anchors(ids.numel(), 7, torch.Generator().manual_seed(0))
+    assert drawn.numel() == 7 and drawn.unique().numel() == 7 and 1 <= drawn.min() and drawn.max() < 59
+    assert torch.equal(window_anchors(ids.numel(), None, None), torch.arange(1, 59))
+    with torch.no_grad():
+        got = every_anchor_logits(drafter, drafter.context_latents(aux, torch.arange(ids.numel())), ids, drawn)
+        for n, row in zip(drawn.tolist(), got, strict=True):
+            ctx = drafter.context_latents(aux[:n], torch.arange(n))
+            want = drafter.draft_block(ctx, torch.tensor([0, n]), ids[n:n + 1]).logits[0]
+            torch.testing.assert_close(row, want, rtol=1e-4, atol=1e-4)
