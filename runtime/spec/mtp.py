@@ -194,6 +194,10 @@ class MTPProposer:
                                    batch.page_size)
         if drafts is None:
             return False
+        n, w = drafts.shape[0], drafts.shape[1] + 1
+        if batch.input_ids.numel() == n * w:  # every window full (batch 1): packed is padded
+            batch.input_ids.view(n, w)[:, 1:] = drafts
+            return True
         seq, pos, _ = window_layout(cu)
         placed = pos > 0  # window position j > 0 holds draft j
         batch.input_ids[placed] = drafts[seq[placed], pos[placed] - 1]
