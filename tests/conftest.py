@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import torch
 
 from bench.train_spec_pair import Recipe, SpecPair, Stage, ensure_spec_pair, k3_config
 from radixk3.builtin_model import DEFAULT_MODEL_ENV
@@ -35,6 +36,11 @@ os.environ.setdefault(COMPILE_ENV, "0")
 # An engine given no model serves the random k3-tiny preset here (every feature, test-sized; the built-in trained
 # model is dense), spawned servers included; the tests of the built-in model name its directory.
 os.environ[DEFAULT_MODEL_ENV] = TINY_PRESET
+# The suite runs in pytest-xdist workers, one per core (pyproject's addopts): each worker's own forwards get an
+# equal share of the cores, so that two workers' OpenMP teams do not spin against each other. Spawned engine
+# processes size their own teams.
+if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 SMALL_SPEC_RECIPE = Recipe(
     target=k3_config(64, 2, [2], 1, 32, 128, mtp=1),
