@@ -35,7 +35,6 @@ from dataclasses import dataclass
 
 import zmq
 
-from runtime.disagg.bootstrap import BootstrapServer, lookup
 from runtime.disagg.link import PeerLink
 from runtime.disagg.protocol import (
     BootstrapEntry,
@@ -151,6 +150,9 @@ class DecodeSide:
         # Bootstrap lookups run in a thread: a dead prefill host must not stall the loop for the lookup's timeout.
         self._lookups: dict[tuple[str, int], Future[BootstrapEntry]] = {}
         self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="pd-lookup")
+        # The bootstrap's HTTP client and server (httpx, FastAPI, uvicorn) load on a P/D server's scheduler only.
+        from runtime.disagg.bootstrap import lookup
+        self._lookup = lookup
 
     # --- requests ------------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -316,7 +318,7 @@ class DecodeSide:
         if key not in self.peers:
             future = self._lookups.get(key)
             if future is None:
-                self._lookups[key] = self._lookup_pool.submit(lookup, host, port)
+                self._lookups[key] = self._lookup_pool.submit(self._lookup, host, port)
                 return None
             if not future.done():
                 return None
@@ -419,6 +421,8 @@ class PrefillSide:
         self.fingerprint = layout_fingerprint(layout, tp_size)
         self.tp_size, self.ps = tp_size, layout.page_size
         self.proposer = pool_proposer(args.speculative_algorithm)
+        from runtime.disagg.bootstrap import BootstrapServer  # FastAPI and uvicorn: a P/D server's only
+
         self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
         self.bootstrap.register(BootstrapEntry(self.control.host, self.control.port, tp_size, layout.page_size,
                                                self.fingerprint, self.proposer))
