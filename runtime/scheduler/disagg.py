@@ -150,9 +150,6 @@ class DecodeSide:
         # Bootstrap lookups run in a thread: a dead prefill host must not stall the loop for the lookup's timeout.
         self._lookups: dict[tuple[str, int], Future[BootstrapEntry]] = {}
         self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="pd-lookup")
-        # The bootstrap's HTTP client and server (httpx, FastAPI, uvicorn) load on a P/D server's scheduler only.
-        from runtime.disagg.bootstrap import lookup
-        self._lookup = lookup
 
     # --- requests ------------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -318,7 +315,9 @@ class DecodeSide:
         if key not in self.peers:
             future = self._lookups.get(key)
             if future is None:
-                self._lookups[key] = self._lookup_pool.submit(self._lookup, host, port)
+                from runtime.disagg.bootstrap import lookup  # httpx: loaded by a P/D server's scheduler only
+
+                self._lookups[key] = self._lookup_pool.submit(lookup, host, port)
                 return None
             if not future.done():
                 return None
