@@ -1,7 +1,8 @@
 """The worker's step alone, compiled against eager, from one process (ratios only: on a shared machine only
 timings taken side by side mean anything): decode at batch 1 and 32, the verify of k drafts at batch 1 against
 a decode step (issue 24's target: within 1.1x compiled), inductor's C++ wrapper (the engine's default) against its
-Python one (`--disable-cpp-wrapper`), the pool ops registered in C++ against the Python ops
+Python one (`--disable-cpp-wrapper`), the dense layers' few-row GEMM op (`kernels/linear_cpu.py`) against the
+GEMM library's `F.linear`, the pool ops registered in C++ against the Python ops
 (`kernels/pool_ops_cpu.py`) and the fused KDA decode against its torch path inside the compiled step, the compile
 seconds per graph, and a profile of the compiled steps (the biggest remaining costs).
 
@@ -27,7 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import kda_decode_cpu as fused_kda  # noqa: E402
-from kernels import pool_ops_cpu  # noqa: E402
+from kernels import (
+    linear_cpu,  # noqa: E402
+    pool_ops_cpu,  # noqa: E402
+)
 from radixk3.builtin_model import checkpoint_dir, random_preset  # noqa: E402
 from radixk3.checkpoint import load_model  # noqa: E402
 from radixk3.config import preset  # noqa: E402
@@ -109,10 +113,19 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     python_ops.capture()
     cpp_wrapper = DecodeGraphs(model, cache, scratch, a.batches, cpp_wrapper=True)
     cpp_wrapper.capture()
+    # the engine's graphs (C++ wrapper) with the dense layers' GEMMs in the GEMM library (F.linear), not linear_cpu
+    library_gemms = with_env(linear_cpu.ENV_VAR, lambda: DecodeGraphs(model, cache, scratch, a.batches,
+                                                                     cpp_wrapper=True))()
+    assert isinstance(library_gemms, DecodeGraphs) and not library_gemms.fused_linear
+    library_gemms.capture()
     verify = VerifyGraphs(model, cache, scratch, [1], window, n_max)
     verify.capture()
     verify_cpp = VerifyGraphs(model, cache, scratch, [1], window, n_max, cpp_wrapper=True)
     verify_cpp.capture()
+    verify_library = with_env(linear_cpu.ENV_VAR, lambda: VerifyGraphs(model, cache, scratch, [1], window, n_max,
+                                                                      cpp_wrapper=True))()
+    assert isinstance(verify_library, VerifyGraphs)
+    verify_library.capture()
     print(f"compile: decode {graphs.report.seconds} (C++ pool ops: {graphs.cpp_ops}; with the Python ops "
           f"{python_ops.report.seconds}; with the C++ wrapper {cpp_wrapper.report.seconds}), verify (k={a.drafts}) "
           f"{verify.report.seconds} (with the C++ wrapper {verify_cpp.report.seconds}) "
@@ -154,23 +167,28 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     for n in a.batches:
         t = best({"eager": decode(n, False), "compiled": decode(n, True),
                   "compiled_cpp_wrapper": decode(n, True, cpp_wrapper),
+                  "compiled_cpp_wrapper_library_gemms": decode(n, True, library_gemms),
                   "compiled_python_pool_ops": decode(n, True, python_ops),
                   "compiled_torch_kda": with_env(fused_kda.ENV_VAR, decode(n, True, python_ops))}, a.repeats)
         print(f"decode batch {n}: eager {t['eager'] * 1e3:.2f} ms, compiled {t['compiled'] * 1e3:.2f} ms "
               f"({t['compiled'] / t['eager']:.2f}x eager); with the C++ wrapper {t['compiled_cpp_wrapper'] * 1e3:.2f} "
-              f"ms; with the Python pool ops "
+              f"ms (the engine's step; with the dense layers in the GEMM library, not linear_cpu, "
+              f"{t['compiled_cpp_wrapper_library_gemms'] * 1e3:.2f} ms: "
+              f"{t['compiled_cpp_wrapper_library_gemms'] / t['compiled_cpp_wrapper']:.2f}x); with the Python pool ops "
               f"{t['compiled_python_pool_ops'] * 1e3:.2f} ms, and the torch KDA step "
               f"{t['compiled_torch_kda'] * 1e3:.2f} ms")
         out[f"decode_b{n}_ms"] = {k: round(v * 1e3, 3) for k, v in t.items()}
     t = best({"decode_eager": decode(1, False), "decode_compiled": decode(1, True),
               "verify_eager": verify_step(False), "verify_compiled": verify_step(True),
-              "decode_cpp_wrapper": decode(1, True, cpp_wrapper), "verify_cpp_wrapper": verify_step(True, verify_cpp)},
+              "decode_cpp_wrapper": decode(1, True, cpp_wrapper), "verify_cpp_wrapper": verify_step(True, verify_cpp),
+              "verify_cpp_wrapper_library_gemms": verify_step(True, verify_library)},
              a.repeats)
     ratio = t["verify_compiled"] / t["decode_compiled"]
     ratio_cpp = t["verify_cpp_wrapper"] / t["decode_cpp_wrapper"]
     print(f"verify of {a.drafts} drafts at batch 1: compiled {t['verify_compiled'] * 1e3:.2f} ms = {ratio:.2f}x a "
           f"compiled decode step ({t['decode_compiled'] * 1e3:.2f} ms); with the C++ wrapper "
-          f"{t['verify_cpp_wrapper'] * 1e3:.2f} ms = {ratio_cpp:.2f}x ({t['decode_cpp_wrapper'] * 1e3:.2f} ms); "
+          f"{t['verify_cpp_wrapper'] * 1e3:.2f} ms = {ratio_cpp:.2f}x ({t['decode_cpp_wrapper'] * 1e3:.2f} ms; the "
+          f"dense layers in the GEMM library {t['verify_cpp_wrapper_library_gemms'] * 1e3:.2f} ms); "
           f"eager {t['verify_eager'] * 1e3:.2f} ms = {t['verify_eager'] / t['decode_eager']:.2f}x an eager one")
     out["verify_b1_ms"] = {k: round(v * 1e3, 3) for k, v in t.items()}
     out["verify_over_decode_compiled_b1"] = round(ratio, 3)

@@ -34,8 +34,8 @@ from torch import Tensor
 
 from kernels import conv1d_cpu as fused_conv
 from kernels import kda_decode_cpu as fused_kda
+from kernels import linear_cpu, pool_ops_cpu
 from kernels import mla_decode_cpu as fused_mla
-from kernels import pool_ops_cpu
 from kernels.backend import kernel_backend
 from kernels.conv1d_pool import conv1d_decode
 from kernels.kda_pool import kda_decode
@@ -252,6 +252,9 @@ class CapturedSteps(abc.ABC):
         self.cpp_ops = all(_FUSED[self.key]) and pool_ops_cpu.available()
         if self.cpp_ops:
             pool_ops_cpu.register_pools(self.key, cache.conv, cache.recurrent, cache.latent)
+        # The dense layers' few-row GEMMs in C++ too, where it builds (each layer decides by dtype and rows).
+        self.fused_linear = (model.device.type == "cpu" and kernel_backend(model.device) == "torch"
+                             and linear_cpu.available())
         self.device = model.device
         self.cuda = self.device.type == "cuda"
         self.buckets = sorted(set(buckets))
@@ -298,7 +301,11 @@ class CapturedSteps(abc.ABC):
         torch._dynamo.mark_dynamic(kv_rows, 1)
         if self.cuda:
             torch.compiler.cudagraph_mark_step_begin()
-        return fn(step)
+        before = linear_cpu.use(self.fused_linear)
+        try:
+            return fn(step)
+        finally:
+            linear_cpu.use(before)
 
     def kv_width(self, longest: int) -> int:
         # CUDA graphs record one graph per shape: powers of two keep them few. Inductor's kernels take the

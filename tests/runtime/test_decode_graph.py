@@ -12,12 +12,14 @@ import pytest
 import torch
 
 import radixk3.decode_graph as decode_graph
-from kernels import pool_ops_cpu
+from kernels import linear_cpu, pool_ops_cpu
 from kernels.state_checkpoints import StateCheckpoints
 from radixk3.config import preset
 from radixk3.decode_graph import DecodeGraphs, FusedPools, Scratch
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import build_model
+from radixk3.moe_layer import Router
+from radixk3.parallel_linear import Linear
 from runtime.local_engine import LocalEngine
 from runtime.pool_layout import pool_layout
 from runtime.server_args import COMPILE_ENV, ServerArgs
@@ -98,6 +100,32 @@ def test_compiled_decode_equals_eager(setup) -> None:  # noqa: ANN001
     assert bool((cache.recurrent[0][top] == 7.0).all())
     assert bool((cache.latent[0][: PAGES_PER_SEQ * PAGE] == 3.0).all())
     assert graphs.report.seconds[BUCKET] > 0
+
+
+def test_the_dense_layers_run_the_few_row_gemm_op(setup) -> None:  # noqa: ANN001
+    """On CPU in fp32 the compiled step's projections and logits are `radixk3_gemm::linear` calls (the few-row GEMM
+    that reads the weights at the memory's rate; `kernels/linear_cpu.py`), not the GEMM library's."""
+    model, buf, cache, graphs = setup
+    if not linear_cpu.available():
+        pytest.skip("no C++ CPU ops built here")
+    prompts = _prompts(model.config.vocab_size)[:BUCKET]
+    top = buf.geometry.num_state_slots - 1
+    n = len(prompts)
+    table = torch.tensor([[(i + 1) * PAGES_PER_SEQ + p for p in range(PAGES_PER_SEQ)] for i in range(n)])
+    with torch.inference_mode():
+        _generate(model, cache, None, prompts, top)
+        batch = ForwardBatch.from_table(ForwardMode.DECODE, torch.tensor([p[0] for p in prompts]), torch.arange(n + 1),
+                                        torch.tensor([len(p) + MAX_NEW - 1 for p in prompts]),
+                                        torch.arange(top - 1, top - 1 - n, -1), table, PAGE)
+        with torch.profiler.profile() as prof:
+            graphs.run(batch)
+    calls = {e.key: e.count for e in prof.key_averages()}
+    # every Linear but MLA's kv_b_proj, whose weight the attention op absorbs rather than multiplies by
+    linears = sum(1 for name, m in model.named_modules() if isinstance(m, Linear) and not name.endswith("kv_b_proj"))
+    assert calls.get("radixk3_gemm::linear", 0) == linears
+    # the GEMM library's only calls left are the routers' logits (a few KB of weights each)
+    assert calls.get("aten::mm", 0) == sum(1 for m in model.modules() if isinstance(m, Router))
+    assert calls.get("aten::addmm", 0) == 0
 
 
 def test_direct_pool_ops_are_the_generic_ones(setup, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
