@@ -45,7 +45,10 @@ prefilled whole (`gsm8k_prefill_all`). Each column's JSON then has `llamacpp` {"
 "peak_rss_mib" (its process), "agreement" / "agreement_sequences" (against radixk3's tokens in that column)} and
 `ratio_llamacpp_<workload>` = radixk3 / llama.cpp output tok/s (the prefill-all ratio against radixk3's burst).
 The summary has `ratio_llamacpp_b1`, `_b32`, `_gsm8k`, `_gsm8k_prefill_all`, `agreement_llamacpp` (f32: must
-be 1.0, a conversion that disagrees is a bug) and `llamacpp` {"version", "system_info", "threads", ...}.
+be 1.0, a conversion that disagrees is a bug), `llamacpp_divergences` (f32: each sequence where the two differ,
+judged at its first differing token by the no-cache forward in fp32 and float64, `bench/llamacpp/near_ties.py`:
+a near tie fp32 cannot order, or not; the bug warning is printed unless every one is a near tie) and `llamacpp`
+{"version", "system_info", "threads", ...}.
 
 The weight-bandwidth floor (`bench/weight_floor.py`, every run): the weight bytes a batch-1 decode token reads
 over this machine's measured read rate, and each backend's batch-1 step (b1 seconds / new tokens, its 24-token
@@ -79,6 +82,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench.ideal_cache import ideal_prefill  # noqa: E402
+from bench.llamacpp import near_ties  # noqa: E402
 from bench.llamacpp.race import PREFILL_ALL, Column, run_column  # noqa: E402
 from bench.llamacpp.runner import available as llamacpp_available  # noqa: E402
 from bench.machine_info import cpu_name  # noqa: E402
@@ -358,9 +362,12 @@ def quantization_supported() -> bool:
     return "quantization" in {f.name for f in dataclasses.fields(ServerArgs)}
 
 
-def llamacpp_column(rk: dict[str, Run], lc: Column, burst: Workload) -> dict[str, Any]:
+def llamacpp_column(rk: dict[str, Run], lc: Column, burst: Workload, prompts: dict[str, Prompts] | None = None,
+                    checkpoint: Path | None = None) -> dict[str, Any]:
     """llama.cpp's figures for one precision column, radixk3 / llama.cpp ratios and how far its greedy tokens
-    agree with radixk3's (radixk3's are the reference; the prefill-all burst is compared with radixk3's burst)."""
+    agree with radixk3's (radixk3's are the reference; the prefill-all burst is compared with radixk3's burst).
+    With `checkpoint` (an f32 column) and each workload's `prompts`, every sequence where the two differ is judged
+    at its first differing token: a near tie fp32 cannot order, or not (`bench/llamacpp/near_ties.py`)."""
     runs = lc.report.runs
     col: dict[str, Any] = {"llamacpp": {
         "gguf_type": lc.gguf.file_type, "tok_s": {k: v.tok_s for k, v in runs.items()},
@@ -368,15 +375,20 @@ def llamacpp_column(rk: dict[str, Run], lc: Column, burst: Workload) -> dict[str
         "gguf_weight_bytes": lc.gguf.weight_bytes, "extra_buffers": lc.report.extra_buffers}}
     ours: Prompts = []
     theirs: Prompts = []
+    asked: Prompts = []
     for name, run in runs.items():
-        mine = rk.get(burst.name if name == burst.name + PREFILL_ALL else name)
+        workload = burst.name if name == burst.name + PREFILL_ALL else name
+        mine = rk.get(workload)
         col[f"ratio_llamacpp_{name}"] = ratio(mine.tok_s if mine else None, run.tok_s)
         if mine is not None:
             ours += mine.outputs
             theirs += run.outputs
+            asked += (prompts or {}).get(workload, [])
     tokens, seqs = agreement(theirs, ours) if ours else (None, None)
     col["llamacpp"] |= {"agreement": tokens, "agreement_sequences": seqs}
     col["agreement_llamacpp"] = tokens
+    if checkpoint is not None and ours and len(asked) == len(ours):
+        col["llamacpp_divergences"] = [d._asdict() for d in near_ties.judge(checkpoint, asked, ours, theirs)]
     return col
 
 
@@ -544,7 +556,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if a.llamacpp:
                 lc = run_column(Path(ckpt), dtype, workloads, burst, vocab, threads, Path(tmp),
                                 cfg.num_experts_per_token)
-                cols[dtype] |= llamacpp_column(rk, lc, burst)
+                f32 = dtype in ("auto", "float32") and served.torch_dtype == torch.float32
+                cols[dtype] |= llamacpp_column(rk, lc, burst, {w.name: w.prompts for w in (*workloads, burst)},
+                                               Path(ckpt) if f32 else None)
                 lc_build = {"version": lc.report.version, "system_info": lc.report.system_info}
             cols[dtype]["weight_floor"] = floor_column(
                 token_bytes(served, served.torch_dtype.itemsize).total if rk else None, threads, b1_step(rk, b1_new),
@@ -587,8 +601,16 @@ def main(argv: Sequence[str] | None = None) -> int:
           "tokens that radixk3 reproduces before the first divergence")
     for name, c in cols.items():
         if c.get("agreement_llamacpp") is not None and c["agreement_llamacpp"] < 1 and name in ("auto", "float32"):
-            print(f"WARNING: {name}: llama.cpp's f32 greedy tokens differ from radixk3's (token agreement "
-                  f"{c['agreement_llamacpp']:.1%}): a conversion bug to find, not a figure to report")
+            judged = c.get("llamacpp_divergences", [])
+            ties = [d for d in judged if d["near_tie"]]
+            for d in judged:
+                print(f"{name}: llama.cpp parts from radixk3 in sequence {d['sequence']} at new token {d['position']}: "
+                      f"radixk3 {d['ours']}, llama.cpp {d['theirs']}; logit gap (radixk3's - llama.cpp's) in the "
+                      f"no-cache forward {d['gap_fp32']:+.4g} in fp32, {d['gap_fp64']:+.4g} in float64: "
+                      + ("a near tie fp32 cannot order" if d["near_tie"] else "NOT a near tie"))
+            if not judged or len(ties) < len(judged):
+                print(f"WARNING: {name}: llama.cpp's f32 greedy tokens differ from radixk3's (token agreement "
+                      f"{c['agreement_llamacpp']:.1%}): a conversion bug to find, not a figure to report")
         if c.get("radix_off_equal") is False:
             print(f"WARNING: {name}: radix cache on and off gave different greedy outputs "
                   f"(token agreement {c['radix_on_off_agreement']:.1%})")
@@ -602,7 +624,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                          "resident_mib", "resident_beyond_pool_mib"]
         summary |= {k: first.get(k) for k in keys}
         if a.llamacpp:
-            race_keys = [f"ratio_llamacpp_{k}" for k in first["llamacpp"]["tok_s"]] + ["agreement_llamacpp"]
+            race_keys = [f"ratio_llamacpp_{k}" for k in first["llamacpp"]["tok_s"]] + ["agreement_llamacpp",
+                                                                                       "llamacpp_divergences"]
             summary |= {k: first.get(k) for k in race_keys}
             lc_info = first["llamacpp"]
             summary["llamacpp"] = lc_build | {"threads": threads,

@@ -1,0 +1,68 @@
+"""Where two fp32 backends' greedy tokens part: a conversion bug, or a near tie that fp32 itself cannot order.
+
+At the first new token where two streams differ, the checkpoint's no-cache forward (radixk3's ground truth) runs
+over the prompt and the tokens both share, in float32 and in float64. If fp32's error on the two candidates' logit
+gap (the fp32 gap against the float64 one) is at least the gap itself, fp32 cannot order the two tokens, and two
+correct fp32 implementations summing in other orders may take either: a near tie. Otherwise one side computes
+another model: a bug to find (a conversion's, most likely). The race compares tokens only; this tells the two
+apart for the sequences that differ.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+Prompts = list[list[int]]
+
+
+class Divergence(NamedTuple):
+    """One sequence's first differing new token (`position`), and the two choices' logit gaps there."""
+
+    sequence: int
+    position: int
+    ours: int
+    theirs: int
+    gap_fp32: float  # logit[ours] - logit[theirs], the no-cache forward in float32
+    gap_fp64: float  # the same in float64
+    near_tie: bool  # |gap_fp32| <= |gap_fp32 - gap_fp64|: fp32's error on the gap covers it
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first index where a and b differ (one ending early counts from there), or None if equal."""
+    n = min(len(a), len(b))
+    k = next((i for i in range(n) if a[i] != b[i]), n)
+    return None if k == n and len(a) == len(b) else k
+
+
+def divergences(model: torch.nn.Module, prompts: Prompts, ours: Prompts, theirs: Prompts) -> list[Divergence]:
+    """Each differing sequence's first divergence, judged by `model` (an fp32 `KimiForCausalLM`) in float32 and
+    float64. A sequence where one stream only ends earlier is not a divergence of choices and is skipped."""
+    model64 = None
+    out: list[Divergence] = []
+    for i, (prompt, a, b) in enumerate(zip(prompts, ours, theirs, strict=True)):
+        k = first_difference(a, b)
+        if k is None or k >= min(len(a), len(b)):
+            continue
+        if model64 is None:
+            model64 = copy.deepcopy(model).double()
+        ids = torch.tensor([list(prompt) + list(a[:k])])
+        with torch.inference_mode():
+            l32 = model(ids)[0, -1].double()
+            l64 = model64(ids)[0, -1]
+        g32, g64 = float(l32[a[k]] - l32[b[k]]), float(l64[a[k]] - l64[b[k]])
+        out.append(Divergence(i, k, a[k], b[k], g32, g64, abs(g32) <= abs(g32 - g64)))
+    return out
+
+
+def judge(checkpoint: Path, prompts: Prompts, ours: Prompts, theirs: Prompts) -> list[Divergence]:
+    """`divergences` with the checkpoint's model loaded in fp32 (only when some sequence differs)."""
+    if all(first_difference(a, b) is None for a, b in zip(ours, theirs, strict=True)):
+        return []
+    from radixk3.checkpoint import load_model
+
+    return divergences(load_model(checkpoint).float(), prompts, ours, theirs)
