@@ -28,10 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import kda_decode_cpu as fused_kda  # noqa: E402
-from kernels import (
-    linear_cpu,  # noqa: E402
-    pool_ops_cpu,  # noqa: E402
-)
+from kernels import linear_cpu, pool_ops_cpu  # noqa: E402
 from radixk3.builtin_model import checkpoint_dir, random_preset  # noqa: E402
 from radixk3.checkpoint import load_model  # noqa: E402
 from radixk3.config import preset  # noqa: E402
@@ -124,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     verify_cpp.capture()
     verify_library = with_env(linear_cpu.ENV_VAR, lambda: VerifyGraphs(model, cache, scratch, [1], window, n_max,
                                                                       cpp_wrapper=True))()
-    assert isinstance(verify_library, VerifyGraphs)
+    assert isinstance(verify_library, VerifyGraphs) and not verify_library.fused_linear
     verify_library.capture()
     print(f"compile: decode {graphs.report.seconds} (C++ pool ops: {graphs.cpp_ops}; with the Python ops "
           f"{python_ops.report.seconds}; with the C++ wrapper {cpp_wrapper.report.seconds}), verify (k={a.drafts}) "

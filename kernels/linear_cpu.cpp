@@ -8,8 +8,8 @@
 namespace {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "radixk3_gemm::linear: x [m, K] and weight [N, K], got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1) && weight.size(1) > 0,
+              "radixk3_gemm::linear: x [m, K] and weight [N, K], K > 0, got ", x.sizes(), " and ", weight.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && x.device().is_cpu() &&
                   weight.device().is_cpu() && weight.is_contiguous(),
               "radixk3_gemm::linear: fp32 CPU tensors, the weight contiguous");

@@ -2,8 +2,8 @@
 by torch's extension loader) over skinny_gemm.h's few-row kernel, which the routed experts use too.
 
 Why: a decode step multiplies each weight by a handful of rows, so reading the weight is the whole cost, and the
-GEMM library (MKL through `F.linear`) reads k3-small's 50 MB of dense weights at about 11 GB/s for one row (4.6
-ms), this kernel at about 36 GB/s (1.4 ms; `bench/compiled_steps.py` has the step's figures).
+GEMM library (MKL through `F.linear`) read k3-small's 60 MB of dense weights at 10 GB/s for one row (5.8 ms),
+this kernel at 29 GB/s (2.1 ms; `bench/linear_gemm.py` measures both, `bench/compiled_steps.py` the steps).
 
 Not the GEMM library's bits (its summation order is its own), so, as the routed experts' op, it serves the compiled
 steps only (`radixk3.parallel_linear.Linear.matmul` while a step is being compiled, up to MAX_ROWS rows), where
@@ -26,7 +26,7 @@ from kernels.cpu_extension import load_torch_ops
 ENV_VAR = "RADIXK3_FUSED_LINEAR"
 _SOURCE = Path(__file__).with_name("linear_cpu.cpp")
 # Rows (tokens) up to which the kernel serves a layer: decode and verify steps of up to 32 rows, where it read the
-# dense weights 1.4-3.4x faster than MKL here; above it a GEMM library's blocking is made for the work.
+# dense weights faster than MKL here (`bench/linear_gemm.py`); from about 64 rows a GEMM library's blocking wins.
 MAX_ROWS = 32
 
 # True only while a captured step that takes the op is compiled or replayed (`use`): the compiler reads it as a
@@ -54,7 +54,9 @@ def available() -> bool:
 
 def use(on: bool) -> bool:
     """Whether compiled `Linear` layers take the op from now on (a captured step's replay sets it around its
-    call); returns the previous setting, to restore."""
+    call; `on` only where `available()`); returns the previous setting, to restore. One switch per process: a
+    worker replays its steps from one thread (two threads replaying steps of both settings at once would make each
+    other's graphs fail their guards and compile again)."""
     global _enabled
     before, _enabled = _enabled, on
     return before
@@ -63,7 +65,7 @@ def use(on: bool) -> bool:
 def applies(x: Tensor, weight: Tensor) -> bool:
     """Whether `linear` serves x @ weight.T: enabled, fp32 on CPU, a contiguous weight, at most MAX_ROWS rows."""
     return (_enabled and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.is_contiguous() and x.numel() <= MAX_ROWS * x.shape[-1])
+            and weight.is_contiguous() and x.shape[-1] > 0 and x.numel() <= MAX_ROWS * x.shape[-1])
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:

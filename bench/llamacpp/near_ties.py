@@ -2,8 +2,9 @@
 
 At the first new token where two streams differ, the checkpoint's no-cache forward (radixk3's ground truth) runs
 over the prompt and the tokens both share, in float32 and in float64. If fp32's error on the two candidates' logit
-gap (the fp32 gap against the float64 one) is at least the gap itself, fp32 cannot order the two tokens, and two
-correct fp32 implementations summing in other orders may take either: a near tie. Otherwise one side computes
+gap (the fp32 gap against the float64 one, plus a few ulps of the largest logit) is at least the gap itself, fp32
+cannot order the two tokens, and two correct fp32 implementations summing in other orders may take either: a near
+tie. Otherwise one side computes
 another model: a bug to find (a conversion's, most likely). The race compares tokens only; this tells the two
 apart for the sequences that differ.
 """
@@ -18,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 Prompts = list[list[int]]
+ULPS = 4  # fp32 ulps of the largest logit added to the gap's error: two orders of one sum differ by a few
 
 
 class Divergence(NamedTuple):
@@ -29,7 +31,7 @@ class Divergence(NamedTuple):
     theirs: int
     gap_fp32: float  # logit[ours] - logit[theirs], the no-cache forward in float32
     gap_fp64: float  # the same in float64
-    near_tie: bool  # |gap_fp32| <= |gap_fp32 - gap_fp64|: fp32's error on the gap covers it
+    near_tie: bool  # |gap_fp32| <= |gap_fp32 - gap_fp64| + ULPS ulps of the largest logit: fp32's error covers it
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -39,9 +41,15 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if k == n and len(a) == len(b) else k
 
 
+def differing(ours: Prompts, theirs: Prompts) -> int:
+    """How many sequences differ at all (a stream that only ends earlier included)."""
+    return sum(first_difference(a, b) is not None for a, b in zip(ours, theirs, strict=True))
+
+
 def divergences(model: torch.nn.Module, prompts: Prompts, ours: Prompts, theirs: Prompts) -> list[Divergence]:
     """Each differing sequence's first divergence, judged by `model` (an fp32 `KimiForCausalLM`) in float32 and
-    float64. A sequence where one stream only ends earlier is not a divergence of choices and is skipped."""
+    float64. A sequence where one stream only ends earlier is not a divergence of choices and is skipped (so
+    fewer divergences than `differing` sequences: something other than a choice differs)."""
     model64 = None
     out: list[Divergence] = []
     for i, (prompt, a, b) in enumerate(zip(prompts, ours, theirs, strict=True)):
@@ -55,13 +63,14 @@ def divergences(model: torch.nn.Module, prompts: Prompts, ours: Prompts, theirs:
             l32 = model(ids)[0, -1].double()
             l64 = model64(ids)[0, -1]
         g32, g64 = float(l32[a[k]] - l32[b[k]]), float(l64[a[k]] - l64[b[k]])
-        out.append(Divergence(i, k, a[k], b[k], g32, g64, abs(g32) <= abs(g32 - g64)))
+        ulps = ULPS * 2.0**-24 * float(l32.abs().max())
+        out.append(Divergence(i, k, a[k], b[k], g32, g64, abs(g32) <= abs(g32 - g64) + ulps))
     return out
 
 
 def judge(checkpoint: Path, prompts: Prompts, ours: Prompts, theirs: Prompts) -> list[Divergence]:
     """`divergences` with the checkpoint's model loaded in fp32 (only when some sequence differs)."""
-    if all(first_difference(a, b) is None for a, b in zip(ours, theirs, strict=True)):
+    if not differing(ours, theirs):
         return []
     from radixk3.checkpoint import load_model
 
