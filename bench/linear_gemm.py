@@ -1,7 +1,7 @@
 """The dense layers' GEMMs of a decode step on their own: every dense weight of a model (its `Linear` layers but
 MLA's absorbed kv_b_proj), in turn, times a few token rows, through the GEMM library (`F.linear`, MKL on x86) and
 through the few-row op the compiled steps use (`kernels/linear_cpu.py`), alternating in one process; the best of
-`--repeats` passes over all the weights, as the weights' read rate (bytes / seconds), per row count.
+`--repeats` passes over all the weights (the two in turns), as the weights' read rate (bytes / seconds), per row count.
 
     python bench/linear_gemm.py [--model k3-small|k3-gsm8k|DIR] [--rows 1 2 4 8 16 32 64] [--repeats 20] [--json]
 """
@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,19 +18,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.compiled_steps import bench_model  # noqa: E402
+from bench.compiled_steps import bench_model, best  # noqa: E402
 from bench.machine_info import cpu_name  # noqa: E402
 from kernels import linear_cpu  # noqa: E402
 from radixk3.parallel_linear import Linear  # noqa: E402
-
-
-def best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
@@ -51,8 +40,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     print(f"{cpu_name()}, {torch.get_num_threads()} threads; {a.model}: {len(weights)} dense weights, "
           f"{nbytes / 1e6:.1f} MB")
+    per_rows: dict[int, dict[str, float]] = {}
     out: dict[str, object] = {"model": a.model, "weights": len(weights), "bytes": nbytes,
-                              "threads": torch.get_num_threads(), "rows": {}}
+                              "threads": torch.get_num_threads(), "rows": per_rows}
     gen = torch.Generator().manual_seed(0)
     for m in a.rows:
         xs = {k: torch.randn(m, k, generator=gen) for k in {w.shape[1] for w in weights}}
@@ -65,14 +55,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             for w in weights:
                 linear_cpu.linear(xs[w.shape[1]], w)
 
-        secs: dict[str, list[float]] = {"library": [], "op": []}
-        for _ in range(3):  # alternating, so a phase of the machine meets both
-            secs["library"].append(best_seconds(library, a.repeats))
-            secs["op"].append(best_seconds(op, a.repeats))
-        lib, fused = min(secs["library"]), min(secs["op"])
+        t = best({"library": library, "op": op}, a.repeats)  # in turns: a phase of the machine meets both
+        lib, fused = t["library"], t["op"]
         print(f"rows {m:3d}: F.linear {lib * 1e3:7.2f} ms ({nbytes / lib / 1e9:5.1f} GB/s), op {fused * 1e3:7.2f} ms "
               f"({nbytes / fused / 1e9:5.1f} GB/s): {lib / fused:.2f}x")
-        out["rows"][m] = {"library_ms": lib * 1e3, "op_ms": fused * 1e3, "library_gb_s": nbytes / lib / 1e9,
+        per_rows[m] = {"library_ms": lib * 1e3, "op_ms": fused * 1e3, "library_gb_s": nbytes / lib / 1e9,
                           "op_gb_s": nbytes / fused / 1e9, "speedup": lib / fused}
     if a.json:
         print(json.dumps(out))

@@ -298,10 +298,8 @@ def agreement(ours: Prompts, ref: Prompts) -> tuple[float, float]:
     """(share of reference tokens before the first divergence, share of identical sequences)."""
     same = total = exact = 0
     for a, b in zip(ours, ref, strict=True):
-        k = 0
-        while k < min(len(a), len(b)) and a[k] == b[k]:
-            k += 1
-        same += k
+        k = near_ties.first_difference(a, b)
+        same += len(a) if k is None else k
         total += len(b)
         exact += a == b
     return same / max(total, 1), exact / max(len(ref), 1)
@@ -376,8 +374,7 @@ def llamacpp_column(rk: dict[str, Run], lc: Column, burst: Workload, prompts: di
         "gguf_weight_bytes": lc.gguf.weight_bytes, "extra_buffers": lc.report.extra_buffers}}
     ours: Prompts = []
     theirs: Prompts = []
-    judged: list[dict[str, Any]] = []
-    differing = 0
+    streams: dict[str, near_ties.Streams] = {}
     for name, run in runs.items():
         workload = burst.name if name == burst.name + PREFILL_ALL else name
         mine = rk.get(workload)
@@ -386,16 +383,14 @@ def llamacpp_column(rk: dict[str, Run], lc: Column, burst: Workload, prompts: di
             ours += mine.outputs
             theirs += run.outputs
             asked = (prompts or {}).get(workload)
-            if checkpoint is not None and asked is not None:
-                differing += near_ties.differing(mine.outputs, run.outputs)
-                judged += [{"workload": name} | d._asdict()
-                           for d in near_ties.judge(checkpoint, asked, mine.outputs, run.outputs)]
+            if asked is not None:
+                streams[name] = near_ties.Streams(asked, mine.outputs, run.outputs)
     tokens, seqs = agreement(theirs, ours) if ours else (None, None)
     col["llamacpp"] |= {"agreement": tokens, "agreement_sequences": seqs}
     col["agreement_llamacpp"] = tokens
     if checkpoint is not None:
-        col["llamacpp_divergences"] = judged
-        col["llamacpp_differing_sequences"] = differing
+        col["llamacpp_divergences"] = [d._asdict() for d in near_ties.judge(checkpoint, streams)]
+        col["llamacpp_differing_sequences"] = sum(near_ties.differing(w.ours, w.theirs) for w in streams.values())
     return col
 
 
@@ -615,7 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{d['position']}: radixk3 {d['ours']}, llama.cpp {d['theirs']}; logit gap (radixk3's - "
                       f"llama.cpp's) in the no-cache forward {d['gap_fp32']:+.4g} in fp32, {d['gap_fp64']:+.4g} in "
                       "float64: " + ("a near tie fp32 cannot order" if d["near_tie"] else "NOT a near tie"))
-            if len(ties) < c.get("llamacpp_differing_sequences", 1) or not ties:
+            if len(ties) < c.get("llamacpp_differing_sequences", 1):
                 print(f"WARNING: {name}: llama.cpp's f32 greedy tokens differ from radixk3's (token agreement "
                       f"{c['agreement_llamacpp']:.1%}): a conversion bug to find, not a figure to report")
         if c.get("radix_off_equal") is False:

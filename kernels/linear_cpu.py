@@ -2,8 +2,8 @@
 by torch's extension loader) over skinny_gemm.h's few-row kernel, which the routed experts use too.
 
 Why: a decode step multiplies each weight by a handful of rows, so reading the weight is the whole cost, and the
-GEMM library (MKL through `F.linear`) read k3-small's 60 MB of dense weights at 10 GB/s for one row (5.8 ms),
-this kernel at 29 GB/s (2.1 ms; `bench/linear_gemm.py` measures both, `bench/compiled_steps.py` the steps).
+GEMM library (MKL through `F.linear`) read k3-small's 60 MB of dense weights at 10 GB/s for one row (5.9 ms),
+this kernel at 25 GB/s (2.4 ms; `bench/linear_gemm.py` measures both, `bench/compiled_steps.py` the steps).
 
 Not the GEMM library's bits (its summation order is its own), so, as the routed experts' op, it serves the compiled
 steps only (`radixk3.parallel_linear.Linear.matmul` while a step is being compiled, up to MAX_ROWS rows), where

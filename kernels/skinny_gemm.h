@@ -1,7 +1,7 @@
 // Few-row GEMMs on CPU, y = x w^T with x [m, K] and w [N, K] fp32, for decode steps (shared by moe_gemm_cpu.cpp, the
 // routed experts, and linear_cpu.cpp, the dense layers): a decode step reads every weight to touch a handful of
 // rows, so that read is the cost, where a GEMM library's packing and blocking are made for many rows (MKL's fp32
-// GEMM read k3-small's dense weights at 10 GB/s for one row, this at 29: bench/linear_gemm.py). Each weight row is
+// GEMM read k3-small's dense weights at 10 GB/s for one row, this at 25: bench/linear_gemm.py). Each weight row is
 // streamed from memory once and multiplied by all of the token rows while it is in registers, and the read is kept
 // going while a block is multiplied: each block asks for the weight rows kPrefetchBytes ahead of it (into L2, not
 // L1, where the token rows stay), else the cores wait on memory and then on arithmetic in turn (k3-small, 128 rows

@@ -25,6 +25,7 @@ ULPS = 4  # fp32 ulps of the largest logit added to the gap's error: two orders 
 class Divergence(NamedTuple):
     """One sequence's first differing new token (`position`), and the two choices' logit gaps there."""
 
+    workload: str
     sequence: int
     position: int
     ours: int
@@ -32,6 +33,14 @@ class Divergence(NamedTuple):
     gap_fp32: float  # logit[ours] - logit[theirs], the no-cache forward in float32
     gap_fp64: float  # the same in float64
     near_tie: bool  # |gap_fp32| <= |gap_fp32 - gap_fp64| + ULPS ulps of the largest logit: fp32's error covers it
+
+
+class Streams(NamedTuple):
+    """One workload's prompts and the two backends' greedy outputs for them."""
+
+    prompts: Prompts
+    ours: Prompts
+    theirs: Prompts
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -46,32 +55,32 @@ def differing(ours: Prompts, theirs: Prompts) -> int:
     return sum(first_difference(a, b) is not None for a, b in zip(ours, theirs, strict=True))
 
 
-def divergences(model: torch.nn.Module, prompts: Prompts, ours: Prompts, theirs: Prompts) -> list[Divergence]:
-    """Each differing sequence's first divergence, judged by `model` (an fp32 `KimiForCausalLM`) in float32 and
-    float64. A sequence where one stream only ends earlier is not a divergence of choices and is skipped (so
-    fewer divergences than `differing` sequences: something other than a choice differs)."""
-    model64 = None
+def divergences(model: torch.nn.Module, model64: torch.nn.Module, workload: str, streams: Streams) -> list[Divergence]:
+    """Each differing sequence's first divergence, judged by `model` (an fp32 `KimiForCausalLM`) and `model64` (the
+    same in float64). A sequence where one stream only ends earlier is not a divergence of choices and is skipped
+    (so fewer divergences than `differing` sequences: something other than a choice differs)."""
     out: list[Divergence] = []
-    for i, (prompt, a, b) in enumerate(zip(prompts, ours, theirs, strict=True)):
+    for i, (prompt, a, b) in enumerate(zip(*streams, strict=True)):
         k = first_difference(a, b)
         if k is None or k >= min(len(a), len(b)):
             continue
-        if model64 is None:
-            model64 = copy.deepcopy(model).double()
         ids = torch.tensor([list(prompt) + list(a[:k])])
         with torch.inference_mode():
             l32 = model(ids)[0, -1].double()
             l64 = model64(ids)[0, -1]
         g32, g64 = float(l32[a[k]] - l32[b[k]]), float(l64[a[k]] - l64[b[k]])
         ulps = ULPS * 2.0**-24 * float(l32.abs().max())
-        out.append(Divergence(i, k, a[k], b[k], g32, g64, abs(g32) <= abs(g32 - g64) + ulps))
+        out.append(Divergence(workload, i, k, a[k], b[k], g32, g64, abs(g32) <= abs(g32 - g64) + ulps))
     return out
 
 
-def judge(checkpoint: Path, prompts: Prompts, ours: Prompts, theirs: Prompts) -> list[Divergence]:
-    """`divergences` with the checkpoint's model loaded in fp32 (only when some sequence differs)."""
-    if not differing(ours, theirs):
+def judge(checkpoint: Path, workloads: dict[str, Streams]) -> list[Divergence]:
+    """`divergences` of every workload, the checkpoint's model loaded once in fp32 and float64 (only when some
+    sequence differs)."""
+    if not any(differing(w.ours, w.theirs) for w in workloads.values()):
         return []
     from radixk3.checkpoint import load_model
 
-    return divergences(load_model(checkpoint).float(), prompts, ours, theirs)
+    model = load_model(checkpoint).float()
+    model64 = copy.deepcopy(model).double()
+    return [d for name, w in workloads.items() for d in divergences(model, model64, name, w)]

@@ -4,10 +4,12 @@ well below the top is not; equal streams and one that only ends earlier are no d
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from greedy import greedy_reference
 
-from bench.llamacpp.near_ties import differing, divergences, first_difference
+from bench.llamacpp.near_ties import Streams, differing, divergences, first_difference
 from radixk3.config import preset
 from radixk3.model import build_model
 
@@ -32,7 +34,7 @@ def test_a_twin_token_is_a_near_tie_and_a_low_one_is_not() -> None:
         model.lm_head.weight[twin] = model.lm_head.weight[top]
     assert greedy_reference(model, prompt, 4)[:2] == want[:2]  # the twin moves nothing before its position
     theirs = [want, want[:2] + [twin, 0], want[:2] + [low, 0], want[:3]]
-    got = divergences(model, [prompt] * 4, [want] * 4, theirs)
+    got = divergences(model, copy.deepcopy(model).double(), "b1", Streams([prompt] * 4, [want] * 4, theirs))
     assert [(d.sequence, d.position) for d in got] == [(1, 2), (2, 2)]
     tie, bug = got
     assert tie.ours == top and tie.theirs == twin and abs(tie.gap_fp32) < 1e-5 and tie.near_tie

@@ -83,6 +83,16 @@ def _generate(model, cache: HybridCache, graphs: DecodeGraphs | None, prompts: l
     return out
 
 
+def _next_step(prompts: list[list[int]], top: int) -> ForwardBatch:
+    """A decode step after `_generate`'s (each sequence's first prompt token again, at its next position), over
+    the same state slots and pages."""
+    n = len(prompts)
+    table = torch.tensor([[(i + 1) * PAGES_PER_SEQ + p for p in range(PAGES_PER_SEQ)] for i in range(n)])
+    return ForwardBatch.from_table(ForwardMode.DECODE, torch.tensor([p[0] for p in prompts]), torch.arange(n + 1),
+                                   torch.tensor([len(p) + MAX_NEW - 1 for p in prompts]),
+                                   torch.arange(top - 1, top - 1 - n, -1), table, PAGE)
+
+
 def test_compiled_decode_equals_eager(setup) -> None:  # noqa: ANN001
     model, buf, cache, graphs = setup
     prompts = _prompts(model.config.vocab_size)
@@ -110,15 +120,10 @@ def test_the_dense_layers_run_the_few_row_gemm_op(setup) -> None:  # noqa: ANN00
         pytest.skip("no C++ CPU ops built here")
     prompts = _prompts(model.config.vocab_size)[:BUCKET]
     top = buf.geometry.num_state_slots - 1
-    n = len(prompts)
-    table = torch.tensor([[(i + 1) * PAGES_PER_SEQ + p for p in range(PAGES_PER_SEQ)] for i in range(n)])
     with torch.inference_mode():
         _generate(model, cache, None, prompts, top)
-        batch = ForwardBatch.from_table(ForwardMode.DECODE, torch.tensor([p[0] for p in prompts]), torch.arange(n + 1),
-                                        torch.tensor([len(p) + MAX_NEW - 1 for p in prompts]),
-                                        torch.arange(top - 1, top - 1 - n, -1), table, PAGE)
         with torch.profiler.profile() as prof:
-            graphs.run(batch)
+            graphs.run(_next_step(prompts, top))
     calls = {e.key: e.count for e in prof.key_averages()}
     # every Linear but MLA's kv_b_proj, whose weight the attention op absorbs rather than multiplies by
     linears = sum(1 for name, m in model.named_modules() if isinstance(m, Linear) and not name.endswith("kv_b_proj"))
@@ -149,12 +154,7 @@ def test_direct_pool_ops_are_the_generic_ones(setup, monkeypatch: pytest.MonkeyP
         for steps in (graphs, generic):
             before = buf.data.clone()
             _generate(model, cache, None, prompts, top)  # the eager prefill and steps set the pools up
-            n = len(prompts)
-            table = torch.tensor([[(i + 1) * PAGES_PER_SEQ + p for p in range(PAGES_PER_SEQ)] for i in range(n)])
-            batch = ForwardBatch.from_table(ForwardMode.DECODE, torch.tensor([p[0] for p in prompts]),
-                                            torch.arange(n + 1), torch.tensor([len(p) + MAX_NEW - 1 for p in prompts]),
-                                            torch.arange(top - 1, top - 1 - n, -1), table, PAGE)
-            logits = steps.run(batch)
+            logits = steps.run(_next_step(prompts, top))
             results.append((logits, buf.data.clone()))
             buf.data.copy_(before)
     assert torch.equal(results[0][0], results[1][0])
