@@ -163,7 +163,7 @@ class Scheduler:
         self._arrivals += 1
         req = Req(msg.rid, list(msg.input_ids), params, msg.return_logprob, msg.logprob_start_len,
                   msg.top_logprobs_num, arrival=self._arrivals, images=images,
-                  prompt_key=radix_key(list(msg.input_ids), images))
+                  prompt_key=radix_key(list(msg.input_ids), images), stream=msg.stream)
         req.bootstrap = msg.bootstrap
         if self.pd_prefill is not None:
             self.pd_prefill.add(req)

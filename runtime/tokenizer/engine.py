@@ -30,6 +30,12 @@ T = TypeVar("T")
 Prompts = str | list[int] | list[str] | list[list[int]]
 
 
+def whole(kw: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+    """The options of a call that returns whole results: its requests are not streamed (the scheduler sends their
+    tokens in a few chunks), unless `timeout` bounds the wait for each chunk, which then keeps its meaning."""
+    return kw | {"timeout": timeout, "stream": timeout is not None}
+
+
 class Engine:
     def __init__(self, model: str | None = None, *, startup_timeout: float = 120.0, **kwargs: Any) -> None:
         self.args = ServerArgs(model=model, **kwargs)
@@ -171,14 +177,14 @@ class Engine:
         per `<|kimi_image_placeholder|>` in its prompt, in order; for a batch, one entry per prompt."""
 
         async def run() -> dict[str, Any] | list[dict[str, Any]]:
-            single, handles = await self._submit_many(self._loop, prompts, sampling_params, kw | {"timeout": timeout})
+            single, handles = await self._submit_many(self._loop, prompts, sampling_params, whole(kw, timeout))
             return await self._results(single, handles)
 
         return self._call(run())
 
     def submit(self, prompt: str | list[int], sampling_params: dict[str, Any] | None = None, **kw: Any) -> list[str]:
         """Send one request (n samples) and return its ids at once; `wait(ids)` collects the results."""
-        handle = self._call(self._submit_for(self._loop, prompt, sampling_params, kw))
+        handle = self._call(self._submit_for(self._loop, prompt, sampling_params, whole(kw, None)))
         self._submitted[handle.rids[0]] = handle
         return list(handle.rids)
 
@@ -260,7 +266,7 @@ class Engine:
                              sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
                              timeout: float | None = None, **kw: Any) -> dict[str, Any] | list[dict[str, Any]]:
         """`generate` on the caller's event loop; cancelling the awaiting task aborts the requests."""
-        single, handles = await self._submit_here(prompts, sampling_params, kw | {"timeout": timeout})
+        single, handles = await self._submit_here(prompts, sampling_params, whole(kw, timeout))
         return await self._results(single, handles)
 
     async def async_stream(self, prompt: str | list[int], sampling_params: dict[str, Any] | None = None,

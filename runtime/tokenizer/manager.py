@@ -464,10 +464,12 @@ class TokenizerManager:
                 rid: str | None = None, return_logprob: bool = False, logprob_start_len: int = -1,
                 top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
                 images: Sequence[ProcessedImage] = (), images_param: str = "image_data",
-                bootstrap: Bootstrap | None = None) -> Submission:
+                bootstrap: Bootstrap | None = None, stream: bool = True) -> Submission:
         """Validate one prompt's request against the model and the limits, and build its messages; nothing is
         registered or sent (`send`). `images` (`image_input.load_images`'s) replace the prompt's
-        `<|kimi_image_placeholder|>` ids in order (`images_param` names them in errors). Raises InvalidRequest
+        `<|kimi_image_placeholder|>` ids in order (`images_param` names them in errors). `stream` False: the
+        consumer reads only whole results, so the scheduler sends the tokens every
+        `output_processor.NON_STREAM_INTERVAL` and at the end, not one chunk a token. Raises InvalidRequest
         (bad input, or a request that can never fit), EngineError (shut down)."""
         self._check_thread()
         self._check_open()
@@ -499,7 +501,7 @@ class TokenizerManager:
         with_images = {} if prompt_images is None else {"images": prompt_images.refs,
                                                          "image_patches": prompt_images.patches}
         msgs = [GenerateReq(r, ids, params.for_sample(i), return_logprob, logprob_start_len, top_logprobs_num,
-                            stream=True, bootstrap=bootstrap, **with_images) for i, r in enumerate(rids)]
+                            stream=stream, bootstrap=bootstrap, **with_images) for i, r in enumerate(rids)]
         return Submission(rid, rids, ids, params, msgs, return_logprob, return_text_in_logprobs)
 
     def send(self, subs: Sequence[Submission], *, consumer: asyncio.AbstractEventLoop | None = None,

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from runtime.errors import InvalidRequest
+from runtime.scheduler.output_processor import NON_STREAM_INTERVAL
 from runtime.tokenizer.engine import Engine, EngineError, EngineOverloaded
 from runtime.tokenizer.manager import TokenizerManager
 
@@ -68,6 +69,26 @@ def test_submit_stream_and_result(engine: Engine) -> None:
             [c async for c in h.stream()]
 
     on_loop(engine, run())
+
+
+def test_a_request_read_whole_comes_in_few_chunks(engine: Engine) -> None:
+    """A request whose consumer reads only the result (`stream=False`, what `Engine.generate` sends) gets its
+    tokens every NON_STREAM_INTERVAL and at the end, the same tokens and logprobs as a streamed one."""
+    tm = engine.tm
+    params = GREEDY | {"max_new_tokens": 2 * NON_STREAM_INTERVAL + 20}
+
+    async def run() -> tuple[list, list]:
+        (whole,) = tm.send([tm.prepare("Weng earns", params, return_logprob=True, stream=False)])
+        streamed = tm.submit("Weng earns", params, return_logprob=True)
+        return [c async for c in whole.stream()], [c async for c in streamed.stream()]
+
+    whole, streamed = on_loop(engine, run())
+    assert [len(c.token_ids) for c in whole if c.token_ids] == [NON_STREAM_INTERVAL, NON_STREAM_INTERVAL, 20]
+    assert len([c for c in streamed if c.token_ids]) > 3
+    for field in ("token_ids", "logprobs"):
+        assert [x for c in whole for x in getattr(c, field)] == [x for c in streamed for x in getattr(c, field)]
+    assert "".join(c.text for c in whole) == "".join(c.text for c in streamed)
+    assert engine.generate("Weng earns", params)["output_ids"] == [t for c in streamed for t in c.token_ids]
 
 
 def test_logprobs_with_text(engine: Engine) -> None:
