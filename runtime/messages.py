@@ -74,7 +74,7 @@ class GenerateReq:
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: no input logprobs; else from this prompt position on
     top_logprobs_num: int = 0
-    # False: the consumer reads only the whole result, so the scheduler sends its tokens every
+    # False: the consumer reads only the whole result, so the scheduler sends its first token, then its tokens every
     # NON_STREAM_INTERVAL and at the end (`OutputProcessor.emit`), as SGLang does a request without `stream`.
     stream: bool = True
     images: list[ImageRef] = field(default_factory=list)

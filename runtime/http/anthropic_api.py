@@ -56,7 +56,7 @@ async def messages(request: Request) -> Response:
     req = await parse_body(request, MessagesRequest)
     st.check_model(req.model)
     plan = await plan_chat(st, chat_request(req, _thinks_by_default(st)))
-    [handle], [timer] = await submit(st, [plan.prompt], plan.params, None)
+    [handle], [timer] = await submit(st, [plan.prompt], plan.params, None, stream=bool(req.stream))
     mid = f"msg_{uuid.uuid4().hex}"
     if req.stream:
         return sse_response(_stream(st, req, plan, handle, timer, mid))

@@ -140,7 +140,8 @@ async def generate(request: Request) -> Response:
            for p, ims in zip(prompts, images, strict=True)]
     await st.tm.check_grammars(sps)  # parsed in a thread: a large grammar never stalls other requests
     handles = submit_all(st.tm, st.live, ids, sps, req.per_prompt("rid", len(ids)), images=images,
-                         bootstrap=req.bootstrap(len(ids) if req.is_batch else 1), **req.logprob_options)
+                         bootstrap=req.bootstrap(len(ids) if req.is_batch else 1), stream=bool(req.stream),
+                         **req.logprob_options)
     timers = [st.metrics.timer(req.log_metrics) for _ in handles]
     if req.stream:
         return sse_response(_stream(st, req, ids, handles, timers))

@@ -138,15 +138,16 @@ def _check_limits(st: ServerState, params: SamplingParams, prompts: int, top: in
 async def submit(st: ServerState, prompts: list[list[int]], params: SamplingParams, rid: str | None,
                  logprobs: bool = False, top: int = 0, prompt_logprobs: bool = False,
                  images: Sequence[Sequence[ProcessedImage]] | None = None, bootstrap: Bootstrap | None = None,
-                 ) -> tuple[list[RequestHandle], list[RequestTimer]]:
+                 stream: bool = True) -> tuple[list[RequestHandle], list[RequestTimer]]:
     """The prompts submitted (their grammar checked first), each with its metrics timer; one prompt keeps `rid`.
-    `images`: each prompt's images, whose pad runs its ids hold; `bootstrap`: P/D disaggregation's room."""
+    `images`: each prompt's images, whose pad runs its ids hold; `bootstrap`: P/D disaggregation's room;
+    `stream` False: the reply is sent whole (its tokens come from the scheduler in a few chunks)."""
     await st.tm.check_grammars([params])  # parsed in a thread: a large grammar never stalls other requests
     rids = [rid] if rid is not None and len(prompts) == 1 else [
         None if rid is None else f"{rid}-p{i}" for i in range(len(prompts))]
     handles = submit_all(st.tm, st.live, prompts, [params] * len(prompts), rids, images=images,
                          return_logprob=logprobs, logprob_start_len=0 if prompt_logprobs else -1,
-                         top_logprobs_num=top, bootstrap=bootstrap)
+                         top_logprobs_num=top, bootstrap=bootstrap, stream=stream)
     return handles, [st.metrics.timer() for _ in handles]
 
 
@@ -199,7 +200,8 @@ async def completions(request: Request) -> Response:
     prompts = [st.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in raw]
     want_lp = req.logprobs is not None
     handles, timers = await submit(st, prompts, params, req.rid, want_lp, req.logprobs or 0,
-                                    prompt_logprobs=want_lp and req.echo, bootstrap=req.bootstrap(len(prompts)))
+                                    prompt_logprobs=want_lp and req.echo, bootstrap=req.bootstrap(len(prompts)),
+                                    stream=bool(req.stream))
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     echoes = [_echo_text(st.tokenizer, p) if req.echo else "" for p in raw]
     if req.stream:
@@ -259,7 +261,7 @@ async def chat_completions(request: Request) -> Response:
     st.check_model(req.model)
     plan = await plan_chat(st, req)
     handles, timers = await submit(st, [plan.prompt], plan.params, req.rid, req.logprobs, req.top_logprobs or 0,
-                                   images=[plan.images], bootstrap=req.bootstrap(1))
+                                   images=[plan.images], bootstrap=req.bootstrap(1), stream=bool(req.stream))
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         return sse_response(_chat_stream(st, req, handles, timers, cid, created, plan.chat))

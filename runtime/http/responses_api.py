@@ -118,7 +118,8 @@ async def _start(st: ServerState, req: ResponsesRequest) -> tuple[_Turn, Request
     try:
         plan = await plan_chat(st, chat)
         turn = _Turn(st, req, plan, conversation + added)
-        [handle], [timer] = await submit(st, [plan.prompt], plan.params, req.request_id or turn.id)
+        [handle], [timer] = await submit(st, [plan.prompt], plan.params, req.request_id or turn.id,
+                                         stream=bool(req.stream))
     except APIError as e:
         raise in_responses_terms(e) from None
     except InvalidRequest as e:  # the engine's checks (a prompt over the context, ...), in its names

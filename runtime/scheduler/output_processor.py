@@ -16,10 +16,11 @@ from runtime.messages import TokenOut
 from runtime.scheduler.request import Req
 from runtime.stop_regex import first_match, window_tokens
 
-# Tokens a request that is read only whole (`GenerateReq.stream` False) gathers before they are sent (SGLang's
-# DEFAULT_FORCE_STREAM_INTERVAL): a TokenOut per token cost the scheduler and the tokenizer process CPU on the
-# cores the worker computes on (k3-small on 2 cores: 1.06-1.16x the output tok/s at batch 1, 8 and 32,
-# `bench/whole_results.py`), and the chunks still come often enough to show progress.
+# Tokens a request that is read only whole (`GenerateReq.stream` False) gathers before they are sent, after its
+# first (SGLang's DEFAULT_FORCE_STREAM_INTERVAL): a TokenOut per token cost the scheduler and the tokenizer process
+# CPU on the cores the worker computes on (k3-small on 2 cores: 1.06-1.16x the output tok/s at batch 1, 8 and 32,
+# `bench/whole_results.py`). The first token still goes at once, as a stream's does: the HTTP server's
+# time-to-first-token metric reads it.
 NON_STREAM_INTERVAL = 50
 
 
@@ -99,8 +100,8 @@ class OutputProcessor:
 
     def emit(self, req: Req, error: str | None = None) -> None:
         new = req.output_ids[req.sent_tokens :]
-        if not req.stream and req.finished is None and len(new) < NON_STREAM_INTERVAL:
-            return  # read whole: its input logprobs wait with its tokens
+        if not req.stream and req.finished is None and req.sent_tokens and len(new) < NON_STREAM_INTERVAL:
+            return  # read whole: past its first chunk, its tokens go in chunks of NON_STREAM_INTERVAL
         if not new and req.finished is None and not req.input_logprobs:
             return
         if req.finished is None and len(new) < req.params.stream_interval and req.sent_tokens:

@@ -69,7 +69,7 @@ class Req:
     arrival: int = 0  # admission order, for FCFS
     images: list[ReqImage] = field(default_factory=list)  # in prompt order
     prompt_key: list[int] | None = None  # `radix_key` of the prompt (None: the prompt ids themselves)
-    stream: bool = True  # False: read whole, its tokens sent every NON_STREAM_INTERVAL and at the end
+    stream: bool = True  # False: read whole, its tokens sent after the first every NON_STREAM_INTERVAL and at the end
 
     output_ids: list[int] = field(default_factory=list)
     # Cache bookkeeping. `num_computed` tokens are planned: once the steps in flight have run, the KV of

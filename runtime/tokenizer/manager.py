@@ -468,7 +468,7 @@ class TokenizerManager:
         """Validate one prompt's request against the model and the limits, and build its messages; nothing is
         registered or sent (`send`). `images` (`image_input.load_images`'s) replace the prompt's
         `<|kimi_image_placeholder|>` ids in order (`images_param` names them in errors). `stream` False: the
-        consumer reads only whole results, so the scheduler sends the tokens every
+        consumer reads only whole results, so the scheduler sends the first token, then the tokens every
         `output_processor.NON_STREAM_INTERVAL` and at the end, not one chunk a token. Raises InvalidRequest
         (bad input, or a request that can never fit), EngineError (shut down)."""
         self._check_thread()

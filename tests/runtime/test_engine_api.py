@@ -72,8 +72,9 @@ def test_submit_stream_and_result(engine: Engine) -> None:
 
 
 def test_a_request_read_whole_comes_in_few_chunks(engine: Engine) -> None:
-    """A request whose consumer reads only the result (`stream=False`, what `Engine.generate` sends) gets its
-    tokens every NON_STREAM_INTERVAL and at the end, the same tokens and logprobs as a streamed one."""
+    """A request whose consumer reads only the result (`stream=False`, what `Engine.generate` and the HTTP
+    server's non-streamed requests send) gets its first token at once, then its tokens every NON_STREAM_INTERVAL
+    and at the end: the same tokens and logprobs as a streamed one."""
     tm = engine.tm
     params = GREEDY | {"max_new_tokens": 2 * NON_STREAM_INTERVAL + 20}
 
@@ -83,7 +84,7 @@ def test_a_request_read_whole_comes_in_few_chunks(engine: Engine) -> None:
         return [c async for c in whole.stream()], [c async for c in streamed.stream()]
 
     whole, streamed = on_loop(engine, run())
-    assert [len(c.token_ids) for c in whole if c.token_ids] == [NON_STREAM_INTERVAL, NON_STREAM_INTERVAL, 20]
+    assert [len(c.token_ids) for c in whole if c.token_ids] == [1, NON_STREAM_INTERVAL, NON_STREAM_INTERVAL, 19]
     assert len([c for c in streamed if c.token_ids]) > 3
     for field in ("token_ids", "logprobs"):
         assert [x for c in whole for x in getattr(c, field)] == [x for c in streamed for x in getattr(c, field)]
