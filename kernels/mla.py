@@ -119,7 +119,9 @@ def mla_attention(
         hidden = s[None, None, :] >= nk[:, None, None]  # [G, 1, Km]: padding
         if causal:
             hidden = hidden | (s[None, None, :] > pos[:, :, None])  # [G, Qm, Km]
-        probs = (scores.float() * scale).masked_fill(hidden[:, None], float("-inf")).softmax(-1).to(q_nope.dtype)
+        # In place on the fresh scores: the same values as out-of-place ops, without two more [G, H, Qm, Km]
+        # tensors (a long prefill's largest) to allocate and write.
+        probs = scores.float().mul_(scale).masked_fill_(hidden[:, None], float("-inf")).softmax(-1).to(q_nope.dtype)
         if group_absorbed:
             o = torch.einsum("ghjr,hvr->gjhv", torch.einsum("ghjs,gsr->ghjr", probs, c), w_uv)
         else:
