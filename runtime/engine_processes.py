@@ -38,13 +38,15 @@ from runtime.worker_main import worker_main
 
 
 @contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
+def main_module_hidden() -> Iterator[None]:
     """Spawn children without re-running the caller's main script in them.
 
     A spawned child normally imports the parent's `__main__` again (to unpickle what it defines), so a script
     that starts an Engine at top level, without `if __name__ == "__main__":`, would start one in every child.
     The children's entry points and arguments live in `runtime.*`, so they need nothing from `__main__`:
-    while they start, `__main__` looks like an interactive session's (no `__file__`, no `__spec__`)."""
+    while they start, `__main__` looks like an interactive session's (no `__file__`, no `__spec__`). A worker
+    also sets how its OpenMP threads wait before it loads torch (`worker_main.openmp_waits`), which a main script
+    that imports torch would preempt."""
     main = sys.modules.get("__main__")
     if main is None:
         yield
@@ -123,7 +125,7 @@ class EngineProcesses:
             s.connect(self.endpoint(f"sched_in_{i}"))
             self._control.append(s)
         try:
-            with _main_module_hidden():
+            with main_module_hidden():
                 for p in self.procs:
                     p.start()
             self._wait_ready(startup_timeout + compile_allowance(args))

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import signal
 
+from runtime.engine_processes import main_module_hidden
 from runtime.server_args import ServerArgs
 from runtime.topology import Topology, rank_process_name
 from runtime.worker_main import worker_main
@@ -28,8 +29,9 @@ def run_node(args: ServerArgs, grace_s: float = 5.0) -> int:
 
     old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for p in procs:
-            p.start()
+        with main_module_hidden():  # the ranks start without the caller's script (see `main_module_hidden`)
+            for p in procs:
+                p.start()
         while not stopping and all(p.is_alive() for p in procs):
             multiprocessing.connection.wait([p.sentinel for p in procs], timeout=0.5)
         if not stopping:  # one rank ended: node 0 said Shutdown (all end with 0) or something failed

@@ -100,12 +100,19 @@ class OutputProcessor:
 
     def emit(self, req: Req, error: str | None = None) -> None:
         new = req.output_ids[req.sent_tokens :]
-        if not req.stream and req.finished is None and req.sent_tokens and len(new) < NON_STREAM_INTERVAL:
-            return  # read whole: past its first chunk, its tokens go in chunks of NON_STREAM_INTERVAL
+        # Tokens may be held past the first chunk (the time to first token), but not across the last token whose
+        # stops are not checked (min_new_tokens - 1): the tokenizer side trims the text at the first stop it finds
+        # in the last chunk, where a stop string the output held before min_new_tokens must not be.
+        p = req.params
+        unchecked = p.min_new_tokens - 1
+        holdable = req.finished is None and req.sent_tokens and not (
+            (p.stop or p.stop_regex) and req.sent_tokens < unchecked <= len(req.output_ids))
+        if holdable and not req.stream and len(new) < NON_STREAM_INTERVAL:
+            return  # read whole: its tokens go in chunks of NON_STREAM_INTERVAL
         if not new and req.finished is None and not req.input_logprobs:
             return
-        if req.finished is None and len(new) < req.params.stream_interval and req.sent_tokens:
-            return  # the request's stream_interval: its first chunk (the time to first token) is never held
+        if holdable and len(new) < p.stream_interval:
+            return  # the request's stream_interval
         out = TokenOut(req.rid, new, finished=req.finished, matched_stop=req.matched_stop,
                        prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens, error=error)
         if req.return_logprob:

@@ -4,7 +4,7 @@ in a background thread. The sync methods wait on that loop; `async_generate` / `
 caller's own event loop, each chunk handed straight to it.
 
 A script may start an Engine at top level, without `if __name__ == "__main__":`: the children are spawned
-without re-running the script (see `engine_processes._main_module_hidden`).
+without re-running the script (see `engine_processes.main_module_hidden`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ Prompts = str | list[int] | list[str] | list[list[int]]
 def whole(kw: dict[str, Any], timeout: float | None) -> dict[str, Any]:
     """The options of a call that returns whole results: its requests are not streamed (the scheduler sends their
     tokens in a few chunks), unless `timeout` bounds the wait for each chunk, which then keeps its meaning."""
+    if "stream" in kw:  # SGLang's Engine.generate(stream=True) returns an iterator; here that is `stream`
+        raise TypeError("stream is not an option of a call that returns whole results: use Engine.stream / "
+                        "async_stream for chunks")
     return kw | {"timeout": timeout, "stream": timeout is not None}
 
 
@@ -184,7 +187,7 @@ class Engine:
 
     def submit(self, prompt: str | list[int], sampling_params: dict[str, Any] | None = None, **kw: Any) -> list[str]:
         """Send one request (n samples) and return its ids at once; `wait(ids)` collects the results."""
-        handle = self._call(self._submit_for(self._loop, prompt, sampling_params, whole(kw, None)))
+        handle = self._call(self._submit_for(self._loop, prompt, sampling_params, whole(kw, kw.get("timeout"))))
         self._submitted[handle.rids[0]] = handle
         return list(handle.rids)
 

@@ -90,6 +90,11 @@ def test_a_request_read_whole_comes_in_few_chunks(engine: Engine) -> None:
         assert [x for c in whole for x in getattr(c, field)] == [x for c in streamed for x in getattr(c, field)]
     assert "".join(c.text for c in whole) == "".join(c.text for c in streamed)
     assert engine.generate("Weng earns", params)["output_ids"] == [t for c in streamed for t in c.token_ids]
+    with pytest.raises(TypeError, match="Engine.stream"):  # SGLang's generate(stream=True) is `stream` here
+        engine.generate("Weng earns", GREEDY, stream=True)
+    rids = engine.submit(list(range(10, 30)), LONG, timeout=1e-6)  # a per-chunk timeout: kept (streamed)
+    with pytest.raises(TimeoutError):  # at once; had submit dropped it, wait would return the whole LONG reply
+        engine.wait(rids)
 
 
 def test_logprobs_with_text(engine: Engine) -> None:

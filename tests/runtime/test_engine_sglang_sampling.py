@@ -108,6 +108,27 @@ def test_stream_interval_batches_the_chunks(engine: Engine, plain: dict) -> None
     assert len([c for c in every if c]) > len(sizes)
 
 
+def test_a_result_read_whole_trims_at_the_stop_past_min_new_tokens(engine: Engine, plain: dict) -> None:
+    """A stop string the output holds before min_new_tokens does not stop it; read whole (tokens held in chunks),
+    the text is trimmed where the streamed one is, at a stop past min_new_tokens."""
+    text, ids = plain["text"], plain["output_ids"]
+    covering = [len(engine.tokenizer.decode(ids[:n])) for n in range(len(ids) + 1)]
+
+    def tokens_to(pos: int) -> int:  # output tokens whose text first covers character `pos`
+        return next(n for n, c in enumerate(covering) if c > pos)
+
+    def spaced(c: str) -> int | None:  # min_new_tokens past c's first occurrence (and the stop check's window)
+        at = [i for i, x in enumerate(text) if x == c]
+        return tokens_to(at[0]) + 2 if len(at) > 1 and tokens_to(at[-1]) >= tokens_to(at[0]) + 2 else None
+
+    stop = next(c for c in text if c.isalpha() and spaced(c) is not None)
+    params = GREEDY | {"stop": stop, "min_new_tokens": spaced(stop)}
+    streamed, _, last = _streamed(engine, params)
+    whole = engine.generate(PROMPT, params)
+    assert last.finished == "stop" and len(streamed) > text.index(stop), (streamed, text)
+    assert whole["text"] == streamed, (whole["text"], streamed)
+
+
 @torch.inference_mode()
 def _biased_greedy(model: torch.nn.Module, prompt: list[int], bias: dict[int, float], n: int) -> list[int]:
     """Ground truth: the no-cache forward of the whole sequence for every token, the bias added to its logits."""
