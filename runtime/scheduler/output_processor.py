@@ -18,7 +18,7 @@ from runtime.stop_regex import first_match, window_tokens
 
 # Tokens a request that is read only whole (`GenerateReq.stream` False) gathers before they are sent, after its
 # first (SGLang's DEFAULT_FORCE_STREAM_INTERVAL): a TokenOut per token cost the scheduler and the tokenizer process
-# CPU on the cores the worker computes on (k3-small on 2 cores: 1.06-1.16x the output tok/s at batch 1, 8 and 32,
+# CPU on the cores the worker computes on (k3-small on 2 cores: 1.05-1.16x the output tok/s at batch 1, 8 and 32,
 # `bench/whole_results.py`). The first token still goes at once, as a stream's does: the HTTP server's
 # time-to-first-token metric reads it.
 NON_STREAM_INTERVAL = 50
