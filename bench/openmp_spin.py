@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -25,13 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import radixk3  # noqa: E402
 from bench.machine_info import cpu_name  # noqa: E402
+from bench.offline_throughput import decode_batch, params, warm_prompts  # noqa: E402
 
 LIBGOMP_DEFAULT = 300_000
 PROMPT = 16
-
-
-def params(new_tokens: int) -> dict[str, object]:
-    return {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
 
 
 def start(model: str, spin: int) -> radixk3.Engine:
@@ -59,13 +55,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     engines = {spin: start(a.model, spin) for spin in a.spin}
     try:
         vocab = next(iter(engines.values())).procs.vocab_size
-        gen = random.Random(0)
-        for e in engines.values():  # first-call costs, on prompts nothing later shares
-            e.generate([[5] + [gen.randrange(16, vocab) for _ in range(63)]], params(4))
+        for e in engines.values():
+            e.generate(warm_prompts(vocab), params(4))
         tok_s: dict[tuple[int, int], list[float]] = {(s, n): [] for s in a.spin for n in a.batches}
-        for _ in range(a.rounds):
+        for r in range(a.rounds):
             for n in a.batches:
-                prompts = [[gen.randrange(16, vocab) for _ in range(PROMPT)] for _ in range(n)]
+                prompts = decode_batch(n, PROMPT, a.new_tokens, vocab, seed=1000 * r + n).prompts
                 for spin, e in engines.items():
                     t0 = time.perf_counter()
                     e.generate(prompts, params(a.new_tokens))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import radixk3  # noqa: E402
 from bench.machine_info import cpu_name  # noqa: E402
+from bench.offline_throughput import decode_batch, params, warm_prompts  # noqa: E402
 
 PROMPT = 16
 CHUNK_TIMEOUT_S = 3600.0  # never expires here: it only keeps the requests streamed
@@ -37,24 +37,22 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    params = {"max_new_tokens": a.new_tokens, "min_new_tokens": a.new_tokens, "temperature": 0, "ignore_eos": True}
     ways = {"streamed": CHUNK_TIMEOUT_S, "whole": None}
     tok_s: dict[tuple[str, int], list[float]] = {(w, n): [] for w in ways for n in a.batches}
     with radixk3.Engine(model=a.model, dtype="float32", mem_bytes=512 << 20, max_running_requests=64) as engine:
         vocab = engine.procs.vocab_size
-        gen = random.Random(0)
-        engine.generate([[5] + [gen.randrange(16, vocab) for _ in range(63)]], params | {"max_new_tokens": 4,
-                                                                                       "min_new_tokens": 4})
-        for _ in range(a.rounds):
+        engine.generate(warm_prompts(vocab), params(4))
+        for r in range(a.rounds):
             for n in a.batches:
-                prompts = [[gen.randrange(16, vocab) for _ in range(PROMPT)] for _ in range(n)]
+                prompts = decode_batch(n, PROMPT, a.new_tokens, vocab, seed=1000 * r + n).prompts
                 # Cached first: both ways then start from the radix tree alike (a prompt's first pass prefills it
                 # whole, a later one recomputes only its last token, in fp32 not always to the same greedy pick).
-                engine.generate(prompts, params | {"max_new_tokens": 1, "min_new_tokens": 1})
+                engine.generate(prompts, params(1))
                 outs = {}
                 for way, timeout in ways.items():
                     t0 = time.perf_counter()
-                    outs[way] = [r["output_ids"] for r in engine.generate(prompts, params, timeout=timeout)]
+                    res = engine.generate(prompts, params(a.new_tokens), timeout=timeout)
+                    outs[way] = [r["output_ids"] for r in res]
                     tok_s[way, n].append(n * a.new_tokens / (time.perf_counter() - t0))
                 if outs["whole"] != outs["streamed"]:
                     raise SystemExit(f"batch {n}: whole and streamed outputs differ")

@@ -4,9 +4,8 @@ At the first new token where two streams differ, the checkpoint's no-cache forwa
 over the prompt and the tokens both share, in float32 and in float64. If fp32's error on the two candidates' logit
 gap (the fp32 gap against the float64 one, plus a few ulps of the largest logit) is at least the gap itself, fp32
 cannot order the two tokens, and two correct fp32 implementations summing in other orders may take either: a near
-tie. Otherwise one side computes
-another model: a bug to find (a conversion's, most likely). The race compares tokens only; this tells the two
-apart for the sequences that differ.
+tie. Otherwise one side computes another model: a bug to find (a conversion's, most likely). The race compares
+tokens only; this tells the two apart for the sequences that differ.
 """
 
 from __future__ import annotations
