@@ -115,6 +115,10 @@ class TokenOut:
     input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     finished: str | None = None  # "stop" | "length" | "abort" | "error"
     matched_stop: int | str | None = None
+    # Where a matched stop string or regex starts: the characters of the output's text (decoded as the request
+    # decodes it) from there to its end, which the tokenizer side cuts off (unless no_stop_trim). The scheduler
+    # found the match and knows its place; counted from the end, it needs no decode of the whole output.
+    stop_from_end: int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None

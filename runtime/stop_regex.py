@@ -2,11 +2,11 @@
 is trimmed there like a stop string's.
 
 Both sides use this module: the scheduler looks for a match in the tail of the output that can hold one (as for
-stop strings, the longest match decides how many tokens: the whole output for an unbounded pattern), the
-detokenizer trims at the match and, while streaming, holds back text that a pattern has begun to match (the
-`regex` library's partial matching), so no streamed chunk holds a part of the matched text. A pattern must be
-valid for Python's `re` (whose parser bounds its match length) and is matched by `regex`, its superset. A leaf:
-no torch.
+stop strings, the longest match decides how many tokens: the whole output for an unbounded pattern) and names
+its place in the text; the detokenizer trims there and, while streaming, holds back text that a pattern has
+begun to match (the `regex` library's partial matching), so no streamed chunk holds a part of the matched text.
+A pattern must be valid for Python's `re` (whose parser bounds its match length) and is matched by `regex`, its
+superset. A leaf: no torch.
 """
 
 from __future__ import annotations
@@ -64,25 +64,29 @@ def window_tokens(patterns: list[str]) -> int | None:
     return None if UNBOUNDED in widths else 4 * max(widths) + 1
 
 
-def first_match(text: str, patterns: list[str]) -> tuple[int, str] | None:
-    """(start, pattern) of the match that starts first in `text` (the first pattern listed on a tie)."""
-    hits = [(m.start(), i) for i, p in enumerate(patterns) if (m := compiled(p).search(text)) is not None]
+def first_match(text: str, patterns: list[str], ends_past: int = 0) -> tuple[int, str] | None:
+    """(start, pattern) of the match that starts first in `text` (the first pattern listed on a tie); with
+    `ends_past`, of those that end past that index (a match in the text before it does not count)."""
+    hits = [(m.start(), i) for i, p in enumerate(patterns) if (m := _match(compiled(p), text, ends_past)) is not None]
     if not hits:
         return None
     start, i = min(hits)
     return start, patterns[i]
 
 
+def _match(pattern: regex.Pattern[str], text: str, ends_past: int) -> regex.Match[str] | None:
+    if not ends_past:
+        return pattern.search(text)
+    return next((m for m in pattern.finditer(text, overlapped=True) if m.end() > ends_past), None)
+
+
 def partial_start(text: str, patterns: list[str]) -> int:
     """Where the earliest match that `text` ends inside of (one that more text could complete) starts;
-    len(text) if none does. Complete matches before it (below min_new_tokens, where they do not stop) are
-    passed over."""
+    len(text) if none does. Complete matches (below min_new_tokens, where they do not stop) are passed over,
+    but not a match that starts inside one: the scheduler's search from every start would find it."""
     best = len(text)
     for p in patterns:
-        pat, pos = compiled(p), 0
-        while pos <= len(text) and (m := pat.search(text, pos, partial=True)) is not None:
-            if m.partial:
-                best = min(best, m.start())
-                break
-            pos = max(m.end(), pos + 1)
+        m = next((m for m in compiled(p).finditer(text, partial=True, overlapped=True) if m.partial), None)
+        if m is not None:
+            best = min(best, m.start())
     return best

@@ -105,6 +105,7 @@ class Req:
     sent_tokens: int = 0
     finished: str | None = None
     matched_stop: int | str | None = None
+    stop_from_end: int | None = None  # a matched stop string's or regex's place in the text (TokenOut's)
     aborted: bool = False
     retract_pending: bool = False  # retract once its in-flight steps are processed
     poisoned: bool = False  # a step including it failed: its state must never be cached

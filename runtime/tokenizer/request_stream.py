@@ -5,10 +5,11 @@ the one `meta_info` builder.
 A stream of results sends only what is new: a `StreamCursor` remembers how much of a sample's output its
 stream has sent, and `Sample.result(..., cursor=)` returns the rest (the native API's incremental streaming).
 
-Text is produced by the tokenizer's incremental decoder. Stop strings and stop regexes are trimmed as they are
-found: text that could be the start of a stop string (or that a stop regex has begun to match) is held back until
-later tokens show whether it is, so no streamed chunk ever holds a part of the matched text. With `no_stop_trim`
-nothing is trimmed or held.
+Text is produced by the tokenizer's incremental decoder. Stop strings and stop regexes are trimmed where the
+scheduler matched them (the last TokenOut's `stop_from_end`), never searched for again here: an earlier
+occurrence that the output completed below min_new_tokens stays. While streaming, text that could be the start
+of a stop string (or that a stop regex has begun to match) is held back until later tokens show whether it is,
+so no streamed chunk ever holds a part of the matched text. With `no_stop_trim` nothing is trimmed or held.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from radixk3.tokenizer import IncrementalDecoder, Tokenizer
 from runtime.messages import TokenOut
 from runtime.sampling_params import SamplingParams
-from runtime.stop_regex import first_match, partial_start
+from runtime.stop_regex import partial_start
 
 
 @dataclass
@@ -61,12 +62,14 @@ class TextStream:
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
         self._decoder: IncrementalDecoder = tokenizer.incremental_decoder(params.skip_special_tokens)
-        trim = not params.no_stop_trim
-        self._stops = params.stop if trim else []
-        self._regexes = params.stop_regex if trim else []
+        self._trim = not params.no_stop_trim
+        self._stops = params.stop if self._trim else []
+        self._regexes = params.stop_regex if self._trim else []
         self._held = ""
 
-    def push(self, ids: list[int], finished: str | None, matched_stop: int | str | None) -> str:
+    def push(self, ids: list[int], finished: str | None, stop_from_end: int | None = None) -> str:
+        """The new text of `ids`; on the last chunk, cut where the scheduler's stop match begins
+        (`TokenOut.stop_from_end`: characters from there to the end of the text)."""
         text = self._held + self._decoder.push(ids)
         self._held = ""
         if finished is None:
@@ -76,13 +79,11 @@ class TextStream:
             text, self._held = text[:keep], text[keep:]
             return text
         text += self._decoder.flush()
-        if not isinstance(matched_stop, str):
+        if stop_from_end is None or not self._trim:
             return text
-        if matched_stop in self._stops and matched_stop in text:
-            return text[: text.index(matched_stop)]
-        if matched_stop in self._regexes and (hit := first_match(text, [matched_stop])) is not None:
-            return text[: hit[0]]
-        return text
+        # The scheduler's match ends in the text of this chunk, so it starts in it or in what was held back (a
+        # stop's beginning): never in text already sent, which could not be taken back.
+        return text[: max(0, len(text) - stop_from_end)]
 
 
 class SampleStream:
@@ -94,7 +95,7 @@ class SampleStream:
         self._completion_tokens = 0
 
     def chunk(self, out: TokenOut) -> StreamChunk:
-        text = self._text.push(out.token_ids, out.finished, out.matched_stop)
+        text = self._text.push(out.token_ids, out.finished, out.stop_from_end)
         self._completion_tokens += len(out.token_ids)
         top = [[(int(i), float(v)) for i, v in row] for row in out.top_logprobs]  # converted once per chunk
         input_top = [None if row is None else [(int(i), float(v)) for i, v in row] for row in out.input_top_logprobs]

@@ -129,6 +129,35 @@ def test_a_result_read_whole_trims_at_the_stop_past_min_new_tokens(engine: Engin
     assert whole["text"] == streamed, (whole["text"], streamed)
 
 
+def test_a_stop_completed_below_min_new_tokens_is_passed_in_a_stream_interval_chunk(engine: Engine,
+                                                                                    plain: dict) -> None:
+    """A stop string the output completes just below min_new_tokens (inside the stop check's window) does not stop
+    it, and stays in the text: with stream_interval k the chunk crossing min_new_tokens holds it, and the text ends
+    at the next occurrence, the one the scheduler matched; read whole, the text is the same."""
+    text, ids = plain["text"], plain["output_ids"]
+    covering = [len(engine.tokenizer.decode(ids[:n])) for n in range(len(ids) + 1)]
+
+    def token_of(pos: int) -> int:  # the output token whose text first covers character `pos`
+        return next(n for n, c in enumerate(covering) if c > pos) - 1
+
+    def occurrences(c: str) -> list[tuple[int, int]]:  # (position, token) of c's first character in each token
+        return sorted({token_of(i): i for i, x in reversed(list(enumerate(text))) if x == c}.items(),
+                      key=lambda t: t[0])
+
+    # Tokens i < j of two occurrences of c with none between, i past the first chunk (token 0) and j >= i + 2.
+    cases = [(c, i, j, pos) for c in dict.fromkeys(x for x in text if x.isalpha())
+             for (i, _), (j, pos) in zip(occurrences(c), occurrences(c)[1:], strict=False) if i >= 1 and j >= i + 2]
+    assert cases, f"no stop with two occurrences far enough apart in {text!r}"
+    stop, i, j, pos = cases[0]
+    # The first check (min_new_tokens, token i + 1) reads token i; the chunk [1, j] holds i and crosses it.
+    params = GREEDY | {"stop": stop, "min_new_tokens": i + 2, "stream_interval": j}
+    streamed, chunks, last = _streamed(engine, params)
+    assert [t for c in chunks for t in c] == ids[: j + 1] and any(len(c) > j - i for c in chunks), chunks
+    assert (last.finished, last.matched_stop) == ("stop", stop)
+    assert streamed == text[:pos] and stop in streamed, (streamed, text[:pos])
+    assert engine.generate(PROMPT, params)["text"] == text[:pos]
+
+
 @torch.inference_mode()
 def _biased_greedy(model: torch.nn.Module, prompt: list[int], bias: dict[int, float], n: int) -> list[int]:
     """Ground truth: the no-cache forward of the whole sequence for every token, the bias added to its logits."""

@@ -14,6 +14,8 @@ from radixk3.config import preset
 from runtime.messages import GenerateReq, StepPlan, StepResult, TokenOut, decode, encode
 from runtime.pool_layout import pool_layout
 from runtime.sampling_params import SamplingParams
+from runtime.scheduler.output_processor import OutputProcessor
+from runtime.scheduler.request import Req
 from runtime.scheduler.scheduler import Scheduler
 from runtime.scheduler.step_loop import StepLoop
 from runtime.server_args import ServerArgs
@@ -23,7 +25,7 @@ VOCAB = 1000
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
-def detokenize(ids: list[int]) -> str:
+def detokenize(ids: list[int], skip_special_tokens: bool = True) -> str:
     return "".join(chr(97 + t % 26) for t in ids)
 
 
@@ -197,6 +199,25 @@ def test_stop_string_in_the_tail() -> None:
     first = text.find(stop)
     out = h.generate([prompt], {**GREEDY, "max_new_tokens": 20, "stop": [stop, text[15:17]]})[0]
     assert detokenize(out).find(stop) == first and len(out) == first + 3
+
+
+@pytest.mark.parametrize("kind", ["stop", "stop_regex"])
+def test_a_stop_match_ends_in_a_checked_token_and_names_its_place(kind: str) -> None:
+    """The scheduler's match: `stop_from_end` is the characters from its start to the end of the output's text.
+    An occurrence completed below min_new_tokens (here inside the first check's window) does not stop it."""
+    out = OutputProcessor(frozenset(), detokenize)
+    ids = [ord(c) - 97 for c in "xbcybcz"]  # one character a token
+    stop = {"stop": ["bc"], "stop_regex": "b[a-c]"}[kind]
+    req = Req("r", [0], SamplingParams.from_dict({**GREEDY, "max_new_tokens": 7, kind: stop, "min_new_tokens": 4},
+                                                 VOCAB))
+    reasons = [out.on_token(req, t, 0.0, [], []) for t in ids[:6]]
+    assert reasons == [None] * 5 + ["stop"]  # not at "xbcy" (the first check), at "xbcybc"
+    assert (req.matched_stop, req.stop_from_end) == (stop[0] if kind == "stop" else stop, 2)
+    out.finish(req, "stop")
+    assert (out.outbox[-1].token_ids, out.outbox[-1].stop_from_end) == (ids[:6], 2)
+    # With no min_new_tokens the first occurrence stops it.
+    req = Req("r", [0], SamplingParams.from_dict({**GREEDY, kind: stop}, VOCAB))
+    assert [out.on_token(req, t, 0.0, [], []) for t in ids[:3]] == [None, None, "stop"] and req.stop_from_end == 2
 
 
 def test_mixed_chunk_lets_decodes_ride_in_extend_steps() -> None:

@@ -19,8 +19,11 @@ from radixk3.config import preset
 from radixk3.model import build_model
 from radixk3.tokenizer import load_tokenizer
 from runtime.local_engine import LocalEngine
+from runtime.messages import TokenOut
 from runtime.pool_layout import PoolLayout
+from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
+from runtime.tokenizer.request_stream import SampleStream
 from tests.greedy import greedy_reference
 
 MAX_NEW = 24
@@ -193,3 +196,50 @@ def test_running_requests_draft_from_each_other() -> None:
         accepted[cap] = eng.scheduler.metrics.accepted_tokens
         eng.scheduler.check_integrity()
     assert accepted[1 << 16] >= MAX_NEW // 2 and accepted[0] < accepted[1 << 16], accepted
+
+
+def test_a_verify_window_crossing_min_new_tokens_cuts_at_the_matched_stop() -> None:
+    """One verify window commits tokens below min_new_tokens, one of them completing a stop string, and the first
+    checked token, completing it again: the request stops there and its text (the tokenizer side's, from the
+    chunks) ends at that second occurrence, the first one kept. The prompt is run once first, so that every
+    draft of the second run is the first run's output and taken (the random target: see the corpus test)."""
+    model = build_model(preset("k3-tiny"), seed=11)
+    tok = load_tokenizer()
+    prompt = _prompts(model.config.vocab_size)[9]
+    ref = greedy_reference(model, prompt, MAX_NEW)
+    eng = _engine(model, speculative_num_draft_tokens=6, speculative_ngram_capacity=1 << 16)
+
+    def chunks(sampling: dict) -> list[TokenOut]:
+        rid = eng.submit(prompt, sampling)
+        return eng.run()[rid]
+
+    assert eng.generate([prompt], GREEDY) == [ref]
+    windows = [o.token_ids for o in chunks(GREEDY)]  # the second run's chunks: its verify windows
+    starts = [sum(len(w) for w in windows[:k]) for k in range(len(windows))]
+    text = tok.decode(ref)
+    covering = [len(tok.decode(ref[:n])) for n in range(len(ref) + 1)]
+
+    def token_of(pos: int) -> int:  # the output token whose text first covers character `pos`
+        return next(n for n, c in enumerate(covering) if c > pos) - 1
+
+    def window_of(t: int) -> int:
+        return max(k for k, s in enumerate(starts) if s <= t)
+
+    # Tokens i < j of two occurrences of a character with none between, j >= i + 2 (so the first check, at j,
+    # reads only tokens j - 1 and j), in one window.
+    cases = []
+    for c in dict.fromkeys(x for x in text if x.isalpha()):
+        at = sorted({token_of(p): p for p in reversed(range(len(text))) if text[p] == c}.items())
+        cases += [(c, i, j, p) for (i, _), (j, p) in zip(at, at[1:], strict=False)
+                  if j >= i + 2 and window_of(i) == window_of(j)]
+    assert cases, (text, windows)
+    stop, i, j, pos = cases[0]
+    sampling = dict(GREEDY, stop=stop, min_new_tokens=j + 1)
+    outs = chunks(sampling)
+    last = window_of(j)
+    assert [o.token_ids for o in outs] == windows[:last] + [windows[last][: j + 1 - starts[last]]]
+    stream = SampleStream("r", 0, tok, SamplingParams.from_dict(sampling, model.config.vocab_size))
+    got = "".join(stream.chunk(o).text for o in outs)
+    assert (outs[-1].finished, outs[-1].matched_stop) == ("stop", stop)
+    assert got == text[:pos] and text[:pos].count(stop) >= 1, (got, text[:pos])
+    eng.scheduler.check_integrity()
