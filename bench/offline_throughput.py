@@ -174,7 +174,7 @@ def params(new_tokens: int) -> dict[str, Any]:
 def engine_kwargs(dtype: str, a: argparse.Namespace, radix: bool) -> dict[str, Any]:
     kw: dict[str, Any] = {"mem_bytes": a.mem_mib << 20, "max_running_requests": a.max_running_requests,
                           "chunked_prefill_size": a.chunked_prefill_size, "disable_radix_cache": not radix,
-                          "disable_compile": a.disable_compile}
+                          "disable_compile": a.disable_compile, "num_scheduler_steps": a.num_scheduler_steps}
     if dtype != "auto":
         kw["dtype"] = dtype
     return kw
@@ -480,6 +480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--chunked-prefill-size", type=int, default=2048)
     ap.add_argument("--disable-compile", action="store_true", help="radixk3 decodes eagerly (no compiled step)")
+    ap.add_argument("--num-scheduler-steps", type=int, default=1,
+                    help="radixk3's decode windows (the engine's flag): decode steps per plan when only decodes run")
     ap.add_argument("--tf-batch", type=int, default=0, help="transformers batch size (0: the whole workload)")
     ap.add_argument("--expert-format", choices=("none", "mxfp4", "int4", "fp8"), default="none",
                     help="also run radixk3 with the routed experts quantised (compressed-tensors) over the decodes")
@@ -584,7 +586,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_table(cols, workloads)
     print_race(cols | quant_cols)
     print_floor(cols | quant_cols)
-    print(f"DRAM read rate ({dram_bytes >> 20} MiB, {threads} threads): {dram_gb_s:.1f} GB/s")
+    print(f"DRAM read rate ({dram_bytes >> 20} MiB, {threads} threads): {dram_gb_s:.1f} GB/s; radixk3 "
+          f"--num-scheduler-steps {a.num_scheduler_steps}")
     if lc_build:
         print(f"llama.cpp: llama-cpp-python {lc_build['version']}, {threads} threads; {lc_build['system_info']}")
     for name, c in cols.items():
@@ -618,7 +621,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"(token agreement {c['radix_on_off_agreement']:.1%})")
     if a.json:
         first = cols[dtypes[0]]
-        summary = {"machine": mach, "dtype": dtypes[0],
+        summary = {"machine": mach, "dtype": dtypes[0], "num_scheduler_steps": a.num_scheduler_steps,
                    "workloads": {w.name: w.shape for w in workloads}}
         keys = [f"ratio_{w.name}" for w in workloads] + ["radix_on_off", "prefill_vs_ideal", "agreement",
                                                          "agreement_sequences", "tok_s", "expert_format",

@@ -200,6 +200,10 @@ class StepPlan:
     # verify window over every group (0: none verifies), and whether some group runs an extend or decode step.
     dp_window_width: int = 0
     dp_extends: bool = False
+    # A decode plan's window (`--num-scheduler-steps`): decode steps the worker runs back to back, step j feeding
+    # each sequence the token step j - 1 sampled and sampling its output `sampling.step + j`; checkpoint m is
+    # written by the step whose input is the sequence's `ckpt_offset[m]`-th token of the window.
+    decode_steps: int = 1
     # Images whose pad runs meet this step's new tokens, and their patches (flattened float32, in that order).
     images: list[PlanImage] = field(default_factory=list)
     image_patches: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
@@ -236,7 +240,7 @@ class StepResult:
     row_errors: list[tuple[int, str]] = field(default_factory=list)
     # Verify steps: drafts accepted per sampled sequence; `tokens` (and the logprob lists) then hold, sequence
     # after sequence, num_accepted[i] + 1 tokens each (the accepted drafts and the target's own next token),
-    # and a row error's index is the sequence's.
+    # and a row error's index is the sequence's. A decode window's: `decode_steps` tokens per sequence, alike.
     num_accepted: list[int] = field(default_factory=list)
     dp_rank: int = 0  # DP attention: the attention group whose plan this is the result of
     # P/D decode: (room, first token, its logprob) of each transfer that completed; a prefill rank's failed

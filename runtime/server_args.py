@@ -16,6 +16,7 @@ from radixk3.tokenizer_base import TOKENIZER_MODES
 COMPILE_ENV = "RADIXK3_COMPILE"
 SPECULATIVE_ALGORITHMS = ("ngram", "mtp", "draft", "dspark")
 MAX_DRAFT_TOKENS = 16
+MAX_SCHEDULER_STEPS = 64  # a window longer than this delays new requests for little more gain
 
 # Other spellings of a flag, as SGLang users type them.
 _ALIASES: dict[str, tuple[str, ...]] = {
@@ -68,6 +69,10 @@ class ServerArgs:
         "running decodes ride in every prefill step (the default; --disable-mixed-chunk: they wait until "
         "no prefill work is left)")})
     disable_overlap_schedule: bool = False  # plan step N+1 only after step N's result (no overlap)
+    num_scheduler_steps: int = field(default=1, metadata={"help": (
+        "decode steps a worker runs back to back for one plan when only decodes run (vLLM's flag, its multi-step "
+        "scheduling): each step feeds the tokens the one before sampled, and the scheduler plans, checks stops and "
+        "streams once per window; a request arriving meanwhile waits for the window's end. 1: a plan per step")})
     schedule_conservativeness: float = 1.0  # scales the decode tokens admission reserves (0: none, retract instead)
     sampling_defaults: str = field(default="model", metadata={"help": (
         "where a request's unset sampling parameters come from (SGLang's flag): model, the checkpoint's "
@@ -237,6 +242,15 @@ class ServerArgs:
             raise ValueError("--max-body-bytes must be >= 1")
         if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
             raise ValueError(f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}")
+        if not 1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS:
+            raise ValueError(f"--num-scheduler-steps must be in [1, {MAX_SCHEDULER_STEPS}], "
+                             f"got {self.num_scheduler_steps}")
+        if self.num_scheduler_steps > 1:  # their steps are their own: a window would never run, refused by name
+            for on, what in ((self.speculative_algorithm is not None, "--speculative-algorithm"),
+                             (self.enable_dp_attention, "--enable-dp-attention"),
+                             (self.disaggregation_mode != "null", "--disaggregation-mode")):
+                if on:
+                    raise ValueError(f"--num-scheduler-steps > 1 with {what} is not supported")
         if not 1 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"--speculative-num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}]")
         if self.speculative_algorithm in ("draft", "dspark") and self.speculative_draft_model is None:

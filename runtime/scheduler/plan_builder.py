@@ -43,6 +43,9 @@ class StepRecord:
     mode: str
     seqs: list[SeqEntry]
     ckpts: list[Checkpoint]
+    # A decode window (`--num-scheduler-steps`): every sequence feeds one token and the worker runs this many decode
+    # steps, so each adds (`n`) and samples this many tokens
+    decode_steps: int = 1
 
 
 def sampling_columns(params: list[SamplingParams], steps: list[int]) -> SamplingColumns:
@@ -80,9 +83,11 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
     matchers: list[GrammarMatcher] = []
     images: list[tuple[PlanImage, np.ndarray]] = []
     top_n = 0
+    window = rec.decode_steps
     for i, s in enumerate(rec.seqs):
         req = s.req
-        a, b = s.start, s.start + s.n
+        fed = 1 if window > 1 else s.n  # a decode window feeds its first token; the worker feeds the rest itself
+        a, b = s.start, s.start + fed
         if req.images and a < len(req.prompt_ids):
             images.extend(step_images(req, i, a, b, cu[-1]))
         known = min(b - len(s.drafts), req.known_len)
@@ -93,14 +98,14 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
         prefix.append(a)
         slots.append(pool.state_slot(req.state))  # type: ignore[arg-type]
         base = cu[-1]
-        cu.append(base + s.n)
+        cu.append(base + fed)
         lp_rows.extend((base + pos - 1 - a, req.prompt_ids[pos]) for pos in s.input_lp_positions)
         if s.input_lp_positions:  # the input rows' top logprobs: one width for the step, cut per request
             top_n = max(top_n, req.top_logprobs_num)
         if s.sampled:
-            first = req.output_index - 1  # its pending sample is counted
+            first = req.output_index - window  # its pending samples are counted (a decode window's, all of them)
             for j in range(len(s.drafts) + 1):  # a verify window samples at each of its positions
-                sample_rows.append(base + s.n - 1 - len(s.drafts) + j)
+                sample_rows.append(base + fed - 1 - len(s.drafts) + j)
                 params.append(req.params)
                 steps.append(first + j)
                 banned.append(outputs.banned_at(req, first + j))
@@ -129,6 +134,6 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
         banned=banned, logit_bias=bias, reset_rows=resets, top_logprobs_num=top_n,
         input_logprob_rows=[(len(sample_rows) + i, tok) for i, (_, tok) in enumerate(lp_rows)],
         grammar_rows=arr(grammar_rows), grammar_mask=fill_masks(matchers).reshape(-1),
-        images=[im for im, _ in images],
+        images=[im for im, _ in images], decode_steps=window,
         image_patches=np.concatenate([p for _, p in images]) if images else np.zeros(0, dtype=np.float32),
     )

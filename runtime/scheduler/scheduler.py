@@ -319,7 +319,7 @@ class Scheduler:
             self._settle(req)
         if self.paused:
             return None
-        batch, mode, n_prefill = self._compose_step()
+        batch, mode, n_prefill, steps = self._compose_step()
         prefill = {id(r) for r, _ in batch[:n_prefill]}
         batch = [(r, n) for r, n in batch if r.row is not None]  # drop requests retracted while planning
         if not batch and self._pd_plan_due():  # nothing to run, but the workers have transfers to make or poll
@@ -341,9 +341,9 @@ class Scheduler:
         decodes = sum(1 for r, _ in batch if id(r) not in prefill)
         if 0 < decodes < len(batch):  # prefill chunks and decodes in one step
             self.metrics.mixed_steps += 1
-        rec = self._record(batch, mode)
+        rec = self._record(batch, mode, steps)
         self._inflight.append(rec)
-        if decodes:
+        for _ in range(steps if decodes else 0):  # a decode window is `steps` decode steps
             self.ratio.on_decode_step()
         return self._pd_plan(build_plan(rec, self.pool, self.tables, self.outputs))
 
@@ -425,14 +425,14 @@ class Scheduler:
             req = s.req
             req.in_flight -= 1
             if s.sampled:
-                req.pending_samples -= 1
+                req.pending_samples -= rec.decode_steps
             if failed:
                 self._on_failed_step(req, len(rec.seqs) == 1, result.error)
                 continue
             if rec.mode == "verify":
                 self.metrics.decode_tokens += 1 + result.num_accepted[sample_i]
-            elif s.n == 1 and s.start >= len(req.prompt_ids):
-                self.metrics.decode_tokens += 1
+            elif rec.decode_steps > 1 or (s.n == 1 and s.start >= len(req.prompt_ids)):
+                self.metrics.decode_tokens += s.n
             else:
                 self.metrics.prefill_tokens_computed += s.n
             n_lp = len(s.input_lp_positions)
@@ -445,16 +445,19 @@ class Scheduler:
             if s.sampled:
                 i = sample_i
                 sample_i += 1
-                n_tok, first = (result.num_accepted[i] + 1, tok_i) if rec.mode == "verify" else (1, i)
+                n_tok = result.num_accepted[i] + 1 if rec.mode == "verify" else rec.decode_steps
+                first = tok_i
                 tok_i += n_tok
                 self._apply_samples(req, result, first, n_tok, row_errors.get(i))
                 self._share_tokens(req)
                 if rec.mode == "verify":
                     self._commit_window(req, s, n_tok)
+                elif rec.decode_steps > 1:  # every token the window fed is in the cache; a stop inside it keeps fewer
+                    self._commit_window(req, s, s.n)
         for c in rec.ckpts:
             req = rec.seqs[c.seq].req
             req.pending_ckpts.discard(c.pos)
-            if req.poisoned:
+            if req.poisoned or c.pos > req.num_computed:  # (a decode window's past a stop inside it: not kept)
                 self.pool.free_state(c.block)
                 continue
             self.tables.mark_changed(req, self.req_cache.insert_checkpoint(req, c.pos, c.block))
@@ -468,7 +471,7 @@ class Scheduler:
         self._pd_step_done(result, rec.step)
         self.metrics.steps += 1
         if rec.mode == "decode":
-            self.metrics.decode_steps += 1
+            self.metrics.decode_steps += rec.decode_steps
         elif rec.mode == "verify":
             self.metrics.verify_steps += 1
         elif rec.mode != "idle":
@@ -511,10 +514,10 @@ class Scheduler:
             self.outputs.emit(req)
 
     def _commit_window(self, req: Req, s: SeqEntry, n_tok: int) -> None:
-        """The worker committed the window's first n_tok tokens (its last sampled token and the accepted drafts)
-        into the cache: cut the request's cache back to them, so the rejected positions' KV pages return to
-        the pool. If the request ended inside the run it keeps fewer tokens than the state has seen: that
-        state is never donated."""
+        """The worker committed the window's first n_tok tokens (its last sampled token and the accepted drafts;
+        a decode window's every token) into the cache: cut the request's cache back to them, so the rejected
+        positions' KV pages return to the pool. If the request ended inside the run it keeps fewer tokens than
+        the state has seen: that state is never donated."""
         committed = s.start + n_tok
         if s.drafts:
             self.metrics.spec_windows += 1
@@ -558,8 +561,9 @@ class Scheduler:
             self.ratio.on_retract()
 
     # --- batches ---------------------------------------------------------------------------------------
-    def _compose_step(self) -> tuple[list[tuple[Req, int]], str, int]:
-        """The next step's sequences, its mode, and how many of the sequences (the first ones) are prefill.
+    def _compose_step(self) -> tuple[list[tuple[Req, int]], str, int, int]:
+        """The next step's sequences, its mode, how many of the sequences (the first ones) are prefill, and its
+        decode steps (a decode window, `_window_steps`; 1 otherwise).
 
         Running decodes ride in every extend step (SGLang's mixed chunk, the default) rather than extend and
         decode steps taking turns: a decode row adds one token to a forward that reads the weights anyway, so
@@ -575,7 +579,7 @@ class Scheduler:
             self._decodes_owed = False
             batch = self._decode_batch([], speculate=speculate)
             if batch:
-                return batch, "verify" if self._drafts else "decode", 0
+                return batch, "verify" if self._drafts else "decode", 0, 1
         batch = self._extend_batch()
         if batch:
             n_prefill = len(batch)
@@ -583,9 +587,37 @@ class Scheduler:
                 batch += self._decode_batch(batch)
             elif mixing:
                 self._decodes_owed = True
-            return batch, "extend", n_prefill
-        batch = self._decode_batch([], speculate=speculate)
-        return batch, "verify" if self._drafts else "decode", 0
+            return batch, "extend", n_prefill, 1
+        steps = self._window_steps()
+        if not steps:
+            return [], "decode", 0, 1
+        batch = self._decode_batch([], speculate=speculate, steps=steps)
+        return batch, "verify" if self._drafts else "decode", 0, steps
+
+    def _window_steps(self) -> int:
+        """Decode steps the next decode step runs back to back (`--num-scheduler-steps`, as vLLM's multi-step
+        scheduling): one plan, one message each way and one round of stop checks for the window rather than
+        for every token, costs that on a CPU take the cores the worker computes on (README: Performance).
+        1 where a window cannot be used: something waits to start (it would wait the window out), or a request's
+        grammar mask changes token by token (speculation, P/D and DP attention refuse the flag). 0: a
+        window could run once the step in flight is back (its samples are the window's first inputs, and a
+        window planned behind it would compute past a stop found in it). Never past any request's max_new_tokens
+        (no request samples more tokens than it may keep), nor across its min_new_tokens (the stops it bans, the
+        plan's `banned`, hold for the whole window)."""
+        most = self.args.num_scheduler_steps
+        if most == 1 or self.waiting or self.grammar_wait:
+            return 1
+        decodes = [r for r in self.running if r.active and r.prefill_done and r.row is not None]
+        if not decodes or any(r.grammar is not None or r.isolate for r in decodes):
+            return 1
+        if self._inflight:
+            return 0
+        for r in decodes:
+            left = r.params.max_new_tokens - r.output_index
+            if self.outputs.banned_at(r, r.output_index):
+                left = min(left, r.params.min_new_tokens - r.output_index)
+            most = min(most, left)
+        return max(1, most)
 
     def _extend_batch(self) -> list[tuple[Req, int]]:
         """Prefill chunks within the step's budget (`step_prefill_budget` tokens, at most `chunked_prefill_size`
@@ -667,9 +699,11 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return budget
 
-    def _decode_batch(self, taken: list[tuple[Req, int]], speculate: bool = False) -> list[tuple[Req, int]]:
+    def _decode_batch(self, taken: list[tuple[Req, int]], speculate: bool = False,
+                      steps: int = 1) -> list[tuple[Req, int]]:
         """One token for every running request whose tokens are all fed but the last sampled one; with
-        `speculate`, that token and its drafts (a verify window)."""
+        `speculate`, that token and its drafts (a verify window); with `steps` > 1, that token and the `steps` - 1
+        the window samples and feeds (a decode window)."""
         in_batch = {id(r) for r, _ in taken}
         batch: list[tuple[Req, int]] = []
         self._drafts = {}
@@ -683,8 +717,8 @@ class Scheduler:
                 if drafts and self._grow(req, 1 + len(drafts)):
                     self._drafts[id(req)] = drafts
                     batch.append((req, 1 + len(drafts)))
-                elif self._grow(req, 1):
-                    batch.append((req, 1))
+                elif self._grow(req, steps):
+                    batch.append((req, steps))
         batch = [(r, n) for r, n in batch if r.row is not None]
         self._drafts = {id(r): self._drafts[id(r)] for r, _ in batch if id(r) in self._drafts}
         return batch
@@ -768,13 +802,13 @@ class Scheduler:
         self.running.remove(req)
 
     # --- the step record -------------------------------------------------------------------------------
-    def _record(self, batch: list[tuple[Req, int]], mode: str) -> StepRecord:
+    def _record(self, batch: list[tuple[Req, int]], mode: str, steps: int = 1) -> StepRecord:
         """Checkpoints and input-logprob rows of each sequence; advances what each request has planned."""
-        rec = StepRecord(self._step, mode, [], [])
+        rec = StepRecord(self._step, mode, [], [], decode_steps=steps)
         for i, (req, n) in enumerate(batch):
             a, b = req.num_computed, req.num_computed + n
             drafts = self._drafts.get(id(req), [])
-            sampled = b - len(drafts) == req.seq_len
+            sampled = b - len(drafts) - (steps - 1) == req.seq_len  # a decode window's own samples are not known yet
             s = SeqEntry(req, a, n, sampled, drafts=drafts)
             if req.wants_input_logprobs:
                 s.input_lp_first_none = a == 0 and req.wants_input_logprob(0)
@@ -791,7 +825,7 @@ class Scheduler:
             req.num_computed = b
             req.in_flight += 1
             if sampled:
-                req.pending_samples += 1
+                req.pending_samples += steps
                 req.prefill_done = True
                 if req.last_sampled_step is not None:
                     skipped = rec.step - req.last_sampled_step - 1
@@ -813,12 +847,12 @@ class Scheduler:
                 want.add(b // ps * ps)  # a chunk ending mid-prompt
         else:
             req.decode_since_checkpoint += b - a
-            if req.decode_since_checkpoint >= self.args.decode_checkpoint_interval and b % ps == 0:
-                want.add(b)
+            if req.decode_since_checkpoint >= self.args.decode_checkpoint_interval:
+                want.add(b // ps * ps)  # b itself for a decode token; a window's last page boundary in it
             want.update(req.ckpt_points)
         out = sorted(p for p in want if a < p <= b and p % ps == 0 and p not in req.pending_ckpts)
-        if out and out[-1] == b:
-            req.decode_since_checkpoint = 0
+        if out and (out[-1] == b or req.prefill_done):
+            req.decode_since_checkpoint = b - out[-1]
         return out
 
     # --- admission -------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 from kernels import conv1d_cpu as fused_conv
 from kernels import kda_decode_cpu as fused_kda
 from kernels import moe_gemm_cpu as fused_moe
-from kernels.sampling import LogitBias, TokenMask
+from kernels.sampling import LogitBias, SampleResult, TokenMask
 from kernels.sampling_tensors import SamplingTensors
 from kernels.spec_layout import pad, window_layout
 from kernels.state_checkpoints import StateCheckpoints
@@ -431,6 +431,8 @@ class ModelWorker:
             return StepResult(step=plan.step, tokens=[], logprobs=[], top_ids=[], top_logprobs=[], input_logprobs=[])
         if plan.mode == ForwardMode.VERIFY.value:
             return self._verify(plan)
+        if plan.decode_steps > 1:
+            return self._decode_window(plan)
         batch = self.forward_batch(plan)
         if self.lockstep is not None:
             self.lockstep.idle_drafts(1, self.lockstep.draft_calls(plan.dp_window_width))
@@ -465,6 +467,37 @@ class ModelWorker:
             top_ids=res.top_ids.tolist(), top_logprobs=res.top_logprobs.tolist(), input_logprobs=input_lp,
             row_errors=row_errors, input_top_ids=input_top_ids, input_top_logprobs=input_top_lps,
         )
+
+    def _decode_window(self, plan: StepPlan) -> StepResult:
+        """`plan.decode_steps` decode steps back to back (`--num-scheduler-steps`), each as a one-step plan would
+        run it: step j feeds every sequence the token step j - 1 sampled (the row's last token, as an overlapped
+        plan's -1 input), samples its output `step + j` (the same seeded draw) and writes the checkpoints at the
+        window's j + 1-th token. The tokens and logprobs come sequence after sequence, `decode_steps` each; a row
+        that failed to sample at some step is reported once (its later tokens are placeholders)."""
+        n = plan.decode_steps
+        rows = [int(r) for r in plan.rows]
+        params = self._params(plan)
+        bias = self._logit_bias(plan)
+        feed = np.full(len(rows), -1, dtype=np.int64)
+        offsets = np.asarray(plan.ckpt_offset)
+        steps: list[SampleResult] = []
+        errors: dict[int, str] = {}
+        for j in range(n):
+            at = offsets == j + 1
+            step_plan = dataclasses.replace(
+                plan, input_ids=plan.input_ids if j == 0 else feed, prefix_lens=np.asarray(plan.prefix_lens) + j,
+                ckpt_seq=np.asarray(plan.ckpt_seq)[at], ckpt_offset=np.ones(int(at.sum()), dtype=np.int64),
+                ckpt_slot=np.asarray(plan.ckpt_slot)[at])
+            logits = self._forward(self.forward_batch(step_plan), None)
+            res, row_errors = self.sampler.sample(logits, params._replace(step=params.step + j), rows, plan.banned,
+                                                  plan.top_logprobs_num, None, bias)
+            self.tables.set_last(rows, res.tokens)
+            steps.append(res)
+            for i, e in row_errors:
+                errors.setdefault(i, e)
+        tokens, lps, top_ids, top_lps = (torch.stack(f, dim=1).flatten(0, 1) for f in zip(*steps, strict=True))
+        return StepResult(step=plan.step, tokens=tokens.tolist(), logprobs=lps.tolist(), top_ids=top_ids.tolist(),
+                          top_logprobs=top_lps.tolist(), input_logprobs=[], row_errors=sorted(errors.items()))
 
     def _join_observations(self, plan: StepPlan) -> None:
         """DP attention, a group that observed nothing this step (idle, or a verify the proposer does not observe):

@@ -84,6 +84,13 @@ CONFIGS = {
     "tiny_pool_mixed": dict(mem_bytes=300_000, chunked_prefill_size=40, decode_checkpoint_interval=3,
                             schedule_conservativeness=0.0),
     "tiny_pool_page16": dict(mem_bytes=300_000, page_size=16, chunked_prefill_size=48),
+    # Decode windows (--num-scheduler-steps): several decode steps per plan, checkpoints inside them, overlap off
+    # and on, and a pool small enough that windows retract.
+    "windows": dict(num_scheduler_steps=4, decode_checkpoint_interval=3, chunked_prefill_size=23),
+    "windows_page4_no_overlap": dict(num_scheduler_steps=5, page_size=4, decode_checkpoint_interval=2,
+                                     disable_overlap_schedule=True),
+    "windows_tiny_pool": dict(num_scheduler_steps=4, mem_bytes=300_000, chunked_prefill_size=40,
+                              decode_checkpoint_interval=3, schedule_conservativeness=0.0, enable_mixed_chunk=False),
 }
 
 
@@ -102,8 +109,10 @@ def test_greedy_outputs_equal_reference(name: str, model, workload) -> None:  # 
     if name.startswith("tiny_pool"):
         # The pool really was under pressure on both resources.
         assert m.evictions > 0 and eng.scheduler.pool.usage().compaction_moves > 0
-    if name == "tiny_pool":
+    if name in ("tiny_pool", "windows_tiny_pool"):
         assert m.retractions > 0
+    if name.startswith("windows"):  # windows really ran: more decode steps than plans of them
+        assert m.decode_steps > m.steps - m.extend_steps
     assert not eng.scheduler.running and not eng.scheduler.waiting
 
 

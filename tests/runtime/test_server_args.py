@@ -34,6 +34,20 @@ def test_mem_fraction_and_bad_values() -> None:
             ServerArgs(**bad)
 
 
+def test_num_scheduler_steps() -> None:
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    assert ServerArgs.from_cli_args(p.parse_args(["--num-scheduler-steps", "8"])).num_scheduler_steps == 8
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match="--num-scheduler-steps must be in"):
+            ServerArgs(num_scheduler_steps=bad)
+    for other, flag in ((dict(speculative_algorithm="ngram"), "--speculative-algorithm"),
+                        (dict(enable_dp_attention=True, tp_size=2, dp_size=2), "--enable-dp-attention"),
+                        (dict(disaggregation_mode="prefill"), "--disaggregation-mode")):
+        with pytest.raises(ValueError, match=f"--num-scheduler-steps > 1 with {flag}"):
+            ServerArgs(num_scheduler_steps=4, **other)
+
+
 def test_speculative_flags() -> None:
     p = argparse.ArgumentParser()
     ServerArgs.add_cli_args(p)
