@@ -14,7 +14,7 @@ import pytest
 
 from radixk3.tokenizer import load_tokenizer
 from runtime.tokenizer.k3_encoding import K3ChatOptions, render_k3_chat
-from tests.runtime.http_server_proc import Server, running_server
+from tests.runtime.http_server_proc import Server
 
 MODEL = "k3-tiny"
 WEATHER = {"type": "object", "properties": {
@@ -34,9 +34,8 @@ NO_THINKING = {"reasoning_effort": "none"}
 
 
 @pytest.fixture(scope="module")
-def server() -> Server:
-    with running_server() as s:
-        yield s
+def server(default_server: Server) -> Server:
+    return default_server
 
 
 def client(server: Server) -> openai.OpenAI:
