@@ -1,10 +1,12 @@
 """Decode windows (`--num-scheduler-steps`) against a plan per step, in the real engine: one engine per value, all
 alive at once (an idle engine's threads sleep), the same greedy requests sent to each in turn, round after round, so
 that every phase of a shared machine meets them all; output tok/s per batch size, the median of the rounds, and its
-ratio to the first value's. Every value's outputs must equal the first's.
+ratio to the first value's. Every value's outputs must equal the first's. `--gsm8k` adds the race's gsm8k burst
+(`bench/offline_throughput.py`'s: 32 requests at once behind a shared 5-shot prefix, 64 new tokens each), sent to
+each engine in turn as well, from the second round on with its prompts cached.
 
     python bench/scheduler_steps.py [--model k3-small|k3-gsm8k|DIR] [--steps 1 4 8 16] [--batches 1 8 32]
-        [--rounds 6] [--new-tokens 64] [--json]
+        [--gsm8k] [--rounds 6] [--new-tokens 64] [--json]
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import radixk3  # noqa: E402
 from bench.machine_info import cpu_name  # noqa: E402
-from bench.offline_throughput import decode_batch, params, warm_prompts  # noqa: E402
+from bench.offline_throughput import decode_batch, gsm8k_burst, params, warm_prompts  # noqa: E402
+from radixk3.builtin_model import checkpoint_dir  # noqa: E402
+from radixk3.tokenizer import checkpoint_tokenizer  # noqa: E402
 
 PROMPT = 16
 
@@ -33,6 +37,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--steps", type=int, nargs="+", default=[1, 4, 8, 16],
                     help="--num-scheduler-steps values; the first is the baseline")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--gsm8k", action="store_true", help="also the race's gsm8k burst")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--json", action="store_true")
@@ -43,18 +48,22 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         vocab = next(iter(engines.values())).procs.vocab_size
         for e in engines.values():
             e.generate(warm_prompts(vocab), params(4))
-        tok_s: dict[tuple[int, int], list[float]] = {(s, n): [] for s in a.steps for n in a.batches}
+        burst = gsm8k_burst(checkpoint_tokenizer(checkpoint_dir(a.model)), 32, 800, 70, 64) if a.gsm8k else None
+        names: list[int | str] = [*a.batches, *(["gsm8k"] if burst else [])]
+        tok_s: dict[tuple[int, int | str], list[float]] = {(s, n): [] for s in a.steps for n in names}
         for r in range(a.rounds):
-            for n in a.batches:
-                prompts = decode_batch(n, PROMPT, a.new_tokens, vocab, seed=1000 * r + n).prompts
+            for n in names:
+                prompts = burst.prompts if isinstance(n, str) and burst else \
+                    decode_batch(int(n), PROMPT, a.new_tokens, vocab, seed=1000 * r + int(n)).prompts
+                new = burst.new_tokens if isinstance(n, str) and burst else a.new_tokens
                 outs = {}
                 for s, e in engines.items():
                     t0 = time.perf_counter()
-                    res = e.generate(prompts, params(a.new_tokens))
-                    tok_s[s, n].append(n * a.new_tokens / (time.perf_counter() - t0))
+                    res = e.generate(prompts, params(new))
+                    tok_s[s, n].append(len(prompts) * new / (time.perf_counter() - t0))
                     outs[s] = [x["output_ids"] for x in res]
                 if any(o != outs[a.steps[0]] for o in outs.values()):
-                    raise SystemExit(f"batch {n}, round {r}: outputs differ across --num-scheduler-steps")
+                    raise SystemExit(f"{n}, round {r}: outputs differ across --num-scheduler-steps")
     finally:
         for e in engines.values():
             e.shutdown()
@@ -62,10 +71,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"{cpu_name()}, {os.cpu_count()} CPUs; {a.model}, {PROMPT}-token prompts, {a.new_tokens} new tokens, "
           f"median of {a.rounds} rounds, output tok/s (ratio to --num-scheduler-steps {base}); outputs equal")
     out: dict[str, object] = {"model": a.model, "rounds": a.rounds, "baseline_steps": base}
-    for n in a.batches:
+    for n in names:
         med = {s: statistics.median(tok_s[s, n]) for s in a.steps}
-        print(f"batch {n:3d}: " + "  ".join(f"{s}: {med[s]:8.1f} ({med[s] / med[base]:.2f}x)" for s in a.steps))
-        out[f"b{n}"] = {str(s): {"tok_s": med[s], "ratio": med[s] / med[base]} for s in a.steps}
+        name = n if isinstance(n, str) else f"batch {n:3d}"
+        print(f"{name}: " + "  ".join(f"{s}: {med[s]:8.1f} ({med[s] / med[base]:.2f}x)" for s in a.steps))
+        out[n if isinstance(n, str) else f"b{n}"] = {str(s): {"tok_s": med[s], "ratio": med[s] / med[base]}
+                                                      for s in a.steps}
     if a.json:
         print(json.dumps(out))
     return out
