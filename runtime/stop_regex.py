@@ -81,12 +81,14 @@ def _match(pattern: regex.Pattern[str], text: str, ends_past: int) -> regex.Matc
 
 
 def partial_start(text: str, patterns: list[str]) -> int:
-    """Where the earliest match that `text` ends inside of (one that more text could complete) starts;
-    len(text) if none does. Complete matches (below min_new_tokens, where they do not stop) are passed over,
-    but not a match that starts inside one: the scheduler's search from every start would find it."""
+    """Where the earliest match that `text` ends inside of (one that more text could complete, or a complete one
+    that reaches its end, which more text could extend into a longer match from the same start) starts; len(text)
+    if none does. Complete matches ending before the end (below min_new_tokens, where they do not stop) are passed
+    over, but not a match that starts inside one: the scheduler's search from every start would find it."""
     best = len(text)
     for p in patterns:
-        m = next((m for m in compiled(p).finditer(text, partial=True, overlapped=True) if m.partial), None)
+        m = next((m for m in compiled(p).finditer(text, partial=True, overlapped=True)
+                  if m.partial or m.end() == len(text)), None)
         if m is not None:
             best = min(best, m.start())
     return best

@@ -44,7 +44,7 @@ class DPAttentionScheduler:
     (one per DP rank) and whose result is the list of their results."""
 
     def __init__(self, args: ServerArgs, layout: PoolLayout, stop_ids: frozenset[int],
-                 detokenize: Callable[[list[int]], str], grammar: Callable[[], GrammarBackend | None], *,
+                 detokenize: Callable[[list[int], bool], str], grammar: Callable[[], GrammarBackend | None], *,
                  pool_bytes: int | None = None) -> None:
         # Every group's pool is one size: the ranks of the replica agreed on it (one TP group).
         self.groups = [Scheduler(args, layout, stop_ids, detokenize, grammar(), pool_bytes=pool_bytes)

@@ -98,7 +98,7 @@ MAX_STEP_RETRIES = 2  # failed steps a request may share with others before it f
 
 class Scheduler:
     def __init__(self, args: ServerArgs, layout: PoolLayout, stop_ids: frozenset[int],
-                 detokenize: Callable[[list[int]], str], grammar: GrammarBackend | None = None, *,
+                 detokenize: Callable[[list[int], bool], str], grammar: GrammarBackend | None = None, *,
                  pool_bytes: int | None = None, transfer_agents: list[RankAgent] | None = None) -> None:
         """`pool_bytes`: the pool's size, as the worker ranks allocated it (their `WorkerReady.pool_bytes`);
         None: the `--mem-bytes` budget (`pool_budget`), for a scheduler without workers to ask.
@@ -319,6 +319,8 @@ class Scheduler:
             self._settle(req)
         if self.paused:
             return None
+        if self._inflight and self._inflight[-1].decode_steps > 1:
+            return None  # nothing is planned behind a decode window: its last samples are its requests' next inputs
         batch, mode, n_prefill, steps = self._compose_step()
         prefill = {id(r) for r, _ in batch[:n_prefill]}
         batch = [(r, n) for r, n in batch if r.row is not None]  # drop requests retracted while planning
@@ -610,14 +612,14 @@ class Scheduler:
         decodes = [r for r in self.running if r.active and r.prefill_done and r.row is not None]
         if not decodes or any(r.grammar is not None or r.isolate for r in decodes):
             return 1
-        if self._inflight:
-            return 0
-        for r in decodes:
+        for r in decodes:  # (with a step in flight, its samples are still pending: counted in output_index)
             left = r.params.max_new_tokens - r.output_index
             if self.outputs.banned_at(r, r.output_index):
                 left = min(left, r.params.min_new_tokens - r.output_index)
             most = min(most, left)
-        return max(1, most)
+        if most <= 1:
+            return 1
+        return 0 if self._inflight else most
 
     def _extend_batch(self) -> list[tuple[Req, int]]:
         """Prefill chunks within the step's budget (`step_prefill_budget` tokens, at most `chunked_prefill_size`

@@ -80,6 +80,27 @@ def test_a_stop_inside_a_window_leaves_no_state_past_it(model, prompts: list[lis
     assert eng.scheduler.metrics.cached_tokens > 0
 
 
+def test_a_request_arriving_during_a_window_waits_for_its_end(model, prompts: list[list[int]]) -> None:  # noqa: ANN001
+    """With the overlap scheduler (the default), requests submitted while a window runs start after it: nothing is
+    planned behind a window (its last samples are its requests' next inputs), and every output is the no-cache
+    loop's."""
+    greedy = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+    later = list(prompts[1:])
+    rids: list[str] = []
+
+    def arrive(s) -> None:  # noqa: ANN001
+        if later and s.steps_in_flight and s._inflight[-1].decode_steps > 1:
+            rids.append(eng.submit(later.pop(0), greedy))
+
+    eng = LocalEngine(ServerArgs(num_scheduler_steps=6), model, check=True, on_step=arrive)
+    first = eng.submit(prompts[0], greedy)
+    outs = eng.run()
+    assert not later, "every prompt arrives while a window is in flight"
+    got = [[t for o in outs[r] for t in o.token_ids] for r in [first, *rids]]
+    assert [o[-1].finished for o in outs.values()] == ["length"] * len(prompts)
+    assert got == [greedy_reference(model, p, 20) for p in prompts]
+
+
 def test_stop_strings_and_streams_through_the_engine(builtin_engine: Engine) -> None:
     """The multi-process Engine with windows: the plans and results cross the wire; stop strings found inside a
     window cut the text where a plan per step cuts it, streamed or read whole."""

@@ -39,3 +39,11 @@ def test_the_cut_is_where_the_scheduler_matched_not_the_first_occurrence(samplin
 def test_no_stop_trim_and_other_finishes_keep_the_text() -> None:
     assert _text(["xx ab"], [(1, "stop", 2)], stop=["ab"], no_stop_trim=True) == ["xx ab"]
     assert _text(["xx ab"], [(1, "length", None)], stop=["ab"]) == ["xx ab"]
+
+
+def test_a_complete_regex_match_at_the_end_is_held_back() -> None:
+    """"ab" completes "ab+" below min_new_tokens (no stop), but more text can extend it into the match the scheduler
+    stops on ("abb", from the same start): a stream holds it back, so it ends where the result read whole ends."""
+    streamed = _text(["xx", "a", "b", "b"], [(1, None, None), (1, None, None), (1, None, None), (1, "stop", 3)],
+                     stop_regex="ab+")
+    assert "".join(streamed) == "".join(_text(["xx", "a", "b", "b"], [(4, "stop", 3)], stop_regex="ab+")) == "xx"
