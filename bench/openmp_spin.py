@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -28,6 +29,20 @@ from bench.offline_throughput import decode_batch, params, warm_prompts  # noqa:
 
 LIBGOMP_DEFAULT = 300_000
 PROMPT = 16
+
+
+def print_ratios(tok_s: dict[tuple[Any, Any], list[float]], values: list[Any], rows: list[Any]) -> dict[str, object]:
+    """Per row (a batch size, or a workload's name), each value's median tok/s over the rounds and its ratio to the
+    first value's: printed a line a row, and returned keyed `b<batch>` (or the name) for the JSON."""
+    base = values[0]
+    out: dict[str, object] = {}
+    for n in rows:
+        med = {v: statistics.median(tok_s[v, n]) for v in values}
+        label = n if isinstance(n, str) else f"batch {n:3d}"
+        print(f"{label}: " + "  ".join(f"{v}: {med[v]:8.1f} ({med[v] / med[base]:.2f}x)" for v in values))
+        out[n if isinstance(n, str) else f"b{n}"] = {str(v): {"tok_s": med[v], "ratio": med[v] / med[base]}
+                                                      for v in values}
+    return out
 
 
 def start(model: str, spin: int) -> radixk3.Engine:
@@ -72,10 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"{cpu_name()}, {os.cpu_count()} CPUs; {a.model}, {PROMPT}-token prompts, {a.new_tokens} new tokens, "
           f"median of {a.rounds} rounds, output tok/s (ratio to GOMP_SPINCOUNT={base})")
     out: dict[str, object] = {"model": a.model, "rounds": a.rounds, "baseline_spin": base}
-    for n in a.batches:
-        med = {s: statistics.median(tok_s[s, n]) for s in a.spin}
-        print(f"batch {n:3d}: " + "  ".join(f"{s}: {med[s]:8.1f} ({med[s] / med[base]:.2f}x)" for s in a.spin))
-        out[f"b{n}"] = {str(s): {"tok_s": med[s], "ratio": med[s] / med[base]} for s in a.spin}
+    out |= print_ratios(tok_s, a.spin, a.batches)
     if a.json:
         print(json.dumps(out))
     return out

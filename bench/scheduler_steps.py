@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import radixk3  # noqa: E402
 from bench.machine_info import cpu_name  # noqa: E402
 from bench.offline_throughput import decode_batch, gsm8k_burst, params, warm_prompts  # noqa: E402
+from bench.openmp_spin import print_ratios  # noqa: E402
 from radixk3.builtin_model import checkpoint_dir  # noqa: E402
 from radixk3.tokenizer import checkpoint_tokenizer  # noqa: E402
 
@@ -71,12 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"{cpu_name()}, {os.cpu_count()} CPUs; {a.model}, {PROMPT}-token prompts, {a.new_tokens} new tokens, "
           f"median of {a.rounds} rounds, output tok/s (ratio to --num-scheduler-steps {base}); outputs equal")
     out: dict[str, object] = {"model": a.model, "rounds": a.rounds, "baseline_steps": base}
-    for n in names:
-        med = {s: statistics.median(tok_s[s, n]) for s in a.steps}
-        name = n if isinstance(n, str) else f"batch {n:3d}"
-        print(f"{name}: " + "  ".join(f"{s}: {med[s]:8.1f} ({med[s] / med[base]:.2f}x)" for s in a.steps))
-        out[n if isinstance(n, str) else f"b{n}"] = {str(s): {"tok_s": med[s], "ratio": med[s] / med[base]}
-                                                      for s in a.steps}
+    out |= print_ratios(tok_s, a.steps, names)
     if a.json:
         print(json.dumps(out))
     return out
