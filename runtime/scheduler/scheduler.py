@@ -593,8 +593,12 @@ class Scheduler:
         steps = self._window_steps()
         if not steps:
             return [], "decode", 0, 1
-        batch = self._decode_batch([], speculate=speculate, steps=steps)
-        return batch, "verify" if self._drafts else "decode", 0, steps
+        if steps > 1:
+            window = self._window_batch(steps)
+            if window is not None:
+                return window, "decode", 0, steps
+        batch = self._decode_batch([], speculate=speculate)
+        return batch, "verify" if self._drafts else "decode", 0, 1
 
     def _window_steps(self) -> int:
         """Decode steps the next decode step runs back to back (`--num-scheduler-steps`, as vLLM's multi-step
@@ -701,29 +705,50 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return budget
 
-    def _decode_batch(self, taken: list[tuple[Req, int]], speculate: bool = False,
-                      steps: int = 1) -> list[tuple[Req, int]]:
+    def _decode_batch(self, taken: list[tuple[Req, int]], speculate: bool = False) -> list[tuple[Req, int]]:
         """One token for every running request whose tokens are all fed but the last sampled one; with
-        `speculate`, that token and its drafts (a verify window); with `steps` > 1, that token and the `steps` - 1
-        the window samples and feeds (a decode window)."""
+        `speculate`, that token and its drafts (a verify window). (A decode window's rows: `_window_batch`.)"""
         in_batch = {id(r) for r, _ in taken}
         batch: list[tuple[Req, int]] = []
         self._drafts = {}
         for req in sorted(self.running, key=lambda r: r.arrival):
-            if (req.active and req.prefill_done and id(req) not in in_batch and req.row is not None
-                    and not req.isolate  # its first sample since the retry is in flight: wait for it
-                    and not (req.grammar is not None and req.pending_samples)  # its mask needs that sample
-                    and req.seq_len - req.num_computed == 1
-                    and req.output_index < req.params.max_new_tokens):  # else it ends with the pending sample
+            if id(req) not in in_batch and self._decodable(req):
                 drafts = self._propose(req) if speculate else []
                 if drafts and self._grow(req, 1 + len(drafts)):
                     self._drafts[id(req)] = drafts
                     batch.append((req, 1 + len(drafts)))
-                elif self._grow(req, steps):
-                    batch.append((req, steps))
+                elif self._grow(req, 1):
+                    batch.append((req, 1))
         batch = [(r, n) for r, n in batch if r.row is not None]
         self._drafts = {id(r): self._drafts[id(r)] for r, _ in batch if id(r) in self._drafts}
         return batch
+
+    def _window_batch(self, steps: int) -> list[tuple[Req, int]] | None:
+        """A decode window's rows: every decodable request with pages for the `steps` tokens it feeds. None, with
+        the pages taken given back, where the pool cannot hold every row's window without retracting a running
+        request: the caller plans one step instead, which retracts only for the one token each row needs (a
+        window is a speed-up, never a reason to push a request out or to leave one behind)."""
+        self._drafts = {}
+        batch: list[tuple[Req, int]] = []
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if not self._decodable(req):
+                continue
+            if not self.req_cache.grow(req, steps):  # (evicts cached pages, never running requests)
+                for r in (*(r for r, _ in batch), req):
+                    self.req_cache.shrink(r)
+                    self.tables.truncate(r)
+                return None
+            batch.append((req, steps))
+        return batch
+
+    @staticmethod
+    def _decodable(req: Req) -> bool:
+        """Whether running `req` decodes next: its tokens are all fed but the last sampled one."""
+        return (req.active and req.prefill_done and req.row is not None
+                and not req.isolate  # its first sample since the retry is in flight: wait for it
+                and not (req.grammar is not None and req.pending_samples)  # its mask needs that sample
+                and req.seq_len - req.num_computed == 1
+                and req.output_index < req.params.max_new_tokens)  # else it ends with the pending sample
 
     def _propose(self, req: Req) -> list[int]:
         """The drafts of `req`'s verify window: up to k, never past max_new_tokens (the window also emits the

@@ -101,6 +101,26 @@ def test_a_request_arriving_during_a_window_waits_for_its_end(model, prompts: li
     assert got == [greedy_reference(model, p, 20) for p in prompts]
 
 
+def test_a_window_never_retracts_a_request(model) -> None:  # noqa: ANN001
+    """A pool that a plan per step gets through without retracting anything (requests stopping early give their
+    pages back in time) but that cannot hold every row's next window at some step: there a window gives way to a
+    single step instead of retracting a request (which the old window did), and windows still run where they fit."""
+    g = random.Random(3)
+    prompts = [[g.randrange(model.config.vocab_size) for _ in range(g.randrange(5, 40))] for _ in range(8)] * 2
+    greedy = {"max_new_tokens": 40, "temperature": 0, "stop_token_ids": list(range(100, 260))}
+    tight = dict(mem_bytes=220_000, page_size=4, chunked_prefill_size=40, schedule_conservativeness=0.0,
+                 enable_mixed_chunk=False, disable_radix_cache=True)
+    refs = [greedy_reference(model, p, 40, stop_ids=frozenset(greedy["stop_token_ids"])) for p in prompts]
+    runs = {}
+    for steps in (1, 8):
+        eng = LocalEngine(ServerArgs(num_scheduler_steps=steps, **tight), model, check=True)
+        assert eng.generate(prompts, greedy) == refs
+        runs[steps] = eng.scheduler.metrics
+    assert {len(r) for r in refs} >= {1, 7, 32}, "requests stop early and late"
+    assert runs[1].retractions == 0 and runs[8].retractions == 0
+    assert runs[8].decode_steps > runs[8].steps - runs[8].extend_steps  # windows ran where they fit
+
+
 def test_stop_strings_and_streams_through_the_engine(builtin_engine: Engine) -> None:
     """The multi-process Engine with windows: the plans and results cross the wire; stop strings found inside a
     window cut the text where a plan per step cuts it, streamed or read whole."""
