@@ -112,6 +112,27 @@ def test_compiled_decode_equals_eager(setup) -> None:  # noqa: ANN001
     assert graphs.report.seconds[BUCKET] > 0
 
 
+def test_each_models_graphs_use_their_own_weights(setup) -> None:  # noqa: ANN001
+    """The graphs' guards skip the model's modules, and the step function's code (so its compiled entries) is
+    shared by every instance: a second model's graphs in the same process, of the same shapes, still compute with
+    its own weights (the graphs' arguments, read at each call), and the first model's graphs with the first's."""
+    model, buf, cache, graphs = setup
+    other = build_model(preset("k3-tiny"), seed=12)
+    obuf = PoolBuffer(pool_layout(other.config, ServerArgs(page_size=PAGE)), 2 << 20, scratch=True)
+    ocache = HybridCache(recurrent=[obuf.recurrent_state(i) for i in range(other.config.num_kda_layers)],
+                         conv=[obuf.conv_state(i) for i in range(other.config.num_kda_layers)],
+                         latent=[obuf.kv(i) for i in range(other.config.num_mla_layers)])
+    ographs = DecodeGraphs(other, ocache, Scratch(obuf.scratch_state_slot, obuf.scratch_kv_row), [BUCKET])
+    ographs.capture()
+    prompts = _prompts(model.config.vocab_size)[:BUCKET]
+    top = buf.geometry.num_state_slots - 1
+    with torch.inference_mode():
+        for m, c, g in ((other, ocache, ographs), (model, cache, graphs)):
+            want = _generate(m, c, None, prompts, top)
+            assert _generate(m, c, g, prompts, top) == want
+    assert _generate(other, ocache, None, prompts, top) != _generate(model, cache, None, prompts, top)
+
+
 def test_the_dense_layers_run_the_few_row_gemm_op(setup) -> None:  # noqa: ANN001
     """On CPU in fp32 the compiled step's projections and logits are `radixk3_gemm::linear` calls (the few-row GEMM
     that reads the weights at the memory's rate; `kernels/linear_cpu.py`), not the GEMM library's."""

@@ -101,6 +101,15 @@ def test_a_request_arriving_during_a_window_waits_for_its_end(model, prompts: li
     assert got == [greedy_reference(model, p, 20) for p in prompts]
 
 
+def _spy(plan_window, fits: list[bool]):  # noqa: ANN001, ANN202
+    """`Scheduler._window_batch`, recording whether each window fitted."""
+    def window(n: int):  # noqa: ANN202
+        rows = plan_window(n)
+        fits.append(rows is not None)
+        return rows
+    return window
+
+
 def test_a_window_never_retracts_a_request(model) -> None:  # noqa: ANN001
     """A pool that a plan per step gets through without retracting anything (requests stopping early give their
     pages back in time) but that cannot hold every row's next window at some step: there a window gives way to a
@@ -112,12 +121,15 @@ def test_a_window_never_retracts_a_request(model) -> None:  # noqa: ANN001
                  enable_mixed_chunk=False, disable_radix_cache=True)
     refs = [greedy_reference(model, p, 40, stop_ids=frozenset(greedy["stop_token_ids"])) for p in prompts]
     runs = {}
+    fits: list[bool] = []
     for steps in (1, 8):
         eng = LocalEngine(ServerArgs(num_scheduler_steps=steps, **tight), model, check=True)
+        eng.scheduler._window_batch = _spy(eng.scheduler._window_batch, fits)
         assert eng.generate(prompts, greedy) == refs
         runs[steps] = eng.scheduler.metrics
     assert {len(r) for r in refs} >= {1, 7, 32}, "requests stop early and late"
     assert runs[1].retractions == 0 and runs[8].retractions == 0
+    assert not all(fits), "some window did not fit: a single step ran instead"
     assert runs[8].decode_steps > runs[8].steps - runs[8].extend_steps  # windows ran where they fit
 
 
