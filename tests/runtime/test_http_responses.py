@@ -140,7 +140,8 @@ def test_a_codex_shaped_request_on_the_wire(server: Server) -> None:
             "tool_choice": "auto", "parallel_tool_calls": False, "reasoning": {"effort": "high", "summary": "auto"},
             "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "env"}]},
                       {"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK}]}],
-            "max_output_tokens": 3}
+            "max_output_tokens": 3,
+            "temperature": 0}  # greedy: a random model's sampled tokens may end the thinking within the 3 (flaky)
     with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=300.0) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         frames = r.read().decode().strip().split("\n\n")
