@@ -479,15 +479,15 @@ class ModelWorker:
         params = self._params(plan)
         bias = self._logit_bias(plan)
         feed = np.full(len(rows), -1, dtype=np.int64)
-        offsets = np.asarray(plan.ckpt_offset)
+        prefix, offsets = np.asarray(plan.prefix_lens), np.asarray(plan.ckpt_offset)
+        ckpt_seq, ckpt_slot = np.asarray(plan.ckpt_seq), np.asarray(plan.ckpt_slot)
         steps: list[SampleResult] = []
         errors: dict[int, str] = {}
         for j in range(n):
             at = offsets == j + 1
             step_plan = dataclasses.replace(
-                plan, input_ids=plan.input_ids if j == 0 else feed, prefix_lens=np.asarray(plan.prefix_lens) + j,
-                ckpt_seq=np.asarray(plan.ckpt_seq)[at], ckpt_offset=np.ones(int(at.sum()), dtype=np.int64),
-                ckpt_slot=np.asarray(plan.ckpt_slot)[at])
+                plan, input_ids=plan.input_ids if j == 0 else feed, prefix_lens=prefix + j, ckpt_seq=ckpt_seq[at],
+                ckpt_offset=np.ones(int(at.sum()), dtype=np.int64), ckpt_slot=ckpt_slot[at])
             logits = self._forward(self.forward_batch(step_plan), None)
             res, row_errors = self.sampler.sample(logits, params._replace(step=params.step + j), rows, plan.banned,
                                                   plan.top_logprobs_num, None, bias)
