@@ -24,6 +24,7 @@ import abc
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -229,6 +230,15 @@ def row_table(block_table: Tensor, page_size: int, kv_lens: Tensor, width: int) 
     return block_table.gather(1, pos // page_size) * page_size + pos % page_size
 
 
+def _release(key: int, registered: bool) -> None:
+    """Let go of what a collected set of captured steps left reachable by its key: its cache (the pool tensors)
+    here and, `registered`, in the C++ ops' registry; else every engine built in a process keeps its pools."""
+    _CACHES.pop(key, None)
+    _FUSED.pop(key, None)
+    if registered:
+        pool_ops_cpu.unregister_pools(key)
+
+
 def pad_rows(x: Tensor, rows: int, fill: float) -> Tensor:
     """x [n, ...] padded to `rows` rows of `fill`."""
     return torch.cat([x, x.new_full((rows - x.shape[0], *x.shape[1:]), fill)]) if rows > x.shape[0] else x
@@ -252,6 +262,7 @@ class CapturedSteps(abc.ABC):
         self.cpp_ops = all(_FUSED[self.key]) and pool_ops_cpu.available()
         if self.cpp_ops:
             pool_ops_cpu.register_pools(self.key, cache.conv, cache.recurrent, cache.latent)
+        weakref.finalize(self, _release, self.key, self.cpp_ops).atexit = False  # the process's end frees all
         # The dense layers' few-row GEMMs in C++ too, where it builds (each layer decides by dtype and rows).
         self.fused_linear = (model.device.type == "cpu" and kernel_backend(model.device) == "torch"
                              and linear_cpu.available())

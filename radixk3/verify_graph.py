@@ -18,6 +18,7 @@ speculation, compiled against eager.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -131,6 +132,7 @@ class VerifyGraphs(DecodeGraphs):
                  window: SpecWindow, scratch_row: int, with_hidden: bool = False, cpp_wrapper: bool = False) -> None:
         super().__init__(model, cache, scratch, buckets, with_hidden, cpp_wrapper)
         _WINDOWS[self.key] = window
+        weakref.finalize(self, _WINDOWS.pop, self.key, None).atexit = False
         self.width = window.width
         self.scratch_row = scratch_row
         # ReplaySSM's window: the conv and KDA window ops registered in C++ too (the snapshot baseline keeps the

@@ -6,7 +6,9 @@ part: tens of seconds cold, on a tiny model)."""
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -131,6 +133,22 @@ def test_each_models_graphs_use_their_own_weights(setup) -> None:  # noqa: ANN00
             want = _generate(m, c, None, prompts, top)
             assert _generate(m, c, g, prompts, top) == want
     assert _generate(other, ocache, None, prompts, top) != _generate(model, cache, None, prompts, top)
+
+
+def test_collected_steps_let_go_of_their_cache() -> None:
+    """The graphs' ops reach the cache by key (a table here and the C++ ops' registry): once the steps are
+    collected their cache goes too, so each engine a process builds does not keep its pools for good."""
+    model = build_model(preset("k3-tiny"), seed=11)
+    buf = PoolBuffer(pool_layout(model.config, ServerArgs(page_size=PAGE)), 2 << 20, scratch=True)
+    cache = HybridCache(recurrent=[buf.recurrent_state(i) for i in range(model.config.num_kda_layers)],
+                        conv=[buf.conv_state(i) for i in range(model.config.num_kda_layers)],
+                        latent=[buf.kv(i) for i in range(model.config.num_mla_layers)])
+    graphs = DecodeGraphs(model, cache, Scratch(buf.scratch_state_slot, buf.scratch_kv_row), [BUCKET])
+    key, pool = graphs.key, weakref.ref(cache.recurrent[0])
+    assert key in decode_graph._CACHES
+    del graphs, cache, buf
+    gc.collect()
+    assert key not in decode_graph._CACHES and pool() is None
 
 
 def test_the_dense_layers_run_the_few_row_gemm_op(setup) -> None:  # noqa: ANN001
