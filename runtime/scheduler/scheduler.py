@@ -729,10 +729,12 @@ class Scheduler:
         request: the caller plans one step instead, which retracts only for the one token each row needs (a
         window is a speed-up, never a reason to push a request out or to leave one behind)."""
         self._drafts = {}
+        rows = [req for req in sorted(self.running, key=lambda r: r.arrival) if self._decodable(req)]
+        need = sum(max(0, -(-(r.num_computed + steps) // self.ps) - len(r.pages)) for r in rows)
+        if not self.admission.fits(Demand(need, 0)):  # asked first: a window that cannot fit evicts nothing
+            return None
         batch: list[tuple[Req, int]] = []
-        for req in sorted(self.running, key=lambda r: r.arrival):
-            if not self._decodable(req):
-                continue
+        for req in rows:
             if not self.req_cache.grow(req, steps):  # (evicts cached pages, never running requests)
                 for r in (*(r for r, _ in batch), req):
                     self.req_cache.shrink(r)

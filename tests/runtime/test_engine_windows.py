@@ -133,6 +133,31 @@ def test_a_window_never_retracts_a_request(model) -> None:  # noqa: ANN001
     assert runs[8].decode_steps > runs[8].steps - runs[8].extend_steps  # windows ran where they fit
 
 
+def test_a_window_that_cannot_fit_evicts_nothing(model) -> None:  # noqa: ANN001
+    """A window the pool cannot hold even by evicting every cached node is refused before a page is taken: the
+    cached prefixes stay (the old window evicted them first, then gave way). Asked between steps, once requests
+    decode beside a cache holding the first round's prefixes, for a window far larger than the pool."""
+    g = random.Random(5)
+    prompts = [[g.randrange(model.config.vocab_size) for _ in range(24)] for _ in range(4)]
+    greedy = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    eng = LocalEngine(ServerArgs(num_scheduler_steps=4, mem_bytes=2 << 20, page_size=4,
+                                 disable_overlap_schedule=True), model, check=True)
+    eng.generate(prompts[:2], greedy)  # their prefixes stay cached
+    seen: list[tuple[bool, int, int]] = []
+
+    def ask_for_a_huge_window(s) -> None:  # noqa: ANN001
+        if s.cache.stats().cached_pages and any(s._decodable(r) for r in s.running):
+            before = s.cache.stats()
+            rows = s._window_batch(1 << 20)
+            after = s.cache.stats()
+            seen.append((rows is None, after.evicted_pages - before.evicted_pages, after.cached_pages))
+
+    eng.on_step = ask_for_a_huge_window
+    refs = [greedy_reference(model, p, 12) for p in prompts[2:]]
+    assert eng.generate(prompts[2:], greedy) == refs
+    assert seen and all(refused and evicted == 0 and cached > 0 for refused, evicted, cached in seen)
+
+
 def test_stop_strings_and_streams_through_the_engine(builtin_engine: Engine) -> None:
     """The multi-process Engine with windows: the plans and results cross the wire; stop strings found inside a
     window cut the text where a plan per step cuts it, streamed or read whole."""
