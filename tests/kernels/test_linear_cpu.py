@@ -29,7 +29,8 @@ def _within_fp32_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> 
     return y.dtype == torch.float32 and y.shape == want.shape and bool(((y.double() - want).abs() <= bound).all())
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 512, 512), (2, 37, 23), (5, 130, 80), (32, 64, 16), (7, 1, 33)])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 512, 512), (2, 37, 23), (5, 130, 80), (32, 64, 16), (7, 1, 33),
+                                           (13, 70, 40)])
 def test_linear_is_the_matmul(m: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(m * n + k)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
