@@ -101,6 +101,12 @@ PROMPTS = [TOK.encode(p, add_bos=True) for p in ("Natalia sold clips", "Weng ear
 PLAIN = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 
 
+def local_args(**kw: Any) -> ServerArgs:
+    """An in-process engine's settings with one grammar compile worker: each engine starts its own pool, each
+    worker a process importing torch, and the pool's size is not what these tests check (test_grammar_limits)."""
+    return ServerArgs(grammar_compile_workers=1, **kw)
+
+
 def constrained_requests() -> list[dict[str, Any]]:
     return ([{"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "regex": r} for r in REGEXES]
             + [{"max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "seed": s, "json_schema": SCHEMAS[1]}
@@ -125,7 +131,7 @@ def check_constrained(texts: list[list[int]]) -> None:
 
 
 def test_constrained_rows_leave_their_batch_mates_unchanged() -> None:
-    args = ServerArgs()
+    args = local_args()
     alone = run_local(args, [(p, PLAIN) for p in PROMPTS])
     mixed = [(PROMPTS[i % 3], sp) for i, sp in enumerate(constrained_requests())]
     together = run_local(args, [(p, PLAIN) for p in PROMPTS] + mixed)
@@ -149,12 +155,12 @@ def test_overlap_chunked_prefill_and_retraction_give_the_same_constrained_output
         outs = eng.run()
         return [[t for o in outs[r] for t in o.token_ids] for r in rids]
 
-    overlapped = recorded(ServerArgs())
+    overlapped = recorded(local_args())
     # A constrained decode is planned only once the step before it is resolved: never two steps in flight.
     assert max(sent_in_flight) == 1
     check_constrained(overlapped)
-    assert run_local(ServerArgs(disable_overlap_schedule=True), reqs) == overlapped
-    assert run_local(ServerArgs(chunked_prefill_size=8), reqs) == overlapped
+    assert run_local(local_args(disable_overlap_schedule=True), reqs) == overlapped
+    assert run_local(local_args(chunked_prefill_size=8), reqs) == overlapped
 
 
 def test_retracted_requests_keep_their_grammar_state() -> None:
@@ -162,8 +168,8 @@ def test_retracted_requests_keep_their_grammar_state() -> None:
     prompts = [list(range(40 * i, 40 * i + 40)) for i in range(1, 4)]
     reqs = [(p, {"max_new_tokens": 160, "temperature": 1.0, "seed": i, "regex": "[0-9]{150}"})
             for i, p in enumerate(prompts)]
-    free = run_local(ServerArgs(), reqs)
-    eng = LocalEngine(ServerArgs(mem_bytes=120_000, chunked_prefill_size=16, schedule_conservativeness=0.0),
+    free = run_local(local_args(), reqs)
+    eng = LocalEngine(local_args(mem_bytes=120_000, chunked_prefill_size=16, schedule_conservativeness=0.0),
                       check=True)
     rids = [eng.submit(p, sp) for p, sp in reqs]
     outs = eng.run()
