@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
 #include <unordered_map>
 #include <vector>
 
@@ -57,13 +58,18 @@ struct Pools {
   std::vector<at::Tensor> ring_x, ring_k, ring_v, ring_g, ring_beta;
 };
 
-// Written when a cache's steps are built, read by every step (one thread: the worker's).
+// Written when a cache's steps are built and when they are collected (a finalizer, in whichever thread the
+// garbage collector runs), read by every step: the map itself is guarded; an entry stays put while its key's steps
+// live (an unordered_map never moves its elements), so a step reads its own pools unlocked.
 std::unordered_map<int64_t, Pools>& registry() {
   static std::unordered_map<int64_t, Pools> pools;
   return pools;
 }
 
+std::mutex registry_mutex;
+
 const Pools& pools_of(int64_t key) {
+  std::lock_guard<std::mutex> guard(registry_mutex);
   auto it = registry().find(key);
   TORCH_CHECK(it != registry().end(), "no pools registered under cache key ", key);
   return it->second;
@@ -86,16 +92,26 @@ void set_kernels(int64_t conv, int64_t kda, int64_t mla, int64_t conv_verify, in
 
 void register_pools(int64_t key, std::vector<at::Tensor> conv, std::vector<at::Tensor> recurrent,
                     std::vector<at::Tensor> latent) {
+  std::lock_guard<std::mutex> guard(registry_mutex);
   Pools& pools = registry()[key] = Pools{};
   pools.conv = std::move(conv);
   pools.recurrent = std::move(recurrent);
   pools.latent = std::move(latent);
 }
 
-void unregister_pools(int64_t key) { registry().erase(key); }
+void unregister_pools(int64_t key) {
+  Pools gone;  // released after the lock
+  std::lock_guard<std::mutex> guard(registry_mutex);
+  auto it = registry().find(key);
+  if (it != registry().end()) {
+    gone = std::move(it->second);
+    registry().erase(it);
+  }
+}
 
 void register_window(int64_t key, std::vector<at::Tensor> x, std::vector<at::Tensor> k, std::vector<at::Tensor> v,
                      std::vector<at::Tensor> g, std::vector<at::Tensor> beta) {
+  std::lock_guard<std::mutex> guard(registry_mutex);
   auto it = registry().find(key);
   TORCH_CHECK(it != registry().end(), "no pools registered under cache key ", key);
   it->second.ring_x = std::move(x);
