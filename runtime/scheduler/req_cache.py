@@ -38,10 +38,14 @@ class ReqCache:
         req.branch_len = match.branch_len
         return True
 
+    def pages_needed(self, req: Req, n: int) -> int:
+        """The pages `grow(req, n)` would take."""
+        return max(0, -(-(req.num_computed + n) // self.ps) - len(req.pages))
+
     def grow(self, req: Req, n: int) -> bool:
         """KV pages for `n` more tokens of `req` (all or none); False when the pool cannot make room."""
-        need = -(-(req.num_computed + n) // self.ps) - len(req.pages)
-        if need <= 0:
+        need = self.pages_needed(req, n)
+        if need == 0:
             return True
         try:
             req.pages.extend(self.pool.alloc_pages(need))

@@ -730,7 +730,7 @@ class Scheduler:
         window is a speed-up, never a reason to push a request out or to leave one behind)."""
         self._drafts = {}
         rows = [req for req in sorted(self.running, key=lambda r: r.arrival) if self._decodable(req)]
-        need = sum(max(0, -(-(r.num_computed + steps) // self.ps) - len(r.pages)) for r in rows)
+        need = sum(self.req_cache.pages_needed(r, steps) for r in rows)
         if not self.admission.fits(Demand(need, 0)):  # asked first: a window that cannot fit evicts nothing
             return None
         batch: list[tuple[Req, int]] = []
