@@ -13,6 +13,7 @@ from radixk3.model import build_model
 from runtime.errors import InvalidRequest
 from runtime.tokenizer.engine import Engine, EngineError
 from tests.greedy import greedy_reference
+from tests.processes import alive
 
 
 @pytest.fixture(scope="module")
@@ -115,22 +116,12 @@ def test_ctrl_c_or_kill_leaves_no_orphans(tmp_path, sig: int) -> None:  # noqa: 
         proc.send_signal(sig)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
             time.sleep(0.2)
-        assert not any(_alive(p) for p in pids), "orphan processes"
+        assert not any(alive(p) for p in pids), "orphan processes"
         assert not os.path.exists(ipc_dir)
     finally:
         proc.kill()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by its dead parent's init) counts as gone.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
 
 
 def test_async_stream(engine: Engine) -> None:

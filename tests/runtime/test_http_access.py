@@ -22,6 +22,7 @@ import pytest
 
 from radixk3.cli import build_parser
 from runtime.server_args import ServerArgs
+from tests.processes import alive
 from tests.runtime.http_server_proc import Server, running_server
 
 KEY = "s3cret-key"
@@ -160,15 +161,6 @@ def test_sigterm_drains_in_flight_then_exits_cleanly(server: Server) -> None:
     assert server.proc.wait(60) == 0
     time.sleep(1.0)
     assert not [pid for pid in children if alive(pid)]  # the engine's processes went with it
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie awaiting a reaper that is not us."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_sigterm_aborts_what_outlives_the_grace_period(tmp_path: Path) -> None:
