@@ -34,17 +34,22 @@ PAGES_PER_SEQ = 16  # room for the longest prompt and its new tokens
 BUCKET = 4
 
 
-@pytest.fixture(scope="module")
-def setup():  # noqa: ANN201
-    model = build_model(preset("k3-tiny"), seed=11)
-    layout = pool_layout(model.config, ServerArgs(page_size=PAGE))
-    buf = PoolBuffer(layout, 2 << 20, scratch=True)
+def _graphs_over(model) -> tuple[PoolBuffer, HybridCache, DecodeGraphs]:  # noqa: ANN001
+    """A pool buffer (with its scratch slot and row) for `model`, its cache views and decode graphs over them
+    (not captured yet)."""
+    buf = PoolBuffer(pool_layout(model.config, ServerArgs(page_size=PAGE)), 2 << 20, scratch=True)
     assert buf.scratch_state_slot is not None and buf.scratch_kv_row is not None
     cfg = model.config
     cache = HybridCache(recurrent=[buf.recurrent_state(i) for i in range(cfg.num_kda_layers)],
                         conv=[buf.conv_state(i) for i in range(cfg.num_kda_layers)],
                         latent=[buf.kv(i) for i in range(cfg.num_mla_layers)])
-    graphs = DecodeGraphs(model, cache, Scratch(buf.scratch_state_slot, buf.scratch_kv_row), [BUCKET])
+    return buf, cache, DecodeGraphs(model, cache, Scratch(buf.scratch_state_slot, buf.scratch_kv_row), [BUCKET])
+
+
+@pytest.fixture(scope="module")
+def setup():  # noqa: ANN201
+    model = build_model(preset("k3-tiny"), seed=11)
+    buf, cache, graphs = _graphs_over(model)
     graphs.capture()
     return model, buf, cache, graphs
 
@@ -120,11 +125,7 @@ def test_each_models_graphs_use_their_own_weights(setup) -> None:  # noqa: ANN00
     its own weights (the graphs' arguments, read at each call), and the first model's graphs with the first's."""
     model, buf, cache, graphs = setup
     other = build_model(preset("k3-tiny"), seed=12)
-    obuf = PoolBuffer(pool_layout(other.config, ServerArgs(page_size=PAGE)), 2 << 20, scratch=True)
-    ocache = HybridCache(recurrent=[obuf.recurrent_state(i) for i in range(other.config.num_kda_layers)],
-                         conv=[obuf.conv_state(i) for i in range(other.config.num_kda_layers)],
-                         latent=[obuf.kv(i) for i in range(other.config.num_mla_layers)])
-    ographs = DecodeGraphs(other, ocache, Scratch(obuf.scratch_state_slot, obuf.scratch_kv_row), [BUCKET])
+    _, ocache, ographs = _graphs_over(other)
     ographs.capture()
     prompts = _prompts(model.config.vocab_size)[:BUCKET]
     top = buf.geometry.num_state_slots - 1
@@ -138,12 +139,7 @@ def test_each_models_graphs_use_their_own_weights(setup) -> None:  # noqa: ANN00
 def test_collected_steps_let_go_of_their_cache() -> None:
     """The graphs' ops reach the cache by key (a table here and the C++ ops' registry): once the steps are
     collected their cache goes too, so each engine a process builds does not keep its pools for good."""
-    model = build_model(preset("k3-tiny"), seed=11)
-    buf = PoolBuffer(pool_layout(model.config, ServerArgs(page_size=PAGE)), 2 << 20, scratch=True)
-    cache = HybridCache(recurrent=[buf.recurrent_state(i) for i in range(model.config.num_kda_layers)],
-                        conv=[buf.conv_state(i) for i in range(model.config.num_kda_layers)],
-                        latent=[buf.kv(i) for i in range(model.config.num_mla_layers)])
-    graphs = DecodeGraphs(model, cache, Scratch(buf.scratch_state_slot, buf.scratch_kv_row), [BUCKET])
+    buf, cache, graphs = _graphs_over(build_model(preset("k3-tiny"), seed=11))
     key, pool = graphs.key, weakref.ref(cache.recurrent[0])
     assert key in decode_graph._CACHES
     del graphs, cache, buf
