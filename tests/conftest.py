@@ -37,13 +37,12 @@ os.environ.setdefault(COMPILE_ENV, "0")
 # model is dense), spawned servers included; the tests of the built-in model name its directory.
 os.environ[DEFAULT_MODEL_ENV] = TINY_PRESET
 # The suite runs in pytest-xdist workers, one per core (pyproject's addopts): each worker's own forwards get an
-# equal share of the cores, so that two workers' OpenMP teams do not spin against each other. Spawned engine
-# processes size their own teams.
-# The engines and servers the tests spawn size their own teams from the cores, so with two workers their OpenMP
-# threads outnumber the cores: a thread spinning at a barrier holds a core that the thread it waits for (or the
-# other worker) needs. Passive waits sleep at once instead (four of the heaviest files on 2 cores: 0.7x the time,
-# 0.6x the CPU). Set before any engine starts, so spawned processes inherit it; libgomp reads it when torch loads it, so
-# this worker's own single-threaded torch is unaffected. An OMP_WAIT_POLICY or GOMP_SPINCOUNT already set wins.
+# equal share of the cores, so that two workers' OpenMP teams do not spin against each other. The engines and
+# servers the tests spawn size their own teams from the cores, so beside the other worker their threads outnumber
+# the cores, and a thread spinning at a barrier holds a core the thread it waits for needs: they wait passively
+# (four of the heaviest files on 2 cores: 0.7x the time, 0.6x the CPU). Set before any engine starts, so spawned
+# processes inherit it (this worker's libgomp read its settings when torch loaded). An OMP_WAIT_POLICY or
+# GOMP_SPINCOUNT already set wins.
 if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:

@@ -724,10 +724,12 @@ class Scheduler:
         return batch
 
     def _window_batch(self, steps: int) -> list[tuple[Req, int]] | None:
-        """A decode window's rows: every decodable request with pages for the `steps` tokens it feeds. None, with
-        the pages taken given back, where the pool cannot hold every row's window without retracting a running
-        request: the caller plans one step instead, which retracts only for the one token each row needs (a
-        window is a speed-up, never a reason to push a request out or to leave one behind)."""
+        """A decode window's rows: every decodable request with pages for the `steps` tokens it feeds. None where
+        the pool cannot hold every row's window without retracting a running request: the caller plans one step
+        instead, which retracts only for the one token each row needs (a window is a speed-up, never a reason to
+        push a request out or to leave one behind). Admission's count (free plus evictable pages) is asked before
+        any page is taken; where it says yes and an allocation still fails (blocks pinned by a transfer cannot be
+        compacted), the pages taken are given back."""
         self._drafts = {}
         rows = [req for req in sorted(self.running, key=lambda r: r.arrival) if self._decodable(req)]
         need = sum(self.req_cache.pages_needed(r, steps) for r in rows)
