@@ -11,8 +11,9 @@ here). A grammar that admits no token at all is refused there. Compiled grammars
 in bytes (`--grammar-cache-bytes`, xgrammar's own estimate of each), emptied by `clear_cache` (the scheduler's
 flush); refusals are remembered by digest, so a grammar that timed out is not compiled again. A constrained
 request waits for its grammar before it is queued. Each request then owns a `GrammarMatcher` that fills its row
-of the step's packed token bitmask (bit t % 32 of word t // 32 set: token t allowed) and accepts every token
-sampled for it; it can roll back (xgrammar keeps the whole history) for speculative decoding.
+of the step's packed token bitmask (bit t % 32 of word t // 32 set: token t allowed), narrowed to the tokens
+that keep the output well-formed UTF-8 (`runtime.grammar_utf8`), and accepts every token sampled for it; it
+can roll back (xgrammar keeps the whole history) for speculative decoding.
 
 xgrammar (and torch with it) is imported on first use only: engines that never see a grammar do not pay for
 it at startup.
@@ -44,6 +45,7 @@ from runtime.grammar_compile import (
 )
 from runtime.grammar_pool import WORKER_NICE, CompilePool
 from runtime.grammar_schema import vet_json_schema
+from runtime.grammar_utf8 import REJECT, Utf8Table, Utf8Walk
 from runtime.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -74,23 +76,31 @@ def check_grammar(key: GrammarKey, max_bytes: int = ServerArgs.max_grammar_bytes
 
 
 class GrammarMatcher:
-    """One request's position in its grammar."""
+    """One request's position in its grammar, and in well-formed UTF-8 (`runtime.grammar_utf8`: xgrammar lets
+    encoded surrogates through)."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
+    def __init__(self, compiled: xgr.CompiledGrammar, utf8: Utf8Table) -> None:
+        self.vocab_size = utf8.next_state.shape[1]
         self._m = xgrammar_module().GrammarMatcher(compiled)
+        self._utf8 = Utf8Walk(utf8)
 
     def fill_mask(self, bitmask: Any, row: int) -> None:
         """Write the allowed next tokens into row `row` of an int32 [rows, words] torch bitmask."""
         self._m.fill_next_token_bitmask(bitmask, row)
+        bitmask[row] &= self._utf8.mask
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False (and no change) if the grammar does not allow it."""
-        return bool(self._m.accept_token(token))
+        state = self._utf8.next(token)
+        if state == REJECT or not self._m.accept_token(token):
+            return False
+        self._utf8.push(state)
+        return True
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (rejected speculative drafts)."""
         self._m.rollback(num_tokens)
+        self._utf8.rollback(num_tokens)
 
     @property
     def terminated(self) -> bool:
@@ -172,6 +182,7 @@ class GrammarBackend:
         self._lock = threading.Lock()
         self._compiler: xgr.GrammarCompiler | None = None
         self._pool: CompilePool | None = None
+        self._utf8: Utf8Table | None = None
         self._threads = ThreadPoolExecutor(1, thread_name_prefix="grammar", initializer=_background_thread)
         self._pending: dict[GrammarKey, Future[xgr.CompiledGrammar]] = {}
         self._refused: collections.OrderedDict[bytes, InvalidRequest] = collections.OrderedDict()
@@ -185,6 +196,7 @@ class GrammarBackend:
             # past the tokenizer's vocabulary (the model's padding) are never allowed either.
             vocab = [tok.token_bytes(i, skip_special_tokens=True) for i in range(tok.vocab_size)]
             setup = CompilerSetup(vocab, self.vocab_size, self._stop_ids)
+            self._utf8 = Utf8Table.of(vocab, self.vocab_size)
             self._compiler = build_compiler(setup, threads=1)
             self._pool = CompilePool(setup, self._workers, self.compile_timeout)
         return self._pool
@@ -237,7 +249,10 @@ class GrammarBackend:
         return self.submit(key).result()
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> GrammarMatcher:
-        return GrammarMatcher(compiled, self.vocab_size)
+        with self._lock:
+            self._started()
+        assert self._utf8 is not None
+        return GrammarMatcher(compiled, self._utf8)
 
     def clear_cache(self) -> None:
         """Forget every compiled grammar and refusal (requests holding a matcher keep theirs alive)."""
