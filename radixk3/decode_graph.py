@@ -43,7 +43,7 @@ from kernels.kda_pool import kda_decode
 from kernels.mla import mla_decode_padded, mla_decode_padded_cpu
 from kernels.mla_paged import check_store_slots, mla_store
 from kernels.opaque_op import opaque_op
-from kernels.state_checkpoints import check_slots
+from kernels.state_checkpoints import StateCheckpoints, check_slots
 from radixk3.attention_backend import SlotPairs, copy_states, decode_checkpoints
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.kda_attention import KDAAttention
@@ -347,7 +347,7 @@ class DecodeGraphs(CapturedSteps):
         return padded_decode_logits(self.model, self.key, step, self.with_hidden, self.cpp_ops)
 
     def _run_scratch(self, b: int) -> None:
-        self._call(self._scratch_step(b, 2))
+        self.call(self._scratch_step(b, 2))
 
     def _scratch_step(self, b: int, kv_len: int) -> PaddedDecode:
         dev, s = self.device, self.scratch
@@ -356,7 +356,8 @@ class DecodeGraphs(CapturedSteps):
                             torch.full((b, self.kv_width(kv_len)), s.kv_row, dtype=torch.int64, device=dev),
                             torch.full((b,), kv_len, dtype=torch.int64, device=dev))
 
-    def _call(self, step: PaddedDecode) -> GraphOutput:
+    def call(self, step: PaddedDecode) -> GraphOutput:
+        """Replay the bucket of `step`'s rows."""
         return self.replay(self._fn, step, step.input_ids, step.kv_rows)
 
     def supports(self, batch: ForwardBatch) -> bool:
@@ -372,30 +373,32 @@ class DecodeGraphs(CapturedSteps):
         n = batch.num_seqs
         b = self.bucket(n)
         assert b is not None, "a step the decode graphs do not cover (the caller checks `supports` first)"
-        self._validate(batch)
+        self.validate(batch.state_slots, batch.checkpoints, batch.kv_slots)
         ck = batch.checkpoints
         before, after = (None, None) if ck is None or not len(ck.slot) else decode_checkpoints(batch.state_slots, ck)
-        self._copy_states(before)
+        self.copy_states(before)
         self.replays += 1
-        out = self._call(self._padded(batch, b))
-        self._copy_states(after)
+        out = self.call(self._padded(batch, b))
+        self.copy_states(after)
         if prenorm is not None:
             assert out.hidden is not None, "hiddens from graphs captured without them"
             prenorm.append(out.hidden[:n])
         logits = out.logits[:n]
         return logits if batch.logits_index is None else logits[batch.logits_index]
 
-    def _copy_states(self, pairs: SlotPairs | None) -> None:
+    def copy_states(self, pairs: SlotPairs | None) -> None:
+        """Copy every KDA layer's states (recurrent and conv) along `pairs` (from slots, to slots)."""
         if pairs is not None:
             for pool in (*self.cache.recurrent, *self.cache.conv):
                 copy_states(pool, pairs)
 
-    def _validate(self, batch: ForwardBatch) -> None:
-        """The eager backend's per-step checks (host reads), on the real rows."""
+    def validate(self, state_slots: Tensor, checkpoints: StateCheckpoints | None, kv_slots: Tensor) -> None:
+        """The eager backend's per-step checks (host reads), on the real rows: KDA slots and checkpoints in range
+        and apart, the KV slots written distinct and in range."""
         if self.cache.recurrent:
-            check_slots(batch.state_slots, batch.checkpoints, self.cache.recurrent[0].shape[0])
+            check_slots(state_slots, checkpoints, self.cache.recurrent[0].shape[0])
         if self.cache.latent:
-            check_store_slots(batch.kv_slots, self.cache.latent[0].shape[0])
+            check_store_slots(kv_slots, self.cache.latent[0].shape[0])
 
     def _padded(self, batch: ForwardBatch, b: int) -> PaddedDecode:
         """The real rows' tensors, padded to bucket `b` with rows on the scratch slots."""

@@ -166,13 +166,13 @@ class VerifyGraphs(DecodeGraphs):
         n = batch.num_seqs
         b = self.bucket(n)
         assert b is not None and batch.spec is not None, "a step the verify graphs do not cover"
-        self._validate(batch)
+        self.validate(batch.state_slots, batch.checkpoints, batch.kv_slots)
         self.replays += 1
         lay = batch.spec.layout or window_layout(batch.cu_seqlens, int(batch.input_ids.numel()))
         # Every window `width` tokens and no padding window (batch 1, k drafts each): packed is padded.
         whole = n == b and lay.full and lay.width == self.width
         flat = None if whole else lay.seq * self.width + lay.off  # each token's row of the padded [b * W]
-        out = self._call(self._padded_verify(batch, b, lay, flat))
+        out = self.call(self._padded_verify(batch, b, lay, flat))
         if prenorm is not None:
             assert out.hidden is not None, "hiddens from graphs captured without them"
             prenorm.append(out.hidden if flat is None else out.hidden[flat])

@@ -21,6 +21,7 @@ from kernels.state_checkpoints import StateCheckpoints
 from radixk3.builtin_model import checkpoint_dir, random_preset
 from radixk3.config import preset
 from radixk3.decode_graph import DecodeGraphs, Scratch
+from radixk3.decode_window import DecodeWindow
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM, build_model
 from radixk3.mtp_graph import MTPGraphs
@@ -290,10 +291,12 @@ class ModelWorker:
         return self._with_images(plan, batch)
 
     def _checkpoints(self, plan: StepPlan) -> StateCheckpoints | None:
-        if not len(plan.ckpt_slot):
+        return self._checkpoints_at(plan.ckpt_seq, plan.ckpt_offset, plan.ckpt_slot)
+
+    def _checkpoints_at(self, seq: np.ndarray, offset: np.ndarray, slot: np.ndarray) -> StateCheckpoints | None:
+        if not len(slot):
             return None
-        return StateCheckpoints(self._tensor(plan.ckpt_seq), self._tensor(plan.ckpt_offset),
-                                self._tensor(plan.ckpt_slot))
+        return StateCheckpoints(self._tensor(seq), self._tensor(offset), self._tensor(slot))
 
     def _with_images(self, plan: StepPlan, batch: ForwardBatch) -> ForwardBatch:
         if not plan.images:
@@ -472,8 +475,9 @@ class ModelWorker:
         """`plan.decode_steps` decode steps back to back (`--num-scheduler-steps`), each as a one-step plan would
         run it: step j feeds every sequence the token step j - 1 sampled (the row's last token, as an overlapped
         plan's -1 input), samples its output `step + j` (the same seeded draw) and writes the checkpoints at the
-        window's j + 1-th token. The tokens and logprobs come sequence after sequence, `decode_steps` each; a row
-        that failed to sample at some step is reported once (its later tokens are placeholders)."""
+        window's j + 1-th token. Through the decode graphs the steps' inputs are built once (`DecodeWindow`).
+        The tokens and logprobs come sequence after sequence, `decode_steps` each; a row that failed to sample
+        at some step is reported once (its later tokens are placeholders)."""
         n = plan.decode_steps
         rows = [int(r) for r in plan.rows]
         params = self._params(plan)
@@ -481,14 +485,24 @@ class ModelWorker:
         feed = np.full(len(rows), -1, dtype=np.int64)
         prefix, offsets = np.asarray(plan.prefix_lens), np.asarray(plan.ckpt_offset)
         ckpt_seq, ckpt_slot = np.asarray(plan.ckpt_seq), np.asarray(plan.ckpt_slot)
+        window: DecodeWindow | None = None
         steps: list[SampleResult] = []
         errors: dict[int, str] = {}
         for j in range(n):
             at = offsets == j + 1
-            step_plan = dataclasses.replace(
-                plan, input_ids=plan.input_ids if j == 0 else feed, prefix_lens=prefix + j, ckpt_seq=ckpt_seq[at],
-                ckpt_offset=np.ones(int(at.sum()), dtype=np.int64), ckpt_slot=ckpt_slot[at])
-            logits = self._forward(self.forward_batch(step_plan), None)
+            ones = np.ones(int(at.sum()), dtype=np.int64)
+            if window is not None:
+                ck = self._checkpoints_at(ckpt_seq[at], ones, ckpt_slot[at])
+                logits = window.step(steps[-1].tokens, ck)
+            else:
+                batch = self.forward_batch(dataclasses.replace(
+                    plan, input_ids=plan.input_ids if j == 0 else feed, prefix_lens=prefix + j, ckpt_seq=ckpt_seq[at],
+                    ckpt_offset=ones, ckpt_slot=ckpt_slot[at]))
+                if j == 0 and self.graphs is not None and self.proposer is None and self.graphs.supports(batch):
+                    window = DecodeWindow(self.graphs, batch, self._window_table(plan, n), n)
+                    logits = window.step(None, batch.checkpoints)
+                else:
+                    logits = self._forward(batch, None)
             res, row_errors = self.sampler.sample(logits, params._replace(step=params.step + j), rows, plan.banned,
                                                   plan.top_logprobs_num, None, bias)
             self.tables.set_last(rows, res.tokens)
@@ -498,6 +512,14 @@ class ModelWorker:
         tokens, lps, top_ids, top_lps = (torch.stack(f, dim=1).flatten(0, 1) for f in zip(*steps, strict=True))
         return StepResult(step=plan.step, tokens=tokens.tolist(), logprobs=lps.tolist(), top_ids=top_ids.tolist(),
                           top_logprobs=top_lps.tolist(), input_logprobs=[], row_errors=sorted(errors.items()))
+
+    def _window_table(self, plan: StepPlan, steps: int) -> torch.Tensor:
+        """The rows' block table spanning a decode window's last token (its pages are the plan's already)."""
+        prefix = np.asarray(plan.prefix_lens, dtype=np.int64)
+        num_pages = _pages_spanned(prefix, np.full(len(prefix), steps), self.layout.page_size)
+        if self.tables.device.type == "cpu":
+            return torch.from_numpy(self.tables.host_block_table(np.asarray(plan.rows, dtype=np.int64), num_pages))
+        return self.tables.block_table(plan.rows, num_pages)
 
     def _join_observations(self, plan: StepPlan) -> None:
         """DP attention, a group that observed nothing this step (idle, or a verify the proposer does not observe):

@@ -18,6 +18,7 @@ from kernels import linear_cpu, pool_ops_cpu
 from kernels.state_checkpoints import StateCheckpoints
 from radixk3.config import preset
 from radixk3.decode_graph import DecodeGraphs, FusedPools, Scratch
+from radixk3.decode_window import DecodeWindow
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import build_model
 from radixk3.moe_layer import Router
@@ -238,14 +239,61 @@ def test_checkpoints_are_the_states_around_the_replay(setup) -> None:  # noqa: A
         buf.data.copy_(start)
 
 
-def test_engine_checkpoints_mid_decode_in_the_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine with its compiled decode step and a radix checkpoint every 4 decode tokens: every decode step is a
-    replay (the checkpointed ones too), the outputs are the no-cache loop's, and a second wave whose prompts extend
-    the first's outputs resumes from those mid-decode checkpoints (state hits) with the no-cache loop's tokens."""
+def test_a_window_is_its_steps_one_by_one(setup) -> None:  # noqa: ANN001
+    """A `DecodeWindow` of 5 steps (3 rows padded to the bucket, a checkpoint after its third token) gives each
+    step's logits, every pool byte and the checkpoint bit for bit as 5 separate replays whose ForwardBatches
+    are built step by step; it checks every slot it writes once, up front."""
+    model, buf, cache, graphs = setup
+    prompts = _prompts(model.config.vocab_size)[:3]
+    top = buf.geometry.num_state_slots - 1
+    n, steps = len(prompts), 5
+    slots = torch.arange(top - 1, top - 1 - n, -1)
+    free = top - 1 - n
+    table = torch.tensor([[(i + 1) * PAGES_PER_SEQ + p for p in range(PAGES_PER_SEQ)] for i in range(n)])
+    ck = StateCheckpoints(torch.tensor([1]), torch.tensor([1]), torch.tensor([free]))
+
+    def batch(ids: list[int], j: int, checkpoints: StateCheckpoints | None = None) -> ForwardBatch:
+        return ForwardBatch.from_table(ForwardMode.DECODE, torch.tensor(ids), torch.arange(n + 1),
+                                       torch.tensor([len(p) + MAX_NEW - 1 + j for p in prompts]), slots, table, PAGE,
+                                       checkpoints=checkpoints)
+
+    with torch.inference_mode():
+        _generate(model, cache, None, prompts, top)
+        start = buf.data.clone()
+        ids = [p[0] for p in prompts]
+        one_by_one = []
+        for j in range(steps):
+            one_by_one.append(graphs.run(batch(ids, j, ck if j == 2 else None)))
+            ids = one_by_one[-1].argmax(-1).tolist()
+        after = buf.data.clone()
+        buf.data.copy_(start)
+        window = DecodeWindow(graphs, batch([p[0] for p in prompts], 0), table, steps)
+        replays, fed = graphs.replays, None
+        for j in range(steps):
+            logits = window.step(fed, ck if j == 2 else None)
+            assert torch.equal(logits, one_by_one[j]), j
+            fed = logits.argmax(-1)
+        assert graphs.replays == replays + steps
+        assert torch.equal(buf.data, after)
+        with pytest.raises(ValueError, match="window of 5 steps"):
+            window.step(fed, None)
+        longest = max(len(p) for p in prompts) + MAX_NEW - 2 + steps
+        short = table[:, : (longest - 1) // PAGE]  # the window's last step reads a token past these pages
+        with pytest.raises(ValueError, match="block table of"):
+            DecodeWindow(graphs, batch([p[0] for p in prompts], 0), short, steps)
+        buf.data.copy_(start)
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_engine_checkpoints_mid_decode_in_the_graph(monkeypatch: pytest.MonkeyPatch, window: int) -> None:
+    """The engine with its compiled decode step and a radix checkpoint every 4 decode tokens, one step at a time
+    or in windows of 3 (`DecodeWindow`): every decode step is a replay (the checkpointed ones too), the outputs
+    are the no-cache loop's, and a second wave whose prompts extend the first's outputs resumes from those
+    mid-decode checkpoints (state hits) with the no-cache loop's tokens."""
     monkeypatch.setenv(COMPILE_ENV, "1")
     model = build_model(preset("k3-tiny"), seed=11)
     eng = LocalEngine(ServerArgs(page_size=PAGE, decode_checkpoint_interval=4, max_running_requests=2,
-                                 compile_max_bs=2, mem_bytes=8 << 20), model, check=True)
+                                 compile_max_bs=2, mem_bytes=8 << 20, num_scheduler_steps=window), model, check=True)
     assert eng.worker.graphs is not None
     prompts = _prompts(model.config.vocab_size)[:2]
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -253,6 +301,8 @@ def test_engine_checkpoints_mid_decode_in_the_graph(monkeypatch: pytest.MonkeyPa
     assert first == [greedy_reference(model, p, 12) for p in prompts]
     m = eng.scheduler.metrics
     assert m.checkpoints > 0 and eng.worker.graphs.replays == m.decode_steps > 0
+    if window > 1:  # fewer decode plans than decode steps: windows ran
+        assert m.steps - m.extend_steps < m.decode_steps
     longer = [p + out[:9] for p, out in zip(prompts, first, strict=True)]
     hits = m.state_hits
     assert eng.generate(longer, params) == [greedy_reference(model, p, 12) for p in longer]

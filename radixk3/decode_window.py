@@ -1,0 +1,78 @@
+"""A window of compiled decode steps (`--num-scheduler-steps`) with its inputs built once.
+
+Inside a window the rows, their KDA slots and their pages stay the same and every row's KV grows by one token a
+step, so the padded inputs of all its steps come from one KV row table, built at the window's last length: a step
+feeds the previous one's samples and moves each real row's length (and the slot its new latent goes to) on by one.
+Positions past a row's length are masked, so the wider table changes nothing the graph computes. One check of
+every slot the window writes replaces each step's; what a step still does outside the graph is its radix
+checkpoints' slot copies (`DecodeGraphs.run` says why copies suffice). At batch 1 this spares each token ~0.3 ms
+of host work (the step's ForwardBatch, the padded inputs and row table, the checks) beside a ~5 ms graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels.state_checkpoints import StateCheckpoints
+from radixk3.attention_backend import decode_checkpoints
+from radixk3.decode_graph import DecodeGraphs, PaddedDecode, pad_rows, row_table
+from radixk3.forward_batch import ForwardBatch
+
+
+class DecodeWindow:
+    """`steps` decode steps of one batch through `graphs`. `first`: the first step's batch (its checkpoints are
+    passed to `step`, not read from it); `block_table` [N, P]: each row's pages, spanning the window's last
+    token."""
+
+    def __init__(self, graphs: DecodeGraphs, first: ForwardBatch, block_table: Tensor, steps: int) -> None:
+        n = first.num_seqs
+        b = graphs.bucket(n)
+        if b is None or not graphs.supports(first):
+            raise ValueError(f"a window of {n} rows the decode graphs do not cover")
+        self.graphs, self.num_seqs, self.steps = graphs, n, steps
+        s, dev = graphs.scratch, first.input_ids.device
+        last_lens = first.seq_lens + (steps - 1)
+        longest = int(last_lens.max())
+        if block_table.shape[1] * first.page_size < longest:
+            raise ValueError(f"a block table of {block_table.shape[1]} pages for a window whose last step reads "
+                             f"{longest} tokens")
+        table = row_table(block_table.to(dev), first.page_size, last_lens, graphs.kv_width(longest))
+        # Every KV slot the window writes (row r's positions len_r - 1 .. len_r + steps - 2), checked once.
+        written = table.gather(1, first.seq_lens[:, None] - 1 + torch.arange(steps, device=dev)[None, :])
+        graphs.validate(first.state_slots, None, written.reshape(-1))
+        # Step j's slots, each a contiguous tensor of its own: the compiled step guards on its inputs' strides (a
+        # column of a [B, steps] tensor would compile it again).
+        padded = pad_rows(written, b, s.kv_row)
+        self._written = [padded[:, j].clone(memory_format=torch.contiguous_format) for j in range(steps)]
+        self._rows = pad_rows(table, b, s.kv_row)
+        self._ids = pad_rows(first.input_ids, b, 0).clone()  # fed in place: not the batch's own tensor
+        self._state_slots = pad_rows(first.state_slots, b, s.state_slot)
+        self._first_lens = pad_rows(first.seq_lens, b, 1)
+        self._grows = pad_rows(torch.ones(n, dtype=torch.int64, device=dev), b, 0)
+        self._next = 0
+
+    def step(self, input_ids: Tensor | None, checkpoints: StateCheckpoints | None) -> Tensor:
+        """The next step's logits [N, V] fp32. `input_ids` [N]: the tokens the previous step sampled (None for
+        the first step, which feeds `first`'s); `checkpoints`: the step's radix checkpoints (offset 0: the state
+        before its token, 1: after)."""
+        j = self._next
+        if j >= self.steps:
+            raise ValueError(f"a window of {self.steps} steps asked for step {j + 1}")
+        if j > 0:
+            if input_ids is None:
+                raise ValueError("a window's later steps feed the tokens the step before sampled")
+            self._ids[: self.num_seqs] = input_ids
+        self._next += 1
+        g = self.graphs
+        before = after = None
+        if checkpoints is not None and len(checkpoints.slot):
+            slots = self._state_slots[: self.num_seqs]
+            g.validate(slots, checkpoints, self._written[j][: self.num_seqs])
+            before, after = decode_checkpoints(slots, checkpoints)
+        g.copy_states(before)
+        g.replays += 1
+        out = g.call(PaddedDecode(self._ids, self._state_slots, self._written[j], self._rows,
+                                  self._first_lens + self._grows * j))
+        g.copy_states(after)
+        return out.logits[: self.num_seqs]
