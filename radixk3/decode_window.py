@@ -5,7 +5,9 @@ step, so the padded inputs of all its steps come from one KV row table, built at
 feeds the previous one's samples and moves each real row's length (and the slot its new latent goes to) on by one.
 Positions past a row's length are masked, so the wider table changes nothing the graph computes. One check of
 every slot the window writes replaces each step's; what a step still does outside the graph is its radix
-checkpoints' slot copies (`DecodeGraphs.run` says why copies suffice). At batch 1 this spares each token ~0.3 ms
+checkpoints' slot copies (`DecodeGraphs.run` says why copies suffice). A sequence that samples a stop token
+feeds it and is then parked on the scratch slot and row for the rest of the window, so that its state is exactly
+its request's at the stop and can be donated to the radix tree. At batch 1 this spares each token ~0.3 ms
 of host work (the step's ForwardBatch, the padded inputs and row table, the checks) beside a ~5 ms graph.
 """
 
@@ -47,10 +49,12 @@ class DecodeWindow:
         self._written = [padded[:, j].clone(memory_format=torch.contiguous_format) for j in range(steps)]
         self._rows = pad_rows(table, b, s.kv_row)
         self._ids = pad_rows(first.input_ids, b, 0).clone()  # fed in place: not the batch's own tensor
-        self._state_slots = pad_rows(first.state_slots, b, s.state_slot)
-        self._first_lens = pad_rows(first.seq_lens, b, 1)
+        self._slots = first.state_slots  # the rows' own: checks and checkpoints read them
+        self._state_slots = pad_rows(first.state_slots, b, s.state_slot).clone()  # parked rows' become the scratch
+        self._first_lens = pad_rows(first.seq_lens, b, 1).clone()
         self._grows = pad_rows(torch.ones(n, dtype=torch.int64, device=dev), b, 0)
         self._next = 0
+        self._stopping: list[int] = []
 
     def step(self, input_ids: Tensor | None, checkpoints: StateCheckpoints | None) -> Tensor:
         """The next step's logits [N, V] fp32. `input_ids` [N]: the tokens the previous step sampled (None for
@@ -67,12 +71,31 @@ class DecodeWindow:
         g = self.graphs
         before = after = None
         if checkpoints is not None and len(checkpoints.slot):
-            slots = self._state_slots[: self.num_seqs]
-            g.validate(slots, checkpoints, self._written[j][: self.num_seqs])
-            before, after = decode_checkpoints(slots, checkpoints)
+            g.validate(self._slots, checkpoints, self._slots[:0])  # (its KV slots were checked with the window's)
+            before, after = decode_checkpoints(self._slots, checkpoints)
         g.copy_states(before)
         g.replays += 1
         out = g.call(PaddedDecode(self._ids, self._state_slots, self._written[j], self._rows,
                                   self._first_lens + self._grows * j))
         g.copy_states(after)
+        if self._stopping:
+            self._park(self._stopping, j)
+            self._stopping = []
         return out.logits[: self.num_seqs]
+
+    def stop(self, seqs: list[int]) -> None:
+        """Sequences that sampled a stop token at the step just run: they feed it at the next step and nothing
+        after, so that their state and KV stay their request's at the stop (a checkpoint of them after that is
+        not theirs: the scheduler drops those)."""
+        self._stopping.extend(seqs)
+
+    def _park(self, seqs: list[int], j: int) -> None:
+        """From step j + 1 on, `seqs` run as padding rows do: on the scratch state slot, their new latents stored
+        in the scratch KV row, their length held at step j's (every position read is theirs and written)."""
+        idx = torch.tensor(seqs, device=self._ids.device)
+        s = self.graphs.scratch
+        self._state_slots[idx] = s.state_slot
+        self._first_lens[idx] += j
+        self._grows[idx] = 0
+        for later in self._written[j + 1 :]:
+            later[idx] = s.kv_row

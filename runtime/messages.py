@@ -204,6 +204,10 @@ class StepPlan:
     # each sequence the token step j - 1 sampled and sampling its output `sampling.step + j`; checkpoint m is
     # written by the step whose input is the sequence's `ckpt_offset[m]`-th token of the window.
     decode_steps: int = 1
+    # A decode window's, per sequence: the token ids that end its request (its stops, none while below
+    # min_new_tokens). A sequence that samples one feeds it at the next step and then nothing more, so that its
+    # state and KV are its request's at the stop (donatable); the steps after that compute on the scratch slot.
+    window_stops: list[list[int]] = field(default_factory=list)
     # Images whose pad runs meet this step's new tokens, and their patches (flattened float32, in that order).
     images: list[PlanImage] = field(default_factory=list)
     image_patches: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
@@ -242,6 +246,9 @@ class StepResult:
     # after sequence, num_accepted[i] + 1 tokens each (the accepted drafts and the target's own next token),
     # and a row error's index is the sequence's. A decode window's: `decode_steps` tokens per sequence, alike.
     num_accepted: list[int] = field(default_factory=list)
+    # A decode window's, per sequence: the tokens it fed into its cache (`decode_steps`, fewer where it stopped
+    # feeding after a stop token; empty: every sequence fed them all).
+    window_fed: list[int] = field(default_factory=list)
     dp_rank: int = 0  # DP attention: the attention group whose plan this is the result of
     # P/D decode: (room, first token, its logprob) of each transfer that completed; a prefill rank's failed
     # sends: (room, error), and what its transfers moved in the step (None: none)

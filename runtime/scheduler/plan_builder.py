@@ -77,6 +77,7 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
     params: list[SamplingParams] = []  # per sampled row: its request's parameters, and the output index it samples
     steps: list[int] = []
     banned: list[list[int]] = []
+    window_stops: list[list[int]] = []
     bias: list[tuple[int, int, float]] = []
     lp_rows: list[tuple[int, int]] = []  # (packed row, next token)
     grammar_rows: list[int] = []
@@ -104,6 +105,8 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
             top_n = max(top_n, req.top_logprobs_num)
         if s.sampled:
             first = req.output_index - window  # its pending samples are counted (a decode window's, all of them)
+            if window > 1:  # (a window never crosses min_new_tokens: its stops are banned at every step or none)
+                window_stops.append(sorted(outputs.stop_tokens(req) - set(outputs.banned_at(req, first))))
             for j in range(len(s.drafts) + 1):  # a verify window samples at each of its positions
                 sample_rows.append(base + fed - 1 - len(s.drafts) + j)
                 params.append(req.params)
@@ -134,6 +137,6 @@ def build_plan(rec: StepRecord, pool: UnifiedPool, tables: PageTables, outputs: 
         banned=banned, logit_bias=bias, reset_rows=resets, top_logprobs_num=top_n,
         input_logprob_rows=[(len(sample_rows) + i, tok) for i, (_, tok) in enumerate(lp_rows)],
         grammar_rows=arr(grammar_rows), grammar_mask=fill_masks(matchers).reshape(-1),
-        images=[im for im, _ in images], decode_steps=window,
+        images=[im for im, _ in images], decode_steps=window, window_stops=window_stops,
         image_patches=np.concatenate([p for _, p in images]) if images else np.zeros(0, dtype=np.float32),
     )

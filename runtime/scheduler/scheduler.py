@@ -455,7 +455,7 @@ class Scheduler:
                 if rec.mode == "verify":
                     self._commit_window(req, s, n_tok)
                 elif rec.decode_steps > 1:  # every token the window fed is in the cache; a stop inside it keeps fewer
-                    self._commit_window(req, s, s.n)
+                    self._commit_window(req, s, s.n, result.window_fed[i] if result.window_fed else s.n)
         for c in rec.ckpts:
             req = rec.seqs[c.seq].req
             req.pending_ckpts.discard(c.pos)
@@ -515,18 +515,25 @@ class Scheduler:
         elif not req.aborted:
             self.outputs.emit(req)
 
-    def _commit_window(self, req: Req, s: SeqEntry, n_tok: int) -> None:
+    def _commit_window(self, req: Req, s: SeqEntry, n_tok: int, fed: int | None = None) -> None:
         """The worker committed the window's first n_tok tokens (its last sampled token and the accepted drafts;
         a decode window's every token) into the cache: cut the request's cache back to them, so the rejected
         positions' KV pages return to the pool. If the request ended inside the run it keeps fewer tokens than
-        the state has seen: that state is never donated."""
+        the state has seen: that state is never donated. A decode window stops feeding a sequence after its stop
+        token (`fed` tokens): a request that stopped there keeps them all, and its state is exact."""
         committed = s.start + n_tok
         if s.drafts:
             self.metrics.spec_windows += 1
             self.metrics.draft_tokens += len(s.drafts)
             self.metrics.accepted_tokens += n_tok - 1
         req.num_computed = min(committed, req.known_len)
-        req.state_ahead = req.state_ahead or committed > req.num_computed
+        seen = s.start + (n_tok if fed is None else fed)
+        if seen < req.num_computed:  # the worker stopped feeding a request that did not stop: its cache lacks tokens
+            req.num_computed = seen
+            if not req.poisoned:
+                req.poisoned = True
+                self.outputs.finish(req, "error", f"the window stopped feeding request {req.rid} at {seen} tokens")
+        req.state_ahead = req.state_ahead or seen > req.num_computed
         self.req_cache.shrink(req)
         self.tables.truncate(req)
 

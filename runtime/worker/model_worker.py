@@ -488,6 +488,8 @@ class ModelWorker:
         window: DecodeWindow | None = None
         steps: list[SampleResult] = []
         errors: dict[int, str] = {}
+        stops = [set(ids) for ids in plan.window_stops]
+        fed = [n] * len(rows)  # tokens each sequence feeds (fewer once a stop parks it: graphs only)
         for j in range(n):
             at = offsets == j + 1
             ones = np.ones(int(at.sum()), dtype=np.int64)
@@ -509,9 +511,15 @@ class ModelWorker:
             steps.append(res)
             for i, e in row_errors:
                 errors.setdefault(i, e)
+            if window is not None and any(stops) and j + 2 < n:  # it feeds the stop at j + 1, then nothing
+                stopped = [i for i, t in enumerate(res.tokens.tolist()) if fed[i] == n and t in stops[i]]
+                for i in stopped:
+                    fed[i] = j + 2
+                window.stop(stopped)
         tokens, lps, top_ids, top_lps = (torch.stack(f, dim=1).flatten(0, 1) for f in zip(*steps, strict=True))
         return StepResult(step=plan.step, tokens=tokens.tolist(), logprobs=lps.tolist(), top_ids=top_ids.tolist(),
-                          top_logprobs=top_lps.tolist(), input_logprobs=[], row_errors=sorted(errors.items()))
+                          top_logprobs=top_lps.tolist(), input_logprobs=[], row_errors=sorted(errors.items()),
+                          window_fed=fed if window is not None else [])
 
     def _window_table(self, plan: StepPlan, steps: int) -> torch.Tensor:
         """The rows' block table spanning a decode window's last token (its pages are the plan's already)."""

@@ -242,7 +242,9 @@ def test_checkpoints_are_the_states_around_the_replay(setup) -> None:  # noqa: A
 def test_a_window_is_its_steps_one_by_one(setup) -> None:  # noqa: ANN001
     """A `DecodeWindow` of 5 steps (3 rows padded to the bucket, a checkpoint after its third token) gives each
     step's logits, every pool byte and the checkpoint bit for bit as 5 separate replays whose ForwardBatches
-    are built step by step; it checks every slot it writes once, up front."""
+    are built step by step; it checks every slot it writes once, up front. A row stopped after the first step
+    feeds one more token and is then parked: its state stays what two steps left, its later KV rows unwritten,
+    and the other rows' logits are unchanged bit for bit."""
     model, buf, cache, graphs = setup
     prompts = _prompts(model.config.vocab_size)[:3]
     top = buf.geometry.num_state_slots - 1
@@ -262,10 +264,15 @@ def test_a_window_is_its_steps_one_by_one(setup) -> None:  # noqa: ANN001
         start = buf.data.clone()
         ids = [p[0] for p in prompts]
         one_by_one = []
+        pools = (*cache.recurrent, *cache.conv)
         for j in range(steps):
             one_by_one.append(graphs.run(batch(ids, j, ck if j == 2 else None)))
             ids = one_by_one[-1].argmax(-1).tolist()
+            if j == 1:
+                row1_after_two = [p[slots[1]].clone() for p in pools]
         after = buf.data.clone()
+        later = torch.tensor([2 * PAGES_PER_SEQ * PAGE + len(prompts[1]) + MAX_NEW - 1 + j for j in range(2, steps)])
+        stepped = [lat[later].clone() for lat in cache.latent]  # row 1's KV rows at steps 2 on (pages contiguous)
         buf.data.copy_(start)
         window = DecodeWindow(graphs, batch([p[0] for p in prompts], 0), table, steps)
         replays, fed = graphs.replays, None
@@ -277,6 +284,20 @@ def test_a_window_is_its_steps_one_by_one(setup) -> None:  # noqa: ANN001
         assert torch.equal(buf.data, after)
         with pytest.raises(ValueError, match="window of 5 steps"):
             window.step(fed, None)
+        # Row 1 stops after the first step: it feeds one more token, then its state and KV are left alone.
+        buf.data.copy_(start)
+        untouched = [lat[later].clone() for lat in cache.latent]
+        window, fed = DecodeWindow(graphs, batch([p[0] for p in prompts], 0), table, steps), None
+        for j in range(steps):
+            logits = window.step(fed, None)
+            live = [0, 1, 2] if j < 2 else [0, 2]
+            assert torch.equal(logits[live], one_by_one[j][live]), j
+            fed = one_by_one[j].argmax(-1)  # the rows' own tokens, whatever the parked row's logits
+            if j == 0:
+                window.stop([1])
+        assert all(torch.equal(p[slots[1]], a) for p, a in zip(pools, row1_after_two, strict=True))
+        assert all(torch.equal(lat[later], u) for lat, u in zip(cache.latent, untouched, strict=True))
+        assert not any(torch.equal(w, u) for w, u in zip(stepped, untouched, strict=True))  # the steps wrote them
         longest = max(len(p) for p in prompts) + MAX_NEW - 2 + steps
         short = table[:, : (longest - 1) // PAGE]  # the window's last step reads a token past these pages
         with pytest.raises(ValueError, match="block table of"):
@@ -307,6 +328,30 @@ def test_engine_checkpoints_mid_decode_in_the_graph(monkeypatch: pytest.MonkeyPa
     hits = m.state_hits
     assert eng.generate(longer, params) == [greedy_reference(model, p, 12) for p in longer]
     assert eng.scheduler.metrics.state_hits > hits
+    eng.scheduler.check_integrity()
+
+
+def test_a_stop_inside_a_compiled_window_leaves_its_state_to_the_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the compiled step a sequence that samples a stop token mid-window feeds it and is then parked on
+    the scratch slot and row: its state is its request's at the stop, so the whole output (the stop included) is
+    donated and the next turn reuses all of it (no decode checkpoint falls inside: only the donation can give
+    that), with the no-cache loop's tokens; the rows beside it decode on unchanged."""
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    model = build_model(preset("k3-tiny"), seed=11)
+    eng = LocalEngine(ServerArgs(page_size=1, num_scheduler_steps=8, decode_checkpoint_interval=64,
+                                 max_running_requests=2, compile_max_bs=2, mem_bytes=8 << 20), model, check=True)
+    prompts = _prompts(model.config.vocab_size)[:2]
+    greedy = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+    refs = [greedy_reference(model, p, 20) for p in prompts]
+    at = next(i for i in range(9, 13) if refs[0][i] not in refs[0][:i])  # first sampled mid-window, not last in it
+    rids = [eng.submit(prompts[0], greedy | {"stop_token_ids": [refs[0][at]]}), eng.submit(prompts[1], greedy)]
+    outs = eng.run()
+    got = [[t for o in outs[r] for t in o.token_ids] for r in rids]
+    assert got == [refs[0][: at + 1], refs[1]]
+    turn = prompts[0] + got[0] + [5, 6, 7]
+    cached = eng.scheduler.metrics.cached_tokens
+    assert eng.generate([turn], greedy | {"max_new_tokens": 6}) == [greedy_reference(model, turn, 6)]
+    assert eng.scheduler.metrics.cached_tokens - cached == len(prompts[0]) + at + 1
     eng.scheduler.check_integrity()
 
 
