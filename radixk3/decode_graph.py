@@ -10,7 +10,7 @@ logits) compiled once per batch-size bucket and replayed, as SGLang's CUDA-graph
   the pre-norm final hiddens (the MTP proposer reads them).
   Everything else runs eagerly (`DecodeGraphs.supports`). Sampling (grammar masks, biases) stays outside the
   graph, so constrained requests still replay it. The slot checks that read tensors back to the host (the eager
-  backend's `_validate`) run once per step before the call.
+  backend's `_validate`, here `DecodeGraphs.validate`) run once per step before the call.
 - The pool ops (short conv, KDA, MLA store + attention) are opaque custom ops inside the graph (see `_CACHES`);
   inductor compiles and fuses everything around them (projections, norms, gates, the MoE, the logits).
 - CPU: inductor (C++ codegen). CUDA: the same compiled step with CUDA graphs (mode "reduce-overhead").

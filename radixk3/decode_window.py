@@ -1,9 +1,9 @@
 """A window of compiled decode steps (`--num-scheduler-steps`) with its inputs built once.
 
 Inside a window the rows, their KDA slots and their pages stay the same and every row's KV grows by one token a
-step, so the padded inputs of all its steps come from one KV row table, built at the window's last length: a step
-feeds the previous one's samples and moves each real row's length (and the slot its new latent goes to) on by one.
-Positions past a row's length are masked, so the wider table changes nothing the graph computes. One check of
+step, so the padded inputs of all its steps are built together, at the window's last width: a step feeds the
+previous one's samples and takes its own row table and new-latent slots. Positions past a row's length are
+masked (and name its last written row), so the wider table changes nothing the graph computes. One check of
 every slot the window writes replaces each step's; what a step still does outside the graph is its radix
 checkpoints' slot copies (`DecodeGraphs.run` says why copies suffice). A sequence that samples a stop token
 feeds it and is then parked on the scratch slot and row for the rest of the window, so that its state is exactly
@@ -39,15 +39,22 @@ class DecodeWindow:
         if block_table.shape[1] * first.page_size < longest:
             raise ValueError(f"a block table of {block_table.shape[1]} pages for a window whose last step reads "
                              f"{longest} tokens")
-        table = row_table(block_table.to(dev), first.page_size, last_lens, graphs.kv_width(longest))
+        width = graphs.kv_width(longest)
+        table = row_table(block_table.to(dev), first.page_size, last_lens, width)
         # Every KV slot the window writes (row r's positions len_r - 1 .. len_r + steps - 2), checked once.
         written = table.gather(1, first.seq_lens[:, None] - 1 + torch.arange(steps, device=dev)[None, :])
         graphs.validate(first.state_slots, None, written.reshape(-1))
-        # Step j's slots, each a contiguous tensor of its own: the compiled step guards on its inputs' strides (a
+        # Each step's row table at the window's width: positions past the step's length name its last written
+        # row, never a later step's slot (unwritten yet: a path that multiplies masked positions by zero, the
+        # torch MLA attention, would turn stale non-finite bytes there into NaN).
+        lens = first.seq_lens[:, None, None] + torch.arange(steps, device=dev)[None, :, None]  # [N, steps, 1]
+        cols = torch.minimum(torch.arange(width, device=dev)[None, None, :], lens - 1)  # [N, steps, width]
+        tables = table.gather(1, cols.reshape(n, steps * width)).view(n, steps, width)
+        # Step j's inputs, each a contiguous tensor of its own: the compiled step guards on its inputs' strides (a
         # column of a [B, steps] tensor would compile it again).
-        padded = pad_rows(written, b, s.kv_row)
+        padded, rows = pad_rows(written, b, s.kv_row), pad_rows(tables, b, s.kv_row)
         self._written = [padded[:, j].clone(memory_format=torch.contiguous_format) for j in range(steps)]
-        self._rows = pad_rows(table, b, s.kv_row)
+        self._rows = [rows[:, j].clone(memory_format=torch.contiguous_format) for j in range(steps)]
         self._ids = pad_rows(first.input_ids, b, 0).clone()  # fed in place: not the batch's own tensor
         self._slots = first.state_slots  # the rows' own: checks and checkpoints read them
         self._state_slots = pad_rows(first.state_slots, b, s.state_slot).clone()  # parked rows' become the scratch
@@ -75,7 +82,7 @@ class DecodeWindow:
             before, after = decode_checkpoints(self._slots, checkpoints)
         g.copy_states(before)
         g.replays += 1
-        out = g.call(PaddedDecode(self._ids, self._state_slots, self._written[j], self._rows,
+        out = g.call(PaddedDecode(self._ids, self._state_slots, self._written[j], self._rows[j],
                                   self._first_lens + self._grows * j))
         g.copy_states(after)
         if self._stopping:
@@ -99,3 +106,5 @@ class DecodeWindow:
         self._grows[idx] = 0
         for later in self._written[j + 1 :]:
             later[idx] = s.kv_row
+        for later in self._rows[j + 1 :]:
+            later[idx] = self._rows[j][idx]

@@ -489,6 +489,7 @@ class ModelWorker:
         steps: list[SampleResult] = []
         errors: dict[int, str] = {}
         stops = [set(ids) for ids in plan.window_stops]
+        stopped_at = [n] * len(rows)  # the step at which each sequence sampled a stop (n: none)
         fed = [n] * len(rows)  # tokens each sequence feeds (fewer once a stop parks it: graphs only)
         for j in range(n):
             at = offsets == j + 1
@@ -510,12 +511,16 @@ class ModelWorker:
             self.tables.set_last(rows, res.tokens)
             steps.append(res)
             for i, e in row_errors:
-                errors.setdefault(i, e)
-            if window is not None and any(stops) and j + 2 < n:  # it feeds the stop at j + 1, then nothing
-                stopped = [i for i, t in enumerate(res.tokens.tolist()) if fed[i] == n and t in stops[i]]
+                if j <= stopped_at[i]:  # a sample past the sequence's stop is discarded, and so is its error
+                    errors.setdefault(i, e)
+            if any(stops):
+                stopped = [i for i, t in enumerate(res.tokens.tolist()) if stopped_at[i] == n and t in stops[i]]
                 for i in stopped:
-                    fed[i] = j + 2
-                window.stop(stopped)
+                    stopped_at[i] = j
+                if window is not None and j + 2 < n:  # it feeds the stop at j + 1, then nothing
+                    for i in stopped:
+                        fed[i] = j + 2
+                    window.stop(stopped)
         tokens, lps, top_ids, top_lps = (torch.stack(f, dim=1).flatten(0, 1) for f in zip(*steps, strict=True))
         return StepResult(step=plan.step, tokens=tokens.tolist(), logprobs=lps.tolist(), top_ids=top_ids.tolist(),
                           top_logprobs=top_lps.tolist(), input_logprobs=[], row_errors=sorted(errors.items()),

@@ -276,11 +276,17 @@ def test_a_window_is_its_steps_one_by_one(setup) -> None:  # noqa: ANN001
         buf.data.copy_(start)
         window = DecodeWindow(graphs, batch([p[0] for p in prompts], 0), table, steps)
         replays, fed = graphs.replays, None
+        call, seen = graphs.call, []
+        graphs.call = lambda step: (seen.append(step), call(step))[1]  # type: ignore[method-assign]
         for j in range(steps):
             logits = window.step(fed, ck if j == 2 else None)
             assert torch.equal(logits, one_by_one[j]), j
             fed = logits.argmax(-1)
+        del graphs.call
         assert graphs.replays == replays + steps
+        for step in seen:  # every KV row a step names (past its length too) is one its row has written
+            own = step.kv_rows[:n] - torch.tensor([(i + 1) * PAGES_PER_SEQ * PAGE for i in range(n)])[:, None]
+            assert bool(((own >= 0) & (own < step.kv_lens[:n, None])).all())
         assert torch.equal(buf.data, after)
         with pytest.raises(ValueError, match="window of 5 steps"):
             window.step(fed, None)
@@ -344,8 +350,12 @@ def test_a_stop_inside_a_compiled_window_leaves_its_state_to_the_tree(monkeypatc
     greedy = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
     refs = [greedy_reference(model, p, 20) for p in prompts]
     at = next(i for i in range(9, 13) if refs[0][i] not in refs[0][:i])  # first sampled mid-window, not last in it
+    parked: list[int] = []
+    stop = DecodeWindow.stop
+    monkeypatch.setattr(DecodeWindow, "stop", lambda self, seqs: (parked.extend(seqs), stop(self, seqs))[1])
     rids = [eng.submit(prompts[0], greedy | {"stop_token_ids": [refs[0][at]]}), eng.submit(prompts[1], greedy)]
     outs = eng.run()
+    assert len(parked) == 1  # the stop fell where the window parks its row (not in its last two steps)
     got = [[t for o in outs[r] for t in o.token_ids] for r in rids]
     assert got == [refs[0][: at + 1], refs[1]]
     turn = prompts[0] + got[0] + [5, 6, 7]
