@@ -509,7 +509,8 @@ class Scheduler:
                 break
         if reason == "error":
             self.outputs.finish(req, reason, f"the grammar allows no token after {len(req.output_ids) - 1} "
-                                             "outputs (stop tokens banned by min_new_tokens?)")
+                                             "outputs (its stop tokens banned by min_new_tokens, or nothing left "
+                                             "but bytes that are not well-formed UTF-8, such as a surrogate?)")
         elif reason is not None:
             self.outputs.finish(req, reason)
         elif not req.aborted:

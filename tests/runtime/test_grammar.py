@@ -94,6 +94,16 @@ def test_invalid_grammar_is_refused_at_the_door(engine: Engine, sampling: dict[s
     assert re.fullmatch(REGEXES[0], ok["text"])
 
 
+def test_a_grammar_left_with_only_surrogates_ends_with_an_error_saying_so(engine: Engine) -> None:
+    """A regex of UTF-16 surrogates (which well-formed UTF-8 cannot hold) passes xgrammar but dead-ends under the
+    UTF-8 narrowing: the request ends with an error that says why, and the engine serves on."""
+    out = engine.generate(PROMPT, {"max_new_tokens": 8, "temperature": 1.0, "seed": 1, "regex": r"[\ud800-\udfff]"})
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "error" and "not well-formed UTF-8" in meta["error"], meta
+    ok = engine.generate(PROMPT, {"max_new_tokens": 16, "temperature": 0, "regex": REGEXES[0]})
+    assert re.fullmatch(REGEXES[0], ok["text"])
+
+
 # --- the scheduler and worker, in process ------------------------------------------------------------------
 
 TOK = load_tokenizer()
