@@ -341,7 +341,8 @@ def test_a_stop_inside_a_compiled_window_leaves_its_state_to_the_tree(monkeypatc
     """Through the compiled step a sequence that samples a stop token mid-window feeds it and is then parked on
     the scratch slot and row: its state is its request's at the stop, so the whole output (the stop included) is
     donated and the next turn reuses all of it (no decode checkpoint falls inside: only the donation can give
-    that), with the no-cache loop's tokens; the rows beside it decode on unchanged."""
+    that), with the no-cache loop's tokens; the rows beside it decode on unchanged, and a failed draw past its stop
+    (discarded with its sample) does not fail it."""
     monkeypatch.setenv(COMPILE_ENV, "1")
     model = build_model(preset("k3-tiny"), seed=11)
     eng = LocalEngine(ServerArgs(page_size=1, num_scheduler_steps=8, decode_checkpoint_interval=64,
@@ -353,9 +354,18 @@ def test_a_stop_inside_a_compiled_window_leaves_its_state_to_the_tree(monkeypatc
     parked: list[int] = []
     stop = DecodeWindow.stop
     monkeypatch.setattr(DecodeWindow, "stop", lambda self, seqs: (parked.extend(seqs), stop(self, seqs))[1])
+    sample = eng.worker.sampler.sample
+
+    def failing_past_the_stop(logits, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        res, errors = sample(logits, *args, **kwargs)  # a parked row's later draws fail: dropped with their samples
+        alone = len(logits) == 1  # (the stopped request gone: its row index is another's)
+        return res, errors + ([] if alone else [(i, "a draw past the stop") for i in parked])
+
+    monkeypatch.setattr(eng.worker.sampler, "sample", failing_past_the_stop)
     rids = [eng.submit(prompts[0], greedy | {"stop_token_ids": [refs[0][at]]}), eng.submit(prompts[1], greedy)]
     outs = eng.run()
     assert len(parked) == 1  # the stop fell where the window parks its row (not in its last two steps)
+    assert [outs[r][-1].finished for r in rids] == ["stop", "length"]
     got = [[t for o in outs[r] for t in o.token_ids] for r in rids]
     assert got == [refs[0][: at + 1], refs[1]]
     turn = prompts[0] + got[0] + [5, 6, 7]
