@@ -44,6 +44,10 @@ def _loaded() -> bool:
     def _(x: Tensor, weight: Tensor) -> Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])
 
+    @torch.library.register_fake("radixk3_gemm::linears")
+    def _(x: Tensor, weights: list[Tensor]) -> Tensor:
+        return x.new_empty(x.shape[0], sum(w.shape[0] for w in weights))
+
     return True
 
 
@@ -72,3 +76,11 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     """x [..., K] @ weight [N, K].T -> [..., N] fp32 (`F.linear` without bias, within fp32 rounding)."""
     y = torch.ops.radixk3_gemm.linear(x.reshape(-1, x.shape[-1]), weight)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def linears(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
+    """x [..., K] @ each weight [N_i, K].T -> [..., N_i] fp32, in one call (each output `linear`'s bits): a decode
+    step's projections of one input spare the fixed costs of a call each."""
+    y = torch.ops.radixk3_gemm.linears(x.reshape(-1, x.shape[-1]), weights)
+    parts = y.split([w.shape[0] for w in weights], dim=-1)  # (contiguous already where x is one row)
+    return [part.contiguous().view(*x.shape[:-1], part.shape[-1]) for part in parts]

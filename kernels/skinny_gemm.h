@@ -97,4 +97,38 @@ inline void grouped_gemm(const float* x, const int64_t* counts, int64_t E, const
   }
 }
 
+// Several weights of one input: ws[i] [Ns[i], K] (each contiguous), y [m, sum Ns] with weight i's outputs at
+// columns from cols[i] = Ns[0] + ... + Ns[i-1]: one parallel pass over all their rows, as one call each would do them
+// (the same blocks, so the same bits), the prefetch running on from one weight into the next.
+inline void multi_gemm(const float* x, int64_t m, const float* const* ws, const int64_t* Ns, int64_t count, int64_t K,
+                       float* y) {
+  std::vector<int64_t> cols(count + 1, 0);
+  for (int64_t i = 0; i < count; ++i) cols[i + 1] = cols[i] + Ns[i];
+  const int64_t ldy = cols[count];
+  std::vector<int64_t> task_weight, task_row;
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t r = 0; r < Ns[i]; r += kRowsPerTask) {
+      task_weight.push_back(i);
+      task_row.push_back(r);
+    }
+  const int64_t tasks = static_cast<int64_t>(task_weight.size());
+  const int64_t reach = std::max<int64_t>(4, kPrefetchBytes / (K * static_cast<int64_t>(sizeof(float))));
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t i = task_weight[t], r0 = task_row[t], r1 = std::min(Ns[i], r0 + kRowsPerTask);
+    const float* w = ws[i];
+    auto ahead = [&](int64_t r, int64_t rb) -> const float* {  // `reach` rows on: this weight's, or the next one's
+      const int64_t at = r + reach;
+      if (at + rb <= Ns[i]) return w + at * K;
+      const int64_t next = at - Ns[i];
+      return i + 1 < count && next + rb <= Ns[i + 1] ? ws[i + 1] + next * K : nullptr;
+    };
+    float* yi = y + cols[i];
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) rows<4>(w + r * K, K, x, m, yi + r, ldy, ahead(r, 4));
+    for (; r + 2 <= r1; r += 2) rows<2>(w + r * K, K, x, m, yi + r, ldy, ahead(r, 2));
+    for (; r < r1; ++r) rows<1>(w + r * K, K, x, m, yi + r, ldy, ahead(r, 1));
+  }
+}
+
 }  // namespace radixk3_gemm

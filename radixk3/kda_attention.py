@@ -22,7 +22,7 @@ from radixk3.config import ModelConfig
 from radixk3.forward_batch import ForwardBatch
 from radixk3.layers import FusedLinear, FusedWeight, gated_rms_norm
 from radixk3.parallel import parallel_state, shard_range
-from radixk3.parallel_linear import ColumnParallelLinear, Linear, RowParallelLinear
+from radixk3.parallel_linear import ColumnParallelLinear, Linear, RowParallelLinear, linears
 from radixk3.tensor_names import Shard
 
 
@@ -74,11 +74,13 @@ class KDAAttention(nn.Module):
             yield f"{local_name}.A_log", Shard((1, 1, self.full_heads, 1), (slice(None), slice(None), heads))
         yield f"{local_name}.dt_bias", Shard((self.full_heads * d,), (slice(heads.start * d, heads.stop * d),))
 
-    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Pre-sigmoid output gate [T, H*D]."""
-        if hasattr(self, "g_proj"):
-            return self.g_proj(x)
-        return self.g_b_proj(self.g_a_proj(x))
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections of x: q|k|v [T, 3P], the decay gate's low rank [T, D], beta's logits [T, H] and the
+        pre-sigmoid output gate [T, H*D] (one few-row GEMM call for the four that read x, where that serves)."""
+        full_rank_gate = hasattr(self, "g_proj")
+        gate_in = self.g_proj if full_rank_gate else self.g_a_proj
+        qkv, f_a, b, g = linears(x, (self.qkv_proj, self.f_a_proj, self.b_proj, gate_in))
+        return qkv, f_a, b, g if full_rank_gate else self.g_b_proj(g)
 
     def conv_weight(self) -> torch.Tensor:
         """The depthwise weight [3P, W] of the pre-conv q|k|v (a view: no per-call copy)."""
@@ -94,9 +96,9 @@ class KDAAttention(nn.Module):
         the cache reached only through `batch.attn_backend`."""
         t = x.shape[0]
         h, d = self.num_heads, self.head_dim
-        qkv = self.qkv_proj(x)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(t, h, d), self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        qkv, f_a, b, gate = self.projections(x)
+        g = kda_gate(self.f_b_proj(f_a).view(t, h, d), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(b.float())
 
         if batch is None:
             qkv, _ = causal_conv1d(qkv, self.conv_weight(), cu_seqlens=cu_seqlens)
@@ -109,7 +111,6 @@ class KDAAttention(nn.Module):
             q, k, v = (z.view(t, h, d) for z in qkv.split(h * d, dim=-1))
             o = backend.kda(self.kda_index, l2norm(q), l2norm(k), v, g, beta)
 
-        gate = self.output_gate(x).view(t, h, d)
-        o = gated_rms_norm(o, gate, self.o_norm.weight, self.eps)
+        o = gated_rms_norm(o, gate.view(t, h, d), self.o_norm.weight, self.eps)
         return self.o_proj(o.reshape(t, h * d))
 

@@ -60,6 +60,16 @@ class Linear(nn.Linear):
         return self.matmul(x)
 
 
+def linears(x: torch.Tensor, layers: Sequence[Linear]) -> list[torch.Tensor]:
+    """Each layer's x @ W^T, for layers that take the same input and reduce nothing (not row-parallel): in a
+    compiled decode step on CPU where the few-row op serves them all, one call over their weights
+    (`linear_cpu.linears`, each output the bits of its own call), else each layer's own."""
+    if torch.compiler.is_compiling() and all(
+            layer.quantized is None and linear_cpu.applies(x, layer.weight) for layer in layers):
+        return linear_cpu.linears(x, [layer.weight for layer in layers])
+    return [layer(x) for layer in layers]
+
+
 class TPRank:
     """The TP rank and size a layer was built for, and the group its collectives run in."""
 

@@ -1,7 +1,8 @@
 """The dense layers' few-row GEMM op on CPU (`kernels.linear_cpu`) against float64: within the worst-case rounding
 of any fp32 summation order (|error| <= K * 2^-24 * sum |x w|), over row counts from one to MAX_ROWS, shapes with
-and without a tail past the 16-float vectors, a non-contiguous input; and `Linear.matmul` takes it only inside a
-compiled step, up to MAX_ROWS rows of fp32, where eager forwards keep `F.linear`'s bits."""
+and without a tail past the 16-float vectors, a non-contiguous input; several weights of one input in one call,
+each its own call's bits; and `Linear.matmul` takes it only inside a compiled step, up to MAX_ROWS rows of fp32,
+where eager forwards keep `F.linear`'s bits."""
 
 from __future__ import annotations
 
@@ -43,6 +44,23 @@ def test_leading_dims_and_a_strided_input() -> None:
     x = torch.randn(2, 3, 80, generator=gen)[..., ::2]  # [2, 3, 40], not contiguous
     y = linear_cpu.linear(x, w)
     assert y.shape == (2, 3, 24) and _within_fp32_rounding(y.reshape(6, 24), x.reshape(6, 40), w)
+
+
+@pytest.mark.parametrize(("m", "k"), [(1, 512), (3, 70), (8, 13), (32, 64)])
+def test_linears_are_each_weights_linear_bit_for_bit(m: int, k: int) -> None:
+    """One call over several weights of one input (row counts across and inside the 32-row tasks, one row, a
+    weight of 130): each part is that weight's own `linear`, bit for bit (the same blocks run in one pass)."""
+    gen = torch.Generator().manual_seed(m + k)
+    x = torch.randn(2, m, k, generator=gen)[1]
+    ws = [torch.randn(n, k, generator=gen) for n in (1, 5, 33, 130, 64)]
+    parts = linear_cpu.linears(x, ws)
+    assert [p.shape for p in parts] == [(m, w.shape[0]) for w in ws]
+    assert all(torch.equal(p, linear_cpu.linear(x, w)) for p, w in zip(parts, ws, strict=True))
+    assert all(p.is_contiguous() for p in parts)
+    x3 = torch.randn(2, 3, k, generator=gen)
+    assert all(torch.equal(p, linear_cpu.linear(x3, w)) for p, w in zip(linear_cpu.linears(x3, ws), ws, strict=True))
+    with pytest.raises(RuntimeError, match="radixk3_gemm::linears"):
+        torch.ops.radixk3_gemm.linears(x, [ws[0], torch.zeros(4, k + 1)])
 
 
 def test_wrong_inputs_are_refused() -> None:

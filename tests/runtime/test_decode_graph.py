@@ -20,6 +20,7 @@ from radixk3.config import preset
 from radixk3.decode_graph import DecodeGraphs, FusedPools, Scratch
 from radixk3.decode_window import DecodeWindow
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
+from radixk3.kda_attention import KDAAttention
 from radixk3.model import build_model
 from radixk3.moe_layer import Router
 from radixk3.parallel_linear import Linear
@@ -150,7 +151,8 @@ def test_collected_steps_let_go_of_their_cache() -> None:
 
 def test_the_dense_layers_run_the_few_row_gemm_op(setup) -> None:  # noqa: ANN001
     """On CPU in fp32 the compiled step's projections and logits are `radixk3_gemm::linear` calls (the few-row GEMM
-    that reads the weights at the memory's rate; `kernels/linear_cpu.py`), not the GEMM library's."""
+    that reads the weights at the memory's rate; `kernels/linear_cpu.py`), a KDA layer's projections of its input
+    one `radixk3_gemm::linears` call, not the GEMM library's."""
     model, buf, cache, graphs = setup
     if not linear_cpu.available():
         pytest.skip("no C++ CPU ops built here")
@@ -161,9 +163,12 @@ def test_the_dense_layers_run_the_few_row_gemm_op(setup) -> None:  # noqa: ANN00
         with torch.profiler.profile() as prof:
             graphs.run(_next_step(prompts, top))
     calls = {e.key: e.count for e in prof.key_averages()}
-    # every Linear but MLA's kv_b_proj, whose weight the attention op absorbs rather than multiplies by
+    # every Linear but MLA's kv_b_proj, whose weight the attention op absorbs rather than multiplies by; a KDA
+    # layer's four projections of its input (q|k|v, f_a, b, the gate's) in one `linears` call
     linears = sum(1 for name, m in model.named_modules() if isinstance(m, Linear) and not name.endswith("kv_b_proj"))
-    assert calls.get("radixk3_gemm::linear", 0) == linears
+    kda = sum(1 for m in model.modules() if isinstance(m, KDAAttention))
+    assert kda > 0 and calls.get("radixk3_gemm::linears", 0) == kda
+    assert calls.get("radixk3_gemm::linear", 0) == linears - 4 * kda
     # the GEMM library's only calls left are the routers' logits (a few KB of weights each)
     assert calls.get("aten::mm", 0) == sum(1 for m in model.modules() if isinstance(m, Router))
     assert calls.get("aten::addmm", 0) == 0
