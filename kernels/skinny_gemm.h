@@ -62,6 +62,17 @@ void rows(const float* w, int64_t K, const float* x, int64_t m, float* y, int64_
   }
 }
 
+// Rows r0..r1 of weight w [N, K] (w and y at the weight's row 0 and its first output column): blocks of 4, 2, 1
+// rows, each prefetching `ahead(r, rows in the block)`.
+template <class Ahead>
+void weight_rows(const float* w, int64_t r0, int64_t r1, int64_t K, const float* x, int64_t m, float* y, int64_t ldy,
+                 Ahead ahead) {
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) rows<4>(w + r * K, K, x, m, y + r, ldy, ahead(r, 4));
+  for (; r + 2 <= r1; r += 2) rows<2>(w + r * K, K, x, m, y + r, ldy, ahead(r, 2));
+  for (; r < r1; ++r) rows<1>(w + r * K, K, x, m, y + r, ldy, ahead(r, 1));
+}
+
 constexpr int64_t kRowsPerTask = 32;  // weight rows per task: small enough to share an expert between threads
 
 // x: [P, K] token rows grouped by expert (counts[e] rows of expert e, expert after expert); w: [E, N, K];
@@ -90,10 +101,7 @@ inline void grouped_gemm(const float* x, const int64_t* counts, int64_t E, const
       const int64_t at = e * N + r + reach;
       return at + rb <= E * N ? w + at * K : nullptr;
     };
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) rows<4>(w + (e * N + r) * K, K, xe, m, ye + r, N, ahead(r, 4));
-    for (; r + 2 <= r1; r += 2) rows<2>(w + (e * N + r) * K, K, xe, m, ye + r, N, ahead(r, 2));
-    for (; r < r1; ++r) rows<1>(w + (e * N + r) * K, K, xe, m, ye + r, N, ahead(r, 1));
+    weight_rows(w + e * N * K, r0, r1, K, xe, m, ye, N, ahead);
   }
 }
 
@@ -123,11 +131,7 @@ inline void multi_gemm(const float* x, int64_t m, const float* const* ws, const 
       const int64_t next = at - Ns[i];
       return i + 1 < count && next + rb <= Ns[i + 1] ? ws[i + 1] + next * K : nullptr;
     };
-    float* yi = y + cols[i];
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) rows<4>(w + r * K, K, x, m, yi + r, ldy, ahead(r, 4));
-    for (; r + 2 <= r1; r += 2) rows<2>(w + r * K, K, x, m, yi + r, ldy, ahead(r, 2));
-    for (; r < r1; ++r) rows<1>(w + r * K, K, x, m, yi + r, ldy, ahead(r, 1));
+    weight_rows(w, r0, r1, K, x, m, y + cols[i], ldy, ahead);
   }
 }
 

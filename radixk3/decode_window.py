@@ -40,26 +40,22 @@ class DecodeWindow:
             raise ValueError(f"a block table of {block_table.shape[1]} pages for a window whose last step reads "
                              f"{longest} tokens")
         width = graphs.kv_width(longest)
-        table = row_table(block_table.to(dev), first.page_size, last_lens, width)
-        # Every KV slot the window writes (row r's positions len_r - 1 .. len_r + steps - 2), checked once.
-        written = table.gather(1, first.seq_lens[:, None] - 1 + torch.arange(steps, device=dev)[None, :])
-        graphs.validate(first.state_slots, None, written.reshape(-1))
-        # Each step's row table at the window's width: positions past the step's length name its last written
-        # row, never a later step's slot (unwritten yet: a path that multiplies masked positions by zero, the
-        # torch MLA attention, would turn stale non-finite bytes there into NaN).
-        lens = first.seq_lens[:, None, None] + torch.arange(steps, device=dev)[None, :, None]  # [N, steps, 1]
-        cols = torch.minimum(torch.arange(width, device=dev)[None, None, :], lens - 1)  # [N, steps, width]
-        tables = table.gather(1, cols.reshape(n, steps * width)).view(n, steps, width)
+        # Each step's KV lengths and row table at the window's width: positions past a step's length name its last
+        # written row, never a later step's slot (unwritten yet: a path that multiplies masked positions by zero,
+        # the torch MLA attention, would turn stale non-finite bytes there into NaN).
+        lens = first.seq_lens[:, None] + torch.arange(steps, device=dev)  # [N, steps]
+        tables = row_table(block_table.to(dev).repeat_interleave(steps, 0), first.page_size, lens.reshape(-1),
+                           width).view(n, steps, width)
+        written = tables.gather(2, (lens - 1)[..., None])[..., 0]  # [N, steps]: the slot each step stores to
+        graphs.validate(first.state_slots, None, written.reshape(-1))  # every slot the window writes, once
         # Step j's inputs, each a contiguous tensor of its own: the compiled step guards on its inputs' strides (a
         # column of a [B, steps] tensor would compile it again).
-        padded, rows = pad_rows(written, b, s.kv_row), pad_rows(tables, b, s.kv_row)
-        self._written = [padded[:, j].clone(memory_format=torch.contiguous_format) for j in range(steps)]
-        self._rows = [rows[:, j].clone(memory_format=torch.contiguous_format) for j in range(steps)]
+        self._written = _per_step(pad_rows(written, b, s.kv_row))
+        self._rows = _per_step(pad_rows(tables, b, s.kv_row))
+        self._lens = _per_step(pad_rows(lens, b, 1))
         self._ids = pad_rows(first.input_ids, b, 0).clone()  # fed in place: not the batch's own tensor
         self._slots = first.state_slots  # the rows' own: checks and checkpoints read them
         self._state_slots = pad_rows(first.state_slots, b, s.state_slot).clone()  # parked rows' become the scratch
-        self._first_lens = pad_rows(first.seq_lens, b, 1).clone()
-        self._grows = pad_rows(torch.ones(n, dtype=torch.int64, device=dev), b, 0)
         self._next = 0
         self._stopping: list[int] = []
 
@@ -82,8 +78,7 @@ class DecodeWindow:
             before, after = decode_checkpoints(self._slots, checkpoints)
         g.copy_states(before)
         g.replays += 1
-        out = g.call(PaddedDecode(self._ids, self._state_slots, self._written[j], self._rows[j],
-                                  self._first_lens + self._grows * j))
+        out = g.call(PaddedDecode(self._ids, self._state_slots, self._written[j], self._rows[j], self._lens[j]))
         g.copy_states(after)
         if self._stopping:
             self._park(self._stopping, j)
@@ -102,9 +97,13 @@ class DecodeWindow:
         idx = torch.tensor(seqs, device=self._ids.device)
         s = self.graphs.scratch
         self._state_slots[idx] = s.state_slot
-        self._first_lens[idx] += j
-        self._grows[idx] = 0
         for later in self._written[j + 1 :]:
             later[idx] = s.kv_row
-        for later in self._rows[j + 1 :]:
-            later[idx] = self._rows[j][idx]
+        for per_step in (self._rows, self._lens):
+            for later in per_step[j + 1 :]:
+                later[idx] = per_step[j][idx]
+
+
+def _per_step(x: Tensor) -> list[Tensor]:
+    """x [B, steps, ...] as one contiguous [B, ...] tensor per step."""
+    return [x[:, j].clone(memory_format=torch.contiguous_format) for j in range(x.shape[1])]

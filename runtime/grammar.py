@@ -102,6 +102,9 @@ class GrammarMatcher:
         self._m.rollback(num_tokens)
         self._utf8.rollback(num_tokens)
 
+    def check_integrity(self) -> None:
+        self._utf8.check_integrity()
+
     @property
     def terminated(self) -> bool:
         """The grammar is complete and its stop token accepted: nothing more may be generated."""
@@ -249,9 +252,7 @@ class GrammarBackend:
         return self.submit(key).result()
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> GrammarMatcher:
-        with self._lock:
-            self._started()
-        assert self._utf8 is not None
+        assert self._utf8 is not None, "a matcher for a grammar this backend compiled (which builds the table)"
         return GrammarMatcher(compiled, self._utf8)
 
     def clear_cache(self) -> None:

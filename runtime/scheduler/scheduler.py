@@ -987,6 +987,8 @@ class Scheduler:
             for s in rec.seqs:
                 counts[id(s.req)] = counts.get(id(s.req), 0) + 1
         for r in self.running:
+            if r.grammar is not None:
+                r.grammar.check_integrity()
             assert r.in_flight == counts.get(id(r), 0), f"request {r.rid}: in-flight count drifted"
             assert len(r.pages) == -(-r.num_computed // self.ps), f"request {r.rid}: pages != planned tokens"
             assert r.num_computed <= r.seq_len, f"request {r.rid}: planned past its tokens"

@@ -490,7 +490,6 @@ class ModelWorker:
         errors: dict[int, str] = {}
         stops = [set(ids) for ids in plan.window_stops]
         stopped_at = [n] * len(rows)  # the step at which each sequence sampled a stop (n: none)
-        fed = [n] * len(rows)  # tokens each sequence feeds (fewer once a stop parks it: graphs only)
         for j in range(n):
             at = offsets == j + 1
             ones = np.ones(int(at.sum()), dtype=np.int64)
@@ -518,13 +517,11 @@ class ModelWorker:
                 for i in stopped:
                     stopped_at[i] = j
                 if window is not None and j + 2 < n:  # it feeds the stop at j + 1, then nothing
-                    for i in stopped:
-                        fed[i] = j + 2
                     window.stop(stopped)
         tokens, lps, top_ids, top_lps = (torch.stack(f, dim=1).flatten(0, 1) for f in zip(*steps, strict=True))
         return StepResult(step=plan.step, tokens=tokens.tolist(), logprobs=lps.tolist(), top_ids=top_ids.tolist(),
                           top_logprobs=top_lps.tolist(), input_logprobs=[], row_errors=sorted(errors.items()),
-                          window_fed=fed if window is not None else [])
+                          window_fed=[min(n, at + 2) for at in stopped_at] if window is not None else [])
 
     def _window_table(self, plan: StepPlan, steps: int) -> torch.Tensor:
         """The rows' block table spanning a decode window's last token (its pages are the plan's already)."""
