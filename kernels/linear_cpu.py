@@ -66,6 +66,11 @@ def use(on: bool) -> bool:
     return before
 
 
+def enabled() -> bool:
+    """Whether compiled `Linear` layers take the op now (`use`)."""
+    return _enabled
+
+
 def applies(x: Tensor, weight: Tensor) -> bool:
     """Whether `linear` serves x @ weight.T: enabled, fp32 on CPU, a contiguous weight, at most MAX_ROWS rows."""
     return (_enabled and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32

@@ -48,6 +48,7 @@ from radixk3.attention_backend import SlotPairs, copy_states, decode_checkpoints
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.kda_attention import KDAAttention
 from radixk3.model import KimiForCausalLM
+from radixk3.step_graph import StepGraph
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +283,7 @@ class CapturedSteps(abc.ABC):
         dynamo.accumulated_cache_size_limit = max(dynamo.accumulated_cache_size_limit, _GRAPH_ENTRIES)
         self.report = CaptureReport(self.mode, {})
         self.replays = 0  # steps served (tests check that a path ran through the graphs)
+        self.step_graphs: list[StepGraph] = []  # each compiled step function (`compiled`)
 
     kind = "captured"
 
@@ -302,19 +304,21 @@ class CapturedSteps(abc.ABC):
     def _run_scratch(self, b: int) -> None:
         """Every step function of bucket `b` once, on scratch rows."""
 
-    def compiled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        return torch.compile(fn, fullgraph=True, options=compile_options(self.cuda, self.cpp_wrapper))
+    def compiled(self, fn: Callable[..., Any]) -> StepGraph:
+        """`fn` compiled; on CPU its graphs are called without dynamo once compiled (`step_graph`)."""
+        weights = [*self.model.parameters(), *self.model.buffers()]
+        graph = StepGraph(fn, compile_options(self.cuda, self.cpp_wrapper), not self.cuda, weights)
+        self.step_graphs.append(graph)
+        return graph
 
     @torch.inference_mode()
-    def replay(self, fn: Callable[[Any], Any], step: Any, rows: Tensor, kv_rows: Tensor) -> Any:  # noqa: ANN401
+    def replay(self, fn: StepGraph, step: Any, rows: Tensor, kv_rows: Tensor) -> Any:  # noqa: ANN401
         """fn(step), `rows` (a per-row input) static, `kv_rows`' length dynamic."""
-        torch._dynamo.mark_static(rows, 0)
-        torch._dynamo.mark_dynamic(kv_rows, 1)
         if self.cuda:
             torch.compiler.cudagraph_mark_step_begin()
         before = linear_cpu.use(self.fused_linear)
         try:
-            return fn(step)
+            return fn(step, rows, kv_rows)
         finally:
             linear_cpu.use(before)
 

@@ -21,7 +21,7 @@ and accepted drafts with MTP speculation, compiled against eager.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -31,6 +31,7 @@ from radixk3.decode_graph import CapturedSteps, PaddedDecode, PaddedDecodeBacken
 from radixk3.forward_batch import ForwardBatch, ForwardMode, HybridCache
 from radixk3.model import KimiForCausalLM
 from radixk3.mtp import MTPOutput, run_mtp_layer
+from radixk3.step_graph import StepGraph
 
 
 class PaddedMTP(NamedTuple):
@@ -102,7 +103,7 @@ class MTPGraphs(CapturedSteps):
     def _chain_step(self, chain: PaddedChain) -> Tensor:
         return padded_mtp_chain(self.model, self.key, chain, self.cpp_ops)
 
-    def _compiled(self, with_logits: bool) -> Callable[[PaddedMTP], MTPOutput]:
+    def _compiled(self, with_logits: bool) -> StepGraph:
         # The flag is a closure constant (guarded by value), never a graph input.
         def step(rows: PaddedMTP) -> MTPOutput:
             return padded_mtp_step(self.model, self.key, 0, rows, with_logits, self.cpp_ops)
@@ -125,7 +126,7 @@ class MTPGraphs(CapturedSteps):
         return PaddedMTP(ids, hidden, ids + row, torch.full((r, self.kv_width(2)), row, dtype=torch.int64,
                                                             device=dev), ids + 2)
 
-    def _call(self, fn: Callable[[PaddedMTP], MTPOutput], rows: PaddedMTP) -> MTPOutput:
+    def _call(self, fn: StepGraph, rows: PaddedMTP) -> MTPOutput:
         return self.replay(fn, rows, rows.next_ids, rows.kv_rows)
 
     def _call_chain(self, chain: PaddedChain) -> Tensor:

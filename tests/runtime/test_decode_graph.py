@@ -116,6 +116,7 @@ def test_compiled_decode_equals_eager(setup) -> None:  # noqa: ANN001
             want = _generate(model, cache, None, group, top)
             assert _generate(model, cache, graphs, group, top) == want
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled, "a step compiled again"
+    assert sum(g.direct_calls for g in graphs.step_graphs) > 0, "no step called its graph without dynamo"
     assert bool((cache.recurrent[0][top] == 7.0).all())
     assert bool((cache.latent[0][: PAGES_PER_SEQ * PAGE] == 3.0).all())
     assert graphs.report.seconds[BUCKET] > 0

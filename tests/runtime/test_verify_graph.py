@@ -37,6 +37,9 @@ def _eager_then_compiled(monkeypatch: pytest.MonkeyPatch, model: KimiForCausalLM
                          algorithm: str, rows: int) -> dict[str, Run]:
     """The prompts through an eager engine ("0") and a compiled one ("1"), k = 3, up to `rows` requests at once
     (buckets 1, 2, 4, ... up to `rows`)."""
+    # A fresh dynamo cache: where an engine built earlier in this process compiled the same step functions, dynamo
+    # takes the cache key as a symbolic input, which a direct call cannot tell from the step (asserted below).
+    torch._dynamo.reset()
     runs = {}
     for compiled in ("0", "1"):
         monkeypatch.setenv(COMPILE_ENV, compiled)
@@ -50,6 +53,8 @@ def _eager_then_compiled(monkeypatch: pytest.MonkeyPatch, model: KimiForCausalLM
     verify = runs["1"].worker.verify_graphs
     assert verify is not None and verify.replays == runs["1"].metrics.verify_steps > 0
     assert verify.cpp_window == pool_ops_cpu.available()  # the window ops registered in C++ where they build
+    # after its first step of a shape a graph is called without dynamo (`radixk3/step_graph.py`)
+    assert sum(g.direct_calls for g in verify.step_graphs) > 0
     return runs
 
 
@@ -78,4 +83,5 @@ def test_compiled_mtp_speculation_equals_eager(monkeypatch: pytest.MonkeyPatch) 
     eager, compiled = runs["0"].metrics, runs["1"].metrics
     assert graphs.replays > compiled.verify_steps  # draft chains and catch-ups
     assert graphs.chains == compiled.verify_steps  # every window greedy: all its drafts in one chain call
+    assert all(g.direct_calls > 0 for g in graphs.step_graphs)  # draft, catch-up, chain: each called directly
     assert compiled.accepted_tokens == eager.accepted_tokens > eager.verify_steps / 2
