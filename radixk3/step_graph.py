@@ -1,28 +1,32 @@
 """A captured step function, compiled by torch.compile and, on CPU, called without dynamo once compiled.
 
 Why: a compiled step is called through dynamo's frame evaluation (its guards, then bytecode that gathers the
-graph's inputs: the step's tensors and every weight of the model, ~140 of them for k3-small) and AOTAutograd's
-runtime wrapper before inductor's code runs. A captured step's inputs never change but for the step's own tensors
-(its rows static, its KV length dynamic), so, as SGLang's CUDA-graph runner replays a graph, the graph dynamo
-runs for a step's shapes is recorded on that step's call (`_recording_backend`) and later steps of those shapes
-call it directly, with inputs built from the step's fields and the weights it read (`DirectCall`). k3-small's
-batch-1 step 5.17 -> 4.93 ms (median graph call; 6.30 -> 6.01 ms a token in one process, windows of 8), the
-built-in model's 0.53 -> 0.43 ms; a batch-32 step within noise (interleaved runs, same tokens).
+graph's inputs: the step's tensors and every weight of the model, ~140 of them for k3-small) before inductor's
+code (with AOTAutograd's runtime wrapper) runs. A captured step's inputs never change but for the step's own
+tensors, so, as SGLang's CUDA-graph runner replays a graph, the graph dynamo runs for a step is recorded on that
+step's call (`_recording_backend`), and later steps that dynamo's guards would send to the same graph call it
+directly, with inputs built from the step's fields and the weights it read (`DirectCall`). k3-small's batch-1 step
+5.17 -> 4.93 ms (median graph call; 6.30 -> 6.01 ms a token in one process, windows of 8), the built-in model's
+0.53 -> 0.43 ms; a batch-32 step within noise (interleaved runs, same tokens).
 
-A graph is called directly only where its recording proved how: one graph ran; each of its inputs is one of the
-step's tensors, the dynamic length (the int whose symbol is that length's in the traced shapes), a size the step's
-shapes fix (the key), or a parameter or buffer of the model (those fixed objects are what the graph reads: a
-serving model's weights are written in place, never replaced); dynamo's result is the graph's outputs, in order,
-in the step function's structure (leaves None but those). Anything else goes through dynamo as before: a step
-whose fields are not contiguous CPU tensors or repeat one tensor, a graph with another input (an instance's int
-that dynamo made symbolic once a second engine in the process ran the same code: its cache key), and CUDA (CUDA
-graphs: `cudagraph_mark_step_begin` and the trees' bookkeeping stay with torch.compile). What direct calls skip
-are dynamo's guards: the key holds what they check of a step (dtypes, shapes, contiguity, the few-row GEMM's
-switch); the model's modules are not guarded anyway (`decode_graph.compile_options`).
+What dynamo's guards check of a call is the direct call's key (`StepGraph._key`): each field's dtype, shape (the
+KV length included: the graph is compiled for any length, but dynamo may have guarded a range, so each length's
+first step goes through dynamo and records), grad and inference flags, the process state the traced code reads
+(the few-row GEMM's switch, the kernel backend) and the global state dynamo guards (`GlobalStateGuard`: grad
+mode, threads, default dtype). The model's modules are not guarded anyway (`decode_graph.compile_options`).
+A graph is called directly only where its recording accounts for it: one graph ran; each of its inputs is a field
+of the step, an int whose traced symbol is one of the step's sizes, or a parameter or buffer of the model (the
+fixed objects the graph reads: a serving model's weights are written in place, never replaced); dynamo's result
+is the graph's outputs, in order, in the step function's structure. Anything else goes through dynamo as before:
+a step whose fields are not contiguous plain CPU tensors or repeat one tensor, a graph with another input (an int
+dynamo made symbolic: a cache key, once engines of two caches in one process ran the same step code; their graphs
+are shared, as before, not called directly), and CUDA (CUDA graphs: `cudagraph_mark_step_begin` and the trees'
+bookkeeping stay with torch.compile).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -30,18 +34,21 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
+from torch._C._dynamo.guards import GlobalStateGuard
 
 from kernels import linear_cpu
+from kernels.backend import kernel_backend
+
+_CPU = torch.device("cpu")
 
 StepInputs = Sequence[Tensor]  # a step: a NamedTuple of tensors (`PaddedDecode`, `PaddedVerify`, ...)
 
 
 class Source(NamedTuple):
-    """Where one graph input comes from: the step's field `field`, that field's size at `dim` (the dynamic KV
-    length), or `fixed`: a weight, or a size that the step's shapes (the graph's key) fix."""
+    """Where one graph input comes from: the step's field `field`, or `fixed`: a weight, or a size that the
+    step's shapes (the graph's key) fix."""
 
     field: int = -1
-    dim: int = -1
     fixed: Tensor | int | None = None
 
 
@@ -53,10 +60,10 @@ class DirectCall(NamedTuple):
     sources: tuple[Source, ...]
     structure: pytree.TreeSpec
     outputs: tuple[int, ...]
+    state: GlobalStateGuard  # the global state dynamo guards (grad mode, threads, default dtype, ...) as recorded
 
     def __call__(self, step: StepInputs) -> Any:  # noqa: ANN401
-        args = [s.fixed if s.field < 0 else step[s.field] if s.dim < 0 else step[s.field].shape[s.dim]
-                for s in self.sources]
+        args = [s.fixed if s.field < 0 else step[s.field] for s in self.sources]
         leaves: list[Tensor | None] = [None] * self.structure.num_leaves
         for at, out in zip(self.outputs, self.graph(*args), strict=True):
             leaves[at] = out
@@ -70,10 +77,9 @@ Seen = list[tuple[Callable[..., Sequence[Tensor]], tuple[Any, ...], list[Symbols
 
 
 class _Recording(threading.local):
-    """The graphs the current thread's recording call ran (`seen`; None while not recording). Per thread and not
-    per `StepGraph`: dynamo's cache of compiled frames lives as long as a step function's code and is shared by
-    its instances (a second engine's steps of the same shapes find the first's graphs), so a backend's graphs
-    report to whichever step records, and hold none of them alive."""
+    """The graphs the current thread's recording call ran (`seen`; None while not recording). Module state, not a
+    `StepGraph`'s: the backend's graphs live in dynamo's cache of the step function's code, which outlives any
+    instance, and must hold none alive (nor, through it, its cache)."""
 
     seen: Seen | None = None
 
@@ -81,15 +87,17 @@ class _Recording(threading.local):
 _RECORDING = _Recording()
 
 
-def _recording_backend(options: dict[str, Any]) -> Callable[..., Any]:
+@functools.cache
+def _recording_backend(options: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
     """A torch.compile backend: inductor (`compile_fx` with `options`, as the "inductor" backend calls it), each
-    graph's calls noted while a step records (`_RECORDING`)."""
+    graph's calls noted while a step records (`_RECORDING`). One per options: dynamo reuses a compiled entry only
+    for its own backend, and the step functions' entries serve every instance (every engine in a process)."""
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
 
         symbols = [_symbols(n.meta.get("example_value")) for n in gm.graph.nodes if n.op == "placeholder"]
-        graph = compile_fx(gm, example_inputs, config_patches=options)
+        graph = compile_fx(gm, example_inputs, config_patches=dict(options))
 
         def run(*args: Any) -> Sequence[Tensor]:  # noqa: ANN401  (dynamo calls a backend's graph unboxed)
             outs = graph(*args)
@@ -121,7 +129,7 @@ class StepGraph:
         self.direct = direct
         guard_filter = {k: v for k, v in options.items() if k == "guard_filter_fn"}
         if direct:
-            inductor = {k: v for k, v in options.items() if k != "guard_filter_fn"}
+            inductor = tuple(sorted((k, v) for k, v in options.items() if k != "guard_filter_fn"))
             self._compiled = torch.compile(fn, fullgraph=True, backend=_recording_backend(inductor),
                                            options=dict(guard_filter))
         else:
@@ -132,81 +140,66 @@ class StepGraph:
 
     def __call__(self, step: StepInputs, static: Tensor, dynamic: Tensor) -> Any:  # noqa: ANN401
         """fn(step), `static`'s first dimension static and `dynamic`'s second dynamic (both fields of `step`)."""
-        key = self._key(step, dynamic) if self.direct else None
+        key = self._key(step) if self.direct else None
         if key is not None:
-            call = self._calls.get(key) or self._calls.get((*key, dynamic.shape[1]))
-            if call is not None:
+            call = self._calls.get(key)
+            if call is not None and call.state.check():
                 self.direct_calls += 1
                 return call(step)
         torch._dynamo.mark_static(static, 0)
         torch._dynamo.mark_dynamic(dynamic, 1)
         if key is None:
             return self._compiled(step)
-        seen: Seen = []
+        before, seen = _RECORDING.seen, []
         _RECORDING.seen = seen
         try:
             result = self._compiled(step)
         finally:
-            _RECORDING.seen = None
-        self._record(key, step, dynamic, seen, result)
+            _RECORDING.seen = before
+        call = self._direct(step, seen, result)
+        if call is not None:
+            self._calls[key] = call
         return result
 
     @staticmethod
-    def _key(step: StepInputs, dynamic: Tensor) -> tuple[Any, ...] | None:
-        """What the graph of a step is chosen by: the fast-linear switch, each field's dtype and shape (the
-        dynamic length left out); None (through dynamo) where a field is not a contiguous CPU tensor, or two
-        fields are one tensor (dynamo passes it once)."""
+    def _key(step: StepInputs) -> tuple[Any, ...] | None:
+        """What dynamo's guards check of a step, which the graph a direct call runs was chosen by: each field's
+        dtype, shape (the KV length too: one graph serves every length, but dynamo may have guarded a range of
+        them, so each length's first step goes through dynamo), grad and inference flags, and what the traced
+        code reads of the process (the few-row GEMM's switch, the kernel backend's); None (through dynamo) where
+        a field is not a contiguous plain CPU tensor or two fields are one tensor (dynamo passes it once)."""
         if len({id(t) for t in step}) != len(step):
             return None
-        key: list[Any] = [linear_cpu.enabled()]
+        key: list[Any] = [linear_cpu.enabled(), kernel_backend(_CPU)]
         for t in step:
-            if not isinstance(t, Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+            if type(t) is not Tensor or t.device.type != "cpu" or not t.is_contiguous():
                 return None
-            key.append((t.dtype, tuple(t.shape) if t is not dynamic else (t.shape[0], -1)))
+            key.append((t.dtype, t.shape, t.requires_grad, t.is_inference()))
         return tuple(key)
 
-    def _record(self, key: tuple[Any, ...], step: StepInputs, dynamic: Tensor,
-                seen: Seen, result: Any) -> None:  # noqa: ANN401
-        """Keep how to call the graph that just ran directly, where this call shows it (one graph ran, its inputs
-        all accounted for, its outputs dynamo's result)."""
+    def _direct(self, step: StepInputs, seen: Seen, result: Any) -> DirectCall | None:  # noqa: ANN401
+        """How to call the graph this step ran directly, where the call shows it: one graph ran; each of its inputs
+        is a field of the step, an int whose traced symbol is one of the step's sizes (so fixed by the key), or a
+        weight; its outputs are dynamo's result. None otherwise."""
         if len(seen) != 1:
-            return
+            return None
         graph, args, symbols, outs = seen[0]
         leaves, structure = pytree.tree_flatten(result)
         outputs = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor))
         if (len(outputs) != len(outs) or any(leaves[i] is not o for i, o in zip(outputs, outs, strict=True))
-                or any(not isinstance(leaf, Tensor | None) for leaf in leaves)):
-            return
+                or any(not isinstance(leaf, Tensor | None) for leaf in leaves) or len(symbols) != len(args)):
+            return None
         fields = list(step)
-        if len({id(t) for t in fields}) != len(fields):
-            return
-        dyn = next(i for i, t in enumerate(fields) if t is dynamic)
-        at_dyn = next((j for j, a in enumerate(args) if a is dynamic), None)
-        if len(symbols) != len(args) or at_dyn is None:
-            return
-        dyn_symbols = symbols[at_dyn]
-        assert isinstance(dyn_symbols, tuple)
-        width = dyn_symbols[1]  # the dynamic length's symbol (a number where the graph was specialised to it)
-        # the symbols of the step's other sizes: the key (the step's shapes) fixes them
-        fixed_sizes = {d for j, a in enumerate(args) if any(a is t for t in fields) for d in symbols[j] or ()} - {width}
+        at = [next((i for i, t in enumerate(fields) if t is a), -1) for a in args]
+        sizes = {d for j, i in enumerate(at) if i >= 0 and isinstance(symbols[j], tuple) for d in symbols[j]}
         sources: list[Source] = []
-        sized = False
-        for a, sym in zip(args, symbols, strict=True):
-            if isinstance(a, Tensor):
-                at = next((i for i, t in enumerate(fields) if t is a), None)
-                if at is not None:
-                    sources.append(Source(field=at))
-                elif id(a) in self._weights:
-                    sources.append(Source(fixed=self._weights[id(a)]))
-                else:
-                    return
-            elif isinstance(a, int) and sym == width:
-                sources.append(Source(field=dyn, dim=1))
-                sized = True
-            elif isinstance(a, int) and sym in fixed_sizes:
+        for a, i, sym in zip(args, at, symbols, strict=True):
+            if i >= 0:
+                sources.append(Source(field=i))
+            elif isinstance(a, Tensor) and id(a) in self._weights:
+                sources.append(Source(fixed=self._weights[id(a)]))
+            elif isinstance(a, int) and isinstance(sym, str) and sym in sizes:
                 sources.append(Source(fixed=a))
-            else:  # an int of another source (an attribute dynamo made symbolic): not known here
-                return
-        # a graph without the length as an input was specialised to this length: only for it
-        self._calls[key if sized else (*key, dynamic.shape[1])] = DirectCall(graph, tuple(sources), structure,
-                                                                                 outputs)
+            else:  # another tensor, or an int of another source (an attribute dynamo made symbolic)
+                return None
+        return DirectCall(graph, tuple(sources), structure, outputs, GlobalStateGuard())

@@ -50,6 +50,9 @@ def _graphs_over(model) -> tuple[PoolBuffer, HybridCache, DecodeGraphs]:  # noqa
 
 @pytest.fixture(scope="module")
 def setup():  # noqa: ANN201
+    # A fresh dynamo cache: after another cache's graphs of these step functions in this process, dynamo would
+    # take the cache key as an input, and such shared graphs are not called directly (`radixk3/step_graph.py`).
+    torch._dynamo.reset()
     model = build_model(preset("k3-tiny"), seed=11)
     buf, cache, graphs = _graphs_over(model)
     graphs.capture()
@@ -142,7 +145,10 @@ def test_each_models_graphs_use_their_own_weights(setup) -> None:  # noqa: ANN00
 def test_collected_steps_let_go_of_their_cache() -> None:
     """The graphs' ops reach the cache by key (a table here and the C++ ops' registry): once the steps are
     collected their cache goes too, so each engine a process builds does not keep its pools for good."""
+    torch._dynamo.reset()  # (see `setup`)
     buf, cache, graphs = _graphs_over(build_model(preset("k3-tiny"), seed=11))
+    graphs.capture()  # each bucket's second scratch step is a direct call: what it holds must not keep the cache
+    assert sum(g.direct_calls for g in graphs.step_graphs) > 0
     key, pool = graphs.key, weakref.ref(cache.recurrent[0])
     assert key in decode_graph._CACHES
     del graphs, cache, buf

@@ -37,8 +37,8 @@ def _eager_then_compiled(monkeypatch: pytest.MonkeyPatch, model: KimiForCausalLM
                          algorithm: str, rows: int) -> dict[str, Run]:
     """The prompts through an eager engine ("0") and a compiled one ("1"), k = 3, up to `rows` requests at once
     (buckets 1, 2, 4, ... up to `rows`)."""
-    # A fresh dynamo cache: where an engine built earlier in this process compiled the same step functions, dynamo
-    # takes the cache key as a symbolic input, which a direct call cannot tell from the step (asserted below).
+    # A fresh dynamo cache: after another engine's graphs of these step functions in this process, dynamo takes the
+    # cache key as an input, and such shared graphs are not called directly (asserted below).
     torch._dynamo.reset()
     runs = {}
     for compiled in ("0", "1"):
