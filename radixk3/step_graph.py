@@ -10,10 +10,10 @@ directly, with inputs built from the step's fields and the weights it read (`Dir
 0.53 -> 0.43 ms; a batch-32 step within noise (interleaved runs, same tokens).
 
 What dynamo's guards check of a call is the direct call's key (`StepGraph._key`): each field's dtype, shape (the
-KV length included: the graph is compiled for any length, but dynamo may have guarded a range, so each length's
-first step goes through dynamo and records), grad and inference flags, the process state the traced code reads
-(the few-row GEMM's switch, the kernel backend) and the global state dynamo guards (`GlobalStateGuard`: grad
-mode, threads, default dtype). The model's modules are not guarded anyway (`decode_graph.compile_options`).
+KV length too, unless no guard of the graph names its symbol and its range is every size from 2, as dynamo leaves
+a dynamic size: then one recording serves every length), grad and inference flags, the process state the traced
+code reads (the few-row GEMM's switch, the kernel backend) and the global state dynamo guards (`GlobalStateGuard`:
+grad mode, threads, default dtype). The model's modules are not guarded anyway (`decode_graph.compile_options`).
 A graph is called directly only where its recording accounts for it: one graph ran; each of its inputs is a field
 of the step, an int whose traced symbol is one of the step's sizes, or a parameter or buffer of the model (the
 fixed objects the graph reads: a serving model's weights are written in place, never replaced); dynamo's result
@@ -35,6 +35,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 from torch._C._dynamo.guards import GlobalStateGuard
+from torch.utils._sympy.numbers import int_oo
 
 from kernels import linear_cpu
 from kernels.backend import kernel_backend
@@ -45,10 +46,11 @@ StepInputs = Sequence[Tensor]  # a step: a NamedTuple of tensors (`PaddedDecode`
 
 
 class Source(NamedTuple):
-    """Where one graph input comes from: the step's field `field`, or `fixed`: a weight, or a size that the
-    step's shapes (the graph's key) fix."""
+    """Where one graph input comes from: the step's field `field` (its size at `dim`: the KV length), or `fixed`:
+    a weight, or a size that the step's shapes (the graph's key) fix."""
 
     field: int = -1
+    dim: int = -1
     fixed: Tensor | int | None = None
 
 
@@ -63,7 +65,8 @@ class DirectCall(NamedTuple):
     state: GlobalStateGuard  # the global state dynamo guards (grad mode, threads, default dtype, ...) as recorded
 
     def __call__(self, step: StepInputs) -> Any:  # noqa: ANN401
-        args = [s.fixed if s.field < 0 else step[s.field] for s in self.sources]
+        args = [s.fixed if s.field < 0 else step[s.field] if s.dim < 0 else step[s.field].shape[s.dim]
+                for s in self.sources]
         leaves: list[Tensor | None] = [None] * self.structure.num_leaves
         for at, out in zip(self.outputs, self.graph(*args), strict=True):
             leaves[at] = out
@@ -73,7 +76,7 @@ class DirectCall(NamedTuple):
 # A graph input's symbolic sizes as dynamo traced it: a tensor's shape, an int's expression (None: neither)
 Symbols = tuple[str, ...] | str | None
 # What a recording call saw: each graph it ran, with its inputs, their symbols and its outputs
-Seen = list[tuple[Callable[..., Sequence[Tensor]], tuple[Any, ...], list[Symbols], Sequence[Tensor]]]
+Seen = list[tuple[Callable[..., Sequence[Tensor]], tuple[Any, ...], list[Symbols], frozenset[str], Sequence[Tensor]]]
 
 
 class _Recording(threading.local):
@@ -98,17 +101,31 @@ def _recording_backend(options: tuple[tuple[str, Any], ...]) -> Callable[..., An
 
         symbols = [_symbols(n.meta.get("example_value")) for n in gm.graph.nodes if n.op == "placeholder"]
         graph = compile_fx(gm, example_inputs, config_patches=dict(options))
+        free = _unguarded_symbols()
 
         def run(*args: Any) -> Sequence[Tensor]:  # noqa: ANN401  (dynamo calls a backend's graph unboxed)
             outs = graph(*args)
             seen = _RECORDING.seen
             if seen is not None:
-                seen.append((graph, args, symbols, outs))
+                seen.append((graph, args, symbols, free, outs))
             return outs
 
         return run
 
     return backend
+
+
+def _unguarded_symbols() -> frozenset[str]:
+    """The symbols of the graph being compiled that no guard of its mentions and whose range is every size from 2
+    up (dynamo's default for a dynamic size): a graph valid at one value of such a symbol is valid at all of them.
+    Read after inductor compiled it, as its guards are complete then."""
+    ctx = torch._guards.TracingContext.try_get()
+    env = ctx.fake_mode.shape_env if ctx is not None and ctx.fake_mode is not None else None
+    if env is None:
+        return frozenset()
+    guarded = {str(x) for g in env.guards for x in g.expr.free_symbols}
+    return frozenset(str(x) for x, r in env.var_to_range.items()
+                     if str(x) not in guarded and r.lower <= 2 and r.upper == int_oo)
 
 
 def _symbols(value: Any) -> Symbols:  # noqa: ANN401
@@ -140,9 +157,9 @@ class StepGraph:
 
     def __call__(self, step: StepInputs, static: Tensor, dynamic: Tensor) -> Any:  # noqa: ANN401
         """fn(step), `static`'s first dimension static and `dynamic`'s second dynamic (both fields of `step`)."""
-        key = self._key(step) if self.direct else None
+        key = self._key(step, dynamic) if self.direct else None
         if key is not None:
-            call = self._calls.get(key)
+            call = self._calls.get(key) or self._calls.get((*key, dynamic.shape[1]))
             if call is not None and call.state.check():
                 self.direct_calls += 1
                 return call(step)
@@ -156,34 +173,37 @@ class StepGraph:
             result = self._compiled(step)
         finally:
             _RECORDING.seen = before
-        call = self._direct(step, seen, result)
-        if call is not None:
-            self._calls[key] = call
+        found = self._direct(step, dynamic, seen, result)
+        if found is not None:
+            call, any_length = found
+            self._calls[key if any_length else (*key, dynamic.shape[1])] = call
         return result
 
     @staticmethod
-    def _key(step: StepInputs) -> tuple[Any, ...] | None:
+    def _key(step: StepInputs, dynamic: Tensor) -> tuple[Any, ...] | None:
         """What dynamo's guards check of a step, which the graph a direct call runs was chosen by: each field's
-        dtype, shape (the KV length too: one graph serves every length, but dynamo may have guarded a range of
-        them, so each length's first step goes through dynamo), grad and inference flags, and what the traced
-        code reads of the process (the few-row GEMM's switch, the kernel backend's); None (through dynamo) where
-        a field is not a contiguous plain CPU tensor or two fields are one tensor (dynamo passes it once)."""
+        dtype, shape (but the KV length: see `_direct`), grad and inference flags, and what the traced code reads
+        of the process (the few-row GEMM's switch, the kernel backend's); None (through dynamo) where a field is
+        not a contiguous plain CPU tensor or two fields are one tensor (dynamo passes it once)."""
         if len({id(t) for t in step}) != len(step):
             return None
         key: list[Any] = [linear_cpu.enabled(), kernel_backend(_CPU)]
         for t in step:
             if type(t) is not Tensor or t.device.type != "cpu" or not t.is_contiguous():
                 return None
-            key.append((t.dtype, t.shape, t.requires_grad, t.is_inference()))
+            shape = tuple(t.shape) if t is not dynamic else (t.shape[0], -1, *t.shape[2:])
+            key.append((t.dtype, shape, t.requires_grad, t.is_inference()))
         return tuple(key)
 
-    def _direct(self, step: StepInputs, seen: Seen, result: Any) -> DirectCall | None:  # noqa: ANN401
+    def _direct(self, step: StepInputs, dynamic: Tensor, seen: Seen,
+                result: Any) -> tuple[DirectCall, bool] | None:  # noqa: ANN401
         """How to call the graph this step ran directly, where the call shows it: one graph ran; each of its inputs
-        is a field of the step, an int whose traced symbol is one of the step's sizes (so fixed by the key), or a
-        weight; its outputs are dynamo's result. None otherwise."""
+        is a field of the step, an int whose traced symbol is one of the step's sizes, or a weight; its outputs
+        are dynamo's result. With whether it serves every KV length: where the length's symbol is free (no guard
+        of the graph names it, its range every size from 2), else only this length. None otherwise."""
         if len(seen) != 1:
             return None
-        graph, args, symbols, outs = seen[0]
+        graph, args, symbols, free, outs = seen[0]
         leaves, structure = pytree.tree_flatten(result)
         outputs = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor))
         if (len(outputs) != len(outs) or any(leaves[i] is not o for i, o in zip(outputs, outs, strict=True))
@@ -191,6 +211,12 @@ class StepGraph:
             return None
         fields = list(step)
         at = [next((i for i, t in enumerate(fields) if t is a), -1) for a in args]
+        dyn = next((j for j, a in enumerate(args) if a is dynamic), None)
+        dyn_symbols = symbols[dyn] if dyn is not None else None
+        if not isinstance(dyn_symbols, tuple) or len(dyn_symbols) < 2:
+            return None
+        length = dyn_symbols[1]  # the KV length's symbol (a number where the graph was specialised to it)
+        any_length = length in free
         sizes = {d for j, i in enumerate(at) if i >= 0 and isinstance(symbols[j], tuple) for d in symbols[j]}
         sources: list[Source] = []
         for a, i, sym in zip(args, at, symbols, strict=True):
@@ -198,8 +224,10 @@ class StepGraph:
                 sources.append(Source(field=i))
             elif isinstance(a, Tensor) and id(a) in self._weights:
                 sources.append(Source(fixed=self._weights[id(a)]))
+            elif isinstance(a, int) and any_length and sym == length:
+                sources.append(Source(field=at[dyn], dim=1))
             elif isinstance(a, int) and isinstance(sym, str) and sym in sizes:
-                sources.append(Source(fixed=a))
+                sources.append(Source(fixed=a))  # a size the key fixes (the length too, where not free)
             else:  # another tensor, or an int of another source (an attribute dynamo made symbolic)
                 return None
-        return DirectCall(graph, tuple(sources), structure, outputs, GlobalStateGuard())
+        return DirectCall(graph, tuple(sources), structure, outputs, GlobalStateGuard()), any_length

@@ -32,7 +32,8 @@ class Toy(nn.Module):
         self.register_buffer("scale", torch.tensor(0.5))
 
     def forward(self, step: Step) -> Out:
-        x = self.emb[step.ids] + self.emb[step.rows].sum(1) * self.scale + step.pos[:, None]
+        # the length only through the last column and as a number, as the pool ops take a KV row table
+        x = self.emb[step.ids] + self.emb[step.rows[:, -1]] * self.scale + step.pos[:, None] + step.rows.shape[1]
         return Out(self.proj(x), None)
 
 
@@ -68,27 +69,27 @@ def _check(graph: StepGraph, model: nn.Module, step: Step) -> None:
 
 
 def test_direct_calls_equal_the_function_at_every_length() -> None:
-    """The first call of a shape (and KV length) records its graph; later calls of it call the graph directly, with
-    the weights as they are now (written in place) and the result's structure (a None kept); a call under other
-    global state (here the thread count) goes through dynamo."""
+    """The first call of a shape records its graph; later calls of it, at any KV length (no guard of the graph names
+    it), call the graph directly, with the weights as they are now (written in place) and the result's structure
+    (a None kept); a call under other global state (here the thread count) goes through dynamo."""
     torch._dynamo.reset()
     model = Toy()
     graph = _graph(model)
     with torch.inference_mode():
-        for i, s in enumerate((16, 32, 16, 32, 16)):
+        for i, s in enumerate((16, 32, 48, 16, 80)):  # the length unguarded: one graph, called directly from then on
             _check(graph, model, _step(3, s, i))
-        assert graph.direct_calls == 3
+        assert graph.direct_calls == 4
         model.proj.weight.mul_(2.0)  # a weight written in place: the direct call reads it
         _check(graph, model, _step(3, 32, 9))
-        assert graph.direct_calls == 4
+        assert graph.direct_calls == 5
         step = _step(5, 16, 10)  # another bucket: recorded on its first call
         graph(step, step.ids, step.rows)
-        assert graph.direct_calls == 4
+        assert graph.direct_calls == 5
         threads = torch.get_num_threads()  # global state dynamo guards (inductor's loops take the thread count)
         torch.set_num_threads(1 if threads > 1 else 2)
         try:
             _check(graph, model, _step(3, 32, 11))
-            assert graph.direct_calls == 4
+            assert graph.direct_calls == 5
         finally:
             torch.set_num_threads(threads)
 
@@ -124,6 +125,24 @@ def test_steps_it_cannot_prove_go_through_dynamo() -> None:
         torch.testing.assert_close(other(step, step.ids, step.rows).y, reads_stray(step).y, **CLOSE)
 
 
+class Summed(Toy):
+    """Reads every entry of the KV rows: inductor's reduction over the length guards a range of it (<= 4096)."""
+
+    def forward(self, step: Step) -> Out:
+        return Out(self.proj(self.emb[step.ids] + self.emb[step.rows].sum(1) * self.scale), None)
+
+
+def test_a_length_the_graph_guards_is_called_directly_only_where_dynamo_ran_it() -> None:
+    """Where a graph's guards name the KV length, a direct call serves only the lengths dynamo chose it for."""
+    torch._dynamo.reset()
+    model = Summed()
+    graph = _graph(model)
+    with torch.inference_mode():
+        for i, s in enumerate((16, 32, 16, 48, 32)):
+            _check(graph, model, _step(3, s, i))
+    assert graph.direct_calls == 2  # the second 16 and 32
+
+
 class Scaled:
     """A step function of an instance with an int attribute, as a `CapturedSteps` reads its cache key: every
     instance shares the function's code (and so dynamo's cache of it)."""
@@ -151,4 +170,4 @@ def test_an_int_that_dynamo_made_an_input_is_never_taken_for_the_length() -> Non
                 out = graph(step, step.ids, step.rows)
                 assert torch.equal(out.y, _through_dynamo(graph, step).y)
                 torch.testing.assert_close(out.y / k, model(step).y, **CLOSE)
-        assert graph.direct_calls == (1 if k == 16 else 0)  # the first instance's second step of length 32
+        assert graph.direct_calls == (3 if k == 16 else 0)  # the first instance's steps after its first
