@@ -6,8 +6,9 @@ code (with AOTAutograd's runtime wrapper) runs. A captured step's inputs never c
 tensors, so, as SGLang's CUDA-graph runner replays a graph, the graph dynamo runs for a step is recorded on that
 step's call (`_recording_backend`), and later steps that dynamo's guards would send to the same graph call it
 directly, with inputs built from the step's fields and the weights it read (`DirectCall`). k3-small's batch-1 step
-5.17 -> 4.93 ms (median graph call; 6.30 -> 6.01 ms a token in one process, windows of 8), the built-in model's
-0.53 -> 0.43 ms; a batch-32 step within noise (interleaved runs, same tokens).
+5.17 -> 4.93 and 5.02 -> 4.72 ms (median graph call, two runs; 6.30 -> 6.01 and 6.03 -> 5.71 ms a token in one
+process, windows of 8), the built-in model's 0.53 -> 0.43 ms; a batch-32 step within noise (interleaved runs, same
+tokens).
 
 What dynamo's guards check of a call is the direct call's key (`StepGraph._key`): each field's dtype, shape (the
 KV length too, unless no guard of the graph names its symbol and its range is every size from 2, as dynamo leaves
