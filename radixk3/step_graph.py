@@ -76,7 +76,7 @@ class DirectCall(NamedTuple):
 
 # A graph input's symbolic sizes as dynamo traced it: a tensor's shape, an int's expression (None: neither)
 Symbols = tuple[str, ...] | str | None
-# What a recording call saw: each graph it ran, with its inputs, their symbols and its outputs
+# What a recording call saw: each graph it ran, with its inputs, their symbols, the symbols no guard names, its outputs
 Seen = list[tuple[Callable[..., Sequence[Tensor]], tuple[Any, ...], list[Symbols], frozenset[str], Sequence[Tensor]]]
 
 
